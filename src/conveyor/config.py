@@ -1,0 +1,286 @@
+"""Frozen engine configuration.
+
+``EngineArgs`` is the flat, user-facing bag of options (CLI flags, ``LLM(...)``
+keywords). ``EngineArgs.resolve_model()`` reads the checkpoint's config.json;
+the engine then derives what depends on the hardware (KV pool size, the
+max model length it caps) once, with ``dataclasses.replace``, never by patching
+a built config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.core.policies import PolicyConfig
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str  # folder with config.json (and weights unless load_format is dummy)
+    architecture: str
+    hf_config: dict[str, Any] = field(repr=False, hash=False, compare=False)
+    dtype: str  # resolved: float32 | bfloat16 | float16
+    load_format: str  # auto | safetensors | dummy
+    seed: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer: str | None  # folder with tokenizer files; None: token ids only
+    served_model_name: str
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        itemsize = 4 if self.dtype == "float32" else 2
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes; None: a share of free memory
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    batching: str = "continuous"  # continuous | static
+    scheduling_policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+    max_queue_len: int | None = None  # admission control: reject beyond this many waiting
+    max_queue_wait_s: float | None = None
+    queue_wait_action: str = "admit"  # admit | reject
+    max_preemptions_per_request: int | None = None
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+    def __post_init__(self) -> None:
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.queue_wait_action not in ("admit", "reject"):
+            raise ValueError(
+                f"queue_wait_action must be 'admit' or 'reject', got {self.queue_wait_action!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str
+    num_threads: int | None = None
+
+
+@dataclass
+class EngineArgs:
+    model: str = "tiny"
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    device: str = "auto"
+    num_threads: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    batching: str = "continuous"
+    scheduling_policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+    max_queue_len: int | None = None
+    max_queue_wait_s: float | None = None
+    queue_wait_action: str = "admit"
+    max_preemptions_per_request: int | None = None
+    sjf_aging_s: float = 0.0
+    fair_input_weight: float = 1.0
+    fair_output_weight: float = 2.0
+    tenant_weights: dict[str, float] | None = None
+    default_slo_ttft_ms: float | None = None
+    default_slo_tpot_ms: float | None = None
+
+    # ---- CLI -----------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default="tiny",
+                       help="Hugging Face checkpoint folder, or a built-in shape name with "
+                            "--load-format dummy (tiny, smollm2-135m, llama3-8b, qwen3-0.6b)")
+        g.add_argument("--tokenizer", default=None)
+        g.add_argument("--dtype", default="auto", choices=DTYPES)
+        g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+        g.add_argument("--num-threads", type=int, default=None,
+                       help="torch intra-op threads (default: all cores)")
+        g.add_argument("--block-size", type=int, default=16)
+        g.add_argument("--num-kv-blocks", type=int, default=None)
+        g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
+                       help="KV pool size in bytes (suffixes K, M, G accepted)")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=True)
+        g.add_argument("--max-num-seqs", type=int, default=32)
+        g.add_argument("--max-num-batched-tokens", type=int, default=512)
+        g.add_argument("--batching", default="continuous", choices=("continuous", "static"))
+        g.add_argument("--scheduling-policy", default="fcfs")
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=True)
+        g.add_argument("--max-queue-len", type=int, default=None)
+        g.add_argument("--max-queue-wait-s", type=float, default=None)
+        g.add_argument("--queue-wait-action", default="admit", choices=("admit", "reject"))
+        g.add_argument("--max-preemptions-per-request", type=int, default=None)
+        g.add_argument("--sjf-aging-s", type=float, default=0.0)
+        g.add_argument("--fair-input-weight", type=float, default=1.0)
+        g.add_argument("--fair-output-weight", type=float, default=2.0)
+        g.add_argument("--tenant-weights", type=_parse_weights, default=None,
+                       help="per-tenant weights for the fair policy, e.g. a=2,b=1")
+        g.add_argument("--default-slo-ttft-ms", type=float, default=None)
+        g.add_argument("--default-slo-tpot-ms", type=float, default=None)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    # ---- resolution ----------------------------------------------------------------------
+    def scheduler_config(self) -> SchedulerConfig:
+        ms = 1e-3
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            batching=self.batching,
+            scheduling_policy=self.scheduling_policy,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_queue_len=self.max_queue_len,
+            max_queue_wait_s=self.max_queue_wait_s,
+            queue_wait_action=self.queue_wait_action,
+            max_preemptions_per_request=self.max_preemptions_per_request,
+            policy=PolicyConfig(
+                sjf_aging_s=self.sjf_aging_s,
+                fair_input_weight=self.fair_input_weight,
+                fair_output_weight=self.fair_output_weight,
+                tenant_weights=tuple(sorted((self.tenant_weights or {}).items())),
+                default_slo_ttft_s=(self.default_slo_ttft_ms * ms
+                                    if self.default_slo_ttft_ms is not None else None),
+                default_slo_tpot_s=(self.default_slo_tpot_ms * ms
+                                    if self.default_slo_tpot_ms is not None else None),
+            ),
+        )
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                           kv_cache_memory=self.kv_cache_memory,
+                           enable_prefix_caching=self.enable_prefix_caching)
+
+    def resolve_model(self) -> ModelConfig:
+        from conveyor.model.presets import PRESETS, resolve_model_path
+
+        path = resolve_model_path(self.model, self.load_format)
+        is_preset = self.model in PRESETS and not os.path.isdir(self.model)
+        return load_model_config(path, dtype=self.dtype,
+                                 load_format="dummy" if is_preset else self.load_format,
+                                 seed=self.seed, max_model_len=self.max_model_len,
+                                 tokenizer=self.tokenizer,
+                                 served_model_name=self.served_model_name or self.model)
+
+
+def load_model_config(path: str, *, dtype: str = "auto", load_format: str = "auto",
+                      seed: int = 0, max_model_len: int | None = None,
+                      tokenizer: str | None = None,
+                      served_model_name: str | None = None) -> ModelConfig:
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ValueError(f"no config.json in {path!r}: --model must be a Hugging Face "
+                         "checkpoint folder or a built-in shape name")
+    with open(cfg_file) as f:
+        hf = json.load(f)
+    archs = hf.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"unsupported architecture {archs}; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"load_format must be auto, safetensors or dummy, got {load_format!r}")
+    if dtype == "auto":
+        # The checkpoint's dtype, except float16 on CPU-only builds is slow: bf16 there.
+        dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+        if dtype not in DTYPES:
+            dtype = "float32"
+    num_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+    max_pos = int(hf.get("max_position_embeddings", 2048))
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    gen_cfg = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_cfg):
+        with open(gen_cfg) as f:
+            g_eos = json.load(f).get("eos_token_id")
+        if g_eos is not None:
+            extra = g_eos if isinstance(g_eos, list) else [g_eos]
+            eos_ids = tuple(dict.fromkeys([*eos_ids, *extra]))
+    if max_model_len is not None and max_model_len > max_pos:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                         f"max_position_embeddings {max_pos}")
+    tok = tokenizer or (path if _has_tokenizer(path) else None)
+    return ModelConfig(
+        path=path, architecture=arch, hf_config=hf, dtype=dtype, load_format=load_format,
+        seed=seed, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads, head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"], max_position_embeddings=max_pos,
+        max_model_len=max_model_len or max_pos, eos_token_ids=eos_ids, tokenizer=tok,
+        served_model_name=served_model_name or path,
+    )
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f))
+               for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
+def _parse_bytes(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in "KMGT" else text
+    return int(float(number) * mult)
+
+
+def _parse_weights(text: str) -> dict[str, float]:
+    out = {}
+    for part in filter(None, text.split(",")):
+        name, _, weight = part.partition("=")
+        out[name.strip()] = float(weight)
+    return out

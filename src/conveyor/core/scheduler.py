@@ -1,0 +1,355 @@
+"""Iteration-level scheduler: forms a new batch every step under a token budget.
+
+One step:
+
+    out = scheduler.schedule(now)          # which requests compute how many tokens
+    run = runner.execute(out)              # (elsewhere) forward + sample
+    upd = scheduler.update(out, run, now)  # append tokens, stop checks, free blocks
+
+Running requests are served first (a decode token each, or their next prefill
+chunk), then waiting ones in the policy's order. When the KV pool runs dry a
+running request is preempted by recompute: its blocks are freed and it rejoins
+the waiting queue with ``num_computed_tokens = 0``.
+
+In ``static`` batching mode waiting requests are only admitted when nothing is
+running: the classic baseline that holds a batch until its longest member ends.
+
+The scheduler never imports torch and never reads a clock: ``now`` comes in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.config import SchedulerConfig
+from conveyor.core.kv_cache_manager import KVCacheManager
+from conveyor.core.policies import SchedulingPolicy, make_policy
+from conveyor.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from conveyor.request import Request, RequestStatus
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request, for the engine's output processing."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[int], list[float], int, float]] | None = None
+    status: RequestStatus = RequestStatus.RUNNING
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status.is_finished
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_rejected: int = 0
+    peak_running: int = 0
+    peak_waiting: int = 0
+    total_scheduled_tokens: int = 0
+    # batch size of every step that ran (for slot-waste and cost analysis)
+    step_batch_sizes: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 policy: SchedulingPolicy | None = None) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.policy = policy or make_policy(config.scheduling_policy, config.policy)
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._admit_seq = 0
+        # Requests the runner holds state for; others are sent whole when next scheduled.
+        self._runner_known: set[str] = set()
+        # Ids the runner must forget at the next step (finished, aborted, preempted).
+        self._dropped_ids: set[str] = set()
+        self._dropped_preempted: set[str] = set()
+        # Finished by the scheduler outside update() (queue-wait rejection, aborts): reported
+        # by the next update() so the engine learns about them.
+        self._pending_updates: list[RequestUpdate] = []
+        # Waiting requests past max_queue_wait_s, admitted before the policy's choice.
+        self._overdue: list[Request] = []
+        # Block ids of each request the runner has been told about.
+        self._blocks_sent: dict[str, int] = {}
+
+    # ---- request lifecycle ---------------------------------------------------------------
+    def add_request(self, request: Request, now: float) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.policy.add(request, now)
+        self.stats.peak_waiting = max(self.stats.peak_waiting, len(self.policy))
+
+    def queue_full(self) -> bool:
+        limit = self.config.max_queue_len
+        return limit is not None and len(self.policy) >= limit
+
+    def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
+        """Finish requests from outside the step (abort, stop string); unknown ids are ignored."""
+        assert status.is_finished
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.policy.pop(req)
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req.request_id)
+        self.requests.pop(req.request_id, None)
+        if req.request_id in self._runner_known:
+            self._runner_known.discard(req.request_id)
+            self._dropped_ids.add(req.request_id)
+        self._blocks_sent.pop(req.request_id, None)
+        self.policy.on_finished(req)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.policy)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- schedule ------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        preempted: list[Request] = []
+        admit_allowed = self.config.batching == "continuous" or not self.running
+
+        self._apply_queue_wait_limit(now)
+        budget = self._schedule_running(scheduled, preempted, budget)
+        if not preempted and admit_allowed:
+            self._schedule_waiting(scheduled, preempted, budget, now)
+        return self._build_output(scheduled, preempted, now)
+
+    def _schedule_running(self, scheduled: dict[str, int], preempted: list[Request],
+                          budget: int) -> int:
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_uncomputed_tokens, budget,
+                          self.max_model_len - req.num_computed_tokens)
+            if num_new <= 0:
+                continue  # static mode: admitted, waiting for its first chunk
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self._pick_victim(req)
+                budget += scheduled.pop(victim.request_id, 0)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            scheduled[req.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _pick_victim(self, requester: Request) -> Request:
+        victim = self.policy.select_victim(self._preemptible(requester), requester)
+        return victim if victim is not None else requester
+
+    def _preemptible(self, requester: Request) -> list[Request]:
+        """Running requests that may be chosen as victims (the preemption cap protects)."""
+        limit = self.config.max_preemptions_per_request
+        return [r for r in self.running
+                if limit is None or r.num_preemptions < limit or r is requester]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        if req.request_id in self._runner_known:
+            self._runner_known.discard(req.request_id)
+            self._dropped_preempted.add(req.request_id)
+        self._blocks_sent.pop(req.request_id, None)
+        self.policy.requeue(req, req.arrival_time)
+
+    def _schedule_waiting(self, scheduled: dict[str, int], preempted: list[Request],
+                          budget: int, now: float) -> None:
+        static = self.config.batching == "static"
+        while len(self.running) < self.config.max_num_seqs:
+            req = self._next_waiting(now)
+            if req is None:
+                return
+            if budget <= 0 and not static:
+                return
+            computed = self.kv.get_computed_blocks(req)
+            remaining = req.num_tokens - computed.num_tokens
+            num_new = min(remaining, max(budget, 0))
+            if num_new < remaining and not self.config.enable_chunked_prefill:
+                num_new = 0 if static else -1
+            if num_new < 0 or self.kv.allocate_slots(req, num_new, computed) is None:
+                victim = self.policy.victim_for_waiting(self._preemptible(req), req)
+                if victim is None or victim.request_id in scheduled:
+                    return
+                self._preempt(victim)
+                preempted.append(victim)
+                continue
+            self.policy.pop(req)
+            self._admit(req, computed.num_tokens)
+            if num_new > 0:
+                scheduled[req.request_id] = num_new
+                budget -= num_new
+
+    def _admit(self, req: Request, num_cached: int) -> None:
+        if req.num_cached_tokens < 0:  # first admission: record the prefix hit
+            req.num_cached_tokens = num_cached
+            self.kv.record_lookup(req.num_prompt_tokens, num_cached)
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        req.admitted_seq = self._admit_seq
+        self._admit_seq += 1
+        self.running.append(req)
+
+    def _next_waiting(self, now: float) -> Request | None:
+        """Overdue requests (past ``max_queue_wait_s``) first, oldest first; else the policy's."""
+        while self._overdue:
+            req = self._overdue[0]
+            if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) \
+                    and req.request_id in self.requests:
+                return req
+            self._overdue.pop(0)
+        return self.policy.peek(now)
+
+    def _apply_queue_wait_limit(self, now: float) -> None:
+        limit = self.config.max_queue_wait_s
+        if limit is None:
+            return
+        overdue = [r for r in self.policy.waiting()
+                   if now - r.arrival_time >= limit and not r.policy_state.get("overdue")]
+        overdue.sort(key=lambda r: r.arrival_time)
+        for req in overdue:
+            if self.config.queue_wait_action == "reject":
+                self.policy.pop(req)
+                self.stats.num_rejected += 1
+                self._finish(req, RequestStatus.FINISHED_REJECTED)
+                req.finished_time = now
+                self._pending_updates.append(
+                    RequestUpdate(req.request_id, [], status=RequestStatus.FINISHED_REJECTED))
+            else:
+                req.policy_state["overdue"] = True
+                self._overdue.append(req)
+
+    def _build_output(self, scheduled: dict[str, int], preempted: list[Request],
+                      now: float) -> SchedulerOutput:
+        out = SchedulerOutput(num_scheduled_tokens=scheduled,
+                              total_num_scheduled_tokens=sum(scheduled.values()),
+                              finished_req_ids=self._dropped_ids | self._dropped_preempted,
+                              preempted_req_ids={r.request_id for r in preempted})
+        self._dropped_ids = set()
+        self._dropped_preempted = set()
+        for rid, n in scheduled.items():
+            req = self.requests[rid]
+            block_ids = self.kv.block_ids(rid)
+            if rid in self._runner_known:
+                new_ids = block_ids[self._blocks_sent[rid]:]
+                out.cached_reqs.append(CachedRequestData(rid, new_ids, req.num_computed_tokens))
+            else:
+                self._runner_known.add(rid)
+                out.new_reqs.append(NewRequestData(
+                    rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
+                    block_ids, req.num_computed_tokens))
+            self._blocks_sent[rid] = len(block_ids)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self.policy.on_scheduled(req, n, now)
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:
+                out.sampling_req_ids.add(rid)
+        self.stats.num_steps += 1 if scheduled else 0
+        self.stats.total_scheduled_tokens += out.total_num_scheduled_tokens
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+        if scheduled:
+            self.stats.step_batch_sizes.append(len(scheduled))
+        return out
+
+    # ---- update --------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, run: ModelRunnerOutput,
+               now: float) -> list[RequestUpdate]:
+        updates = self._pending_updates
+        self._pending_updates = []
+        for rid in out.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            self.kv.cache_computed_blocks(req)
+            new_tokens = run.sampled_token_ids.get(rid)
+            if not new_tokens:
+                continue  # a prefill chunk that did not reach the end
+            accepted: list[int] = []
+            for token in new_tokens:
+                req.append_output_token(token)
+                accepted.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            self.policy.on_tokens_generated(req, len(accepted))
+            logprobs = run.logprobs.get(rid)
+            update = RequestUpdate(rid, accepted,
+                                   logprobs[:len(accepted)] if logprobs else None)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+                req.finished_time = now
+                update.status = status
+                update.stop_reason = req.stop_reason
+            updates.append(update)
+        return updates
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in sp.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    # ---- checking ------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        assert len(self.running) <= self.config.max_num_seqs
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING
+            assert self.requests.get(req.request_id) is req
+        for req in self.policy.waiting():
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert req.request_id not in self.kv.req_blocks, "a waiting request holds blocks"
+        assert len(self.running) + len(self.policy) == len(self.requests)
+        for rid in self.kv.req_blocks:
+            assert rid in self.requests, f"finished request {rid} still holds blocks"

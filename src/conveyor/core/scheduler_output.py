@@ -1,0 +1,67 @@
+"""What the scheduler hands the model runner each step, and what comes back.
+
+Plain data only (ints, lists, the request's SamplingParams): no tensors, so the
+scheduler stays testable without torch and the message can cross a process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for: sent whole, once per (re)admission."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption; they are recomputed like prompt tokens.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already knows: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # req_id -> tokens to compute this step; a request samples when this reaches its end.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests whose runner state can be dropped (finished, aborted or preempted since last step).
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Ids of requests that will sample a token this step (their chunk reaches the end).
+    sampling_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.num_scheduled_tokens)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens per request that reached the end of its tokens this step."""
+
+    # req_id -> sampled token ids (one today; room for speculative decoding's several).
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> per sampled token: (top token ids, their logprobs, rank of the sampled token,
+    # logprob of the sampled token); None unless the request asked for logprobs.
+    logprobs: dict[str, list[tuple[list[int], list[float], int, float]]] = field(
+        default_factory=dict)

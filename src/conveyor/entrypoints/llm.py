@@ -1,0 +1,99 @@
+"""The offline API, shaped like vLLM's ``LLM``."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from conveyor.config import EngineArgs
+from conveyor.engine.llm_engine import LLMEngine, PromptType
+from conveyor.outputs import RequestOutput
+from conveyor.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate for a batch of prompts with continuous batching.
+
+    >>> llm = LLM(model="path/to/hf_folder", dtype="float32")
+    >>> outs = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0))
+    """
+
+    def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
+        names = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown LLM option(s): {', '.join(unknown)}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.engine = LLMEngine(self.engine_args)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None, *,
+                 priority: Sequence[int] | None = None,
+                 tenant: Sequence[str] | None = None,
+                 slo_ttft_ms: Sequence[float | None] | None = None,
+                 slo_tpot_ms: Sequence[float | None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in input order.
+
+        Every prompt is validated before any work starts: a bad one raises ValueError
+        and nothing is queued.
+        """
+        if isinstance(prompts, str | dict) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt given bare
+        prompts = list(prompts)
+        n = len(prompts)
+        params_list = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
+        priorities = _per_prompt(priority, n, "priority", 0)
+        tenants = _per_prompt(tenant, n, "tenant", None)
+        ttfts = _per_prompt(slo_ttft_ms, n, "slo_ttft_ms", None)
+        tpots = _per_prompt(slo_tpot_ms, n, "slo_tpot_ms", None)
+        engine = self.engine
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            try:
+                engine.validate(engine.tokenize(prompt)[1], params)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [engine.add_request(p, sp, priority=pr, tenant=t, slo_ttft_ms=a, slo_tpot_ms=b)
+               for p, sp, pr, t, a, b in zip(prompts, params_list, priorities, tenants, ttfts,
+                                             tpots)]
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+        bar = None
+        if show and len(ids) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+        wanted = set(ids)
+        try:
+            while len(results) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+
+def _per_prompt(value: Any, n: int, name: str, default: Any = None) -> list[Any]:
+    if value is None:
+        return [default] * n
+    if isinstance(value, list | tuple):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n

@@ -1,0 +1,81 @@
+"""Attention over a paged KV cache for a flat, ragged batch.
+
+A step's tokens are packed with decode requests (one query token each) first and
+prefill chunks after:
+
+    tokens:  [d0 d1 d2 ... d(B-1) | p0 p0 p0 p0 | p1 p1 ...]
+             decode group          prefill segments, one per request
+
+The cache of one layer is ``[num_slots, num_kv_heads, head_dim]`` with
+``slot = block_id * block_size + offset``. New K/V are written at the step's slots
+first, then every query reads its whole context through its slots: the decode
+group in one padded ``scaled_dot_product_attention`` call, each prefill segment in
+its own call (a fresh prompt attends to its own K/V without touching the cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    start: int  # first token of the segment in the flat batch
+    length: int  # query tokens
+    # Slots of the whole context (cached prefix + this chunk), or None for a fresh prompt
+    # that attends to its own new K/V only.
+    ctx_slots: torch.Tensor | None = None
+    # [length, ctx_len] bool, True = attend; None means plain causal (fresh prompt).
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each token's K/V is written
+    num_decodes: int = 0
+    decode_slots: torch.Tensor | None = None  # [num_decodes, max_ctx] int64, padded
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_ctx] bool
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, Hq, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    gqa = q.shape[1] != k.shape[1]
+    nd = meta.num_decodes
+    if nd and not meta.prefills:
+        return _decode(q, k_cache, v_cache, meta, scale, gqa)
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale, gqa)
+    for seg in meta.prefills:
+        s, e = seg.start, seg.start + seg.length
+        qs = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, len, D]
+        if seg.ctx_slots is None:
+            ks, vs = k[s:e], v[s:e]  # [len, Hkv, D]
+        else:
+            ks, vs = k_cache[seg.ctx_slots], v_cache[seg.ctx_slots]  # [ctx, Hkv, D]
+        ks = ks.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+        vs = vs.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale,
+            enable_gqa=gqa)
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            meta: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
+    nd = meta.num_decodes
+    qd = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
+    kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, max_ctx, D]
+    vd = v_cache[meta.decode_slots].transpose(1, 2)
+    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
+                                       enable_gqa=gqa)
+    return o.squeeze(2)  # [B, Hq, D]

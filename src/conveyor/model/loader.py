@@ -1,0 +1,134 @@
+"""Build a model and fill its weights from safetensors files, or randomly (dummy)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import torch
+from safetensors import safe_open
+
+from conveyor.config import ModelConfig
+from conveyor.model.llama import LlamaForCausalLM, RotaryEmbedding
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Checkpoint tensors that are packed into one of ours: (our name, index within the pack).
+_PACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+
+
+def load_model(cfg: ModelConfig, device: torch.device) -> LlamaForCausalLM:
+    dtype = DTYPES[cfg.dtype]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    # The rope tables are buffers, not weights: rebuild them in float32 on the device
+    # (they are cast per use, as transformers does).
+    model.rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim,
+                                 cfg.max_position_embeddings).to(device)
+    if cfg.load_format == "dummy":
+        _init_dummy(model, cfg.seed)
+    else:
+        _load_safetensors(model, cfg.path)
+    return model.eval().requires_grad_(False)
+
+
+def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights of the right shape; norms at 1 so activations stay well scaled."""
+    gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        elif name.endswith("bias"):
+            param.data.zero_()
+        else:
+            param.data.normal_(0.0, 0.02, generator=gen)
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, n) for n in names]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path!r} (use load_format='dummy' "
+                         "for random weights)")
+    return files
+
+
+def _load_safetensors(model: LlamaForCausalLM, path: str) -> None:
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    for file in _weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                target = _target(model, name)
+                if target is None:
+                    continue
+                our_name, shard = target
+                param = params[our_name]
+                tensor = f.get_tensor(name)
+                _copy_shard(model, our_name, shard, param, tensor)
+                filled.add(f"{our_name}#{shard}")
+    expected = set()
+    for name in params:
+        parts = _num_shards(name)
+        expected.update(f"{name}#{i}" for i in range(parts)) if parts else expected.add(
+            f"{name}#None")
+    missing = sorted(expected - filled)
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks weights: {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}")
+
+
+def _num_shards(name: str) -> int:
+    if ".qkv_proj." in name:
+        return 3
+    if ".gate_up_proj." in name:
+        return 2
+    return 0
+
+
+def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None] | None:
+    if name.startswith("model.layers."):
+        m = _LAYER.match(name)
+        if m and m.group(3) in _PACKED:
+            layer, block, proj, kind = m.groups()
+            packed, idx = _PACKED[proj]
+            return f"layers.{layer}.{block}.{packed}.{kind}", idx
+        return name.removeprefix("model."), None
+    if name in ("model.embed_tokens.weight", "model.norm.weight"):
+        return name.removeprefix("model."), None
+    if name == "lm_head.weight":
+        return (None if model.tie_word_embeddings else ("lm_head.weight", None))
+    return None  # rotary inv_freq buffers and other non-weights
+
+
+def _copy_shard(model: LlamaForCausalLM, our_name: str, shard: int | None,
+                param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
+    if shard is None:
+        if param.shape != tensor.shape:
+            raise ValueError(f"{our_name}: checkpoint shape {tuple(tensor.shape)} != "
+                             f"model shape {tuple(param.shape)}")
+        param.data.copy_(tensor)
+        return
+    if ".qkv_proj." in our_name:
+        attn = model.layers[0].self_attn
+        sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+    else:
+        inter = model.layers[0].mlp.intermediate
+        sizes = [inter, inter]
+    start = sum(sizes[:shard])
+    dst = param.data.narrow(0, start, sizes[shard])
+    if dst.shape != tensor.shape:
+        raise ValueError(f"{our_name}[{shard}]: checkpoint shape {tuple(tensor.shape)} != "
+                         f"{tuple(dst.shape)}")
+    dst.copy_(tensor)

@@ -1,0 +1,103 @@
+"""The scheduler's view of a request: token ids and counters, no text, no tensors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from conveyor.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Finished states come last so that ``is_finished`` is one comparison.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_REJECTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's ``finish_reason`` for a finished status, else None."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_REJECTED: "abort",
+}
+
+
+@dataclass
+class Request:
+    """One sequence to generate.
+
+    There are no prefill and decode phases: a request has ``num_tokens`` tokens
+    (prompt + output) of which ``num_computed_tokens`` have KV in the cache. A
+    prefill chunk, a prefix-cache hit, a decode step and a preemption are all
+    moves of ``num_computed_tokens``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    tenant: str = "default"
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    # The max_tokens cap after resolving None against max_model_len.
+    max_tokens: int = 16
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache the first time the request was scheduled.
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    # Times on the engine's clock (seconds); the scheduler never reads a clock itself.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    admitted_seq: int = -1  # order of admission into running, for the preemption victim
+    # Free-form slot for a policy's own bookkeeping (e.g. a deadline); never read elsewhere.
+    policy_state: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,201 @@
+"""Executes a ``SchedulerOutput``: builds the flat batch, runs the model, samples.
+
+The runner keeps its own copy of each scheduled request's tokens and block
+table, updated from the scheduler's diffs, and makes no scheduling decision.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from conveyor.config import CacheConfig, ModelConfig
+from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from conveyor.model.attention import AttentionMetadata, PrefillSegment
+from conveyor.model.loader import DTYPES, load_model
+from conveyor.runner.sampler import Sampler, SamplingRow
+from conveyor.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    token_ids: list[int]  # prompt + output
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """A sensible share of free memory for the KV pool."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.85)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(min(4 << 30, available * 0.25))
+
+
+def num_blocks_for(cache: CacheConfig, model: ModelConfig, device: torch.device) -> int:
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    memory = cache.kv_cache_memory or default_kv_cache_memory(device)
+    blocks = memory // (model.kv_bytes_per_token * cache.block_size)
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory {memory} bytes holds no block of "
+                         f"{cache.block_size} tokens for this model")
+    return int(blocks)
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig,
+                 device: torch.device) -> None:
+        self.cfg = model_cfg
+        self.cache_cfg = cache_cfg
+        self.device = device
+        self.block_size = cache_cfg.block_size
+        self.model = load_model(model_cfg, device)
+        self.num_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sampler = Sampler(model_cfg.vocab_size, device, seed=model_cfg.seed)
+        self.requests: dict[str, RequestState] = {}
+        self.sliding_window = self.model.sliding_window
+        # Tests set this to read each sampling request's float32 logits of the last step.
+        self.record_logits = False
+        self.last_logits: dict[str, torch.Tensor] = {}
+
+    def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Allocate the KV pool (sized from free memory unless given); returns its blocks."""
+        if num_blocks is None:
+            num_blocks = num_blocks_for(self.cache_cfg, self.cfg, self.device)
+        dtype = DTYPES[self.cfg.dtype]
+        shape = (num_blocks * self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device),
+             torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(self.cfg.num_layers)
+        ]
+        self.num_blocks = num_blocks
+        return num_blocks
+
+    # ---- state ---------------------------------------------------------------------------
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_req_ids:
+            self.requests.pop(rid, None)
+        for new in out.new_reqs:
+            self.requests[new.req_id] = RequestState(
+                new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
+                [*new.prompt_token_ids, *new.output_token_ids], new.sampling_params,
+                list(new.block_ids), new.num_computed_tokens)
+        for cached in out.cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ---- execution -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(out)
+        if out.is_empty:
+            return ModelRunnerOutput()
+        order = sorted(out.num_scheduled_tokens,
+                       key=lambda rid: out.num_scheduled_tokens[rid] != 1)  # decodes first
+        input_ids, positions, meta, logits_rows = self._prepare(order, out)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        result = ModelRunnerOutput()
+        for rid in order:
+            state = self.requests[rid]
+            state.num_computed_tokens += out.num_scheduled_tokens[rid]
+        if not logits_rows:
+            return result
+        idx = torch.tensor([row for row, _ in logits_rows], device=self.device)
+        logits = self.model.compute_logits(hidden[idx])  # [N, vocab]
+        states = [self.requests[rid] for _, rid in logits_rows]
+        if self.record_logits:
+            self.last_logits = {s.req_id: logits[i].float().cpu() for i, s in enumerate(states)}
+        sampled = self.sampler(logits, [SamplingRow(s.params, s.prompt_token_ids,
+                                                    s.output_token_ids) for s in states])
+        for state, token, lp in zip(states, sampled.token_ids, sampled.logprobs):
+            state.output_token_ids.append(token)
+            state.token_ids.append(token)
+            result.sampled_token_ids[state.req_id] = [token]
+            if lp is not None:
+                result.logprobs[state.req_id] = [lp]
+        return result
+
+    def _prepare(self, order: list[str], out: SchedulerOutput
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, str]]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos_chunks: list[np.ndarray] = []
+        slot_chunks: list[np.ndarray] = []
+        logits_rows: list[tuple[int, str]] = []
+        decode_tables: list[list[int]] = []
+        decode_ctx: list[int] = []
+        prefills: list[PrefillSegment] = []
+        cursor = 0
+        for rid in order:
+            state = self.requests[rid]
+            n = out.num_scheduled_tokens[rid]
+            start = state.num_computed_tokens
+            ctx = start + n
+            ids.extend(state.token_ids[start:ctx])
+            pos = np.arange(start, ctx, dtype=np.int64)
+            table = np.asarray(state.block_ids, dtype=np.int64)
+            pos_chunks.append(pos)
+            slot_chunks.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode_tables.append(state.block_ids)
+                decode_ctx.append(ctx)
+            else:
+                prefills.append(self._prefill_segment(cursor, n, start, table))
+            if ctx == len(state.token_ids):  # the chunk reaches the end: sample
+                logits_rows.append((cursor + n - 1, rid))
+            cursor += n
+        meta = AttentionMetadata(slot_mapping=self._to_device(np.concatenate(slot_chunks)),
+                                 num_decodes=len(decode_ctx), prefills=prefills)
+        if decode_ctx:
+            meta.decode_slots, meta.decode_mask = self._decode_layout(decode_tables, decode_ctx)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = self._to_device(np.concatenate(pos_chunks))
+        return input_ids, positions, meta, logits_rows
+
+    def _decode_layout(self, tables: list[list[int]], ctx_lens: list[int]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded context slots [B, max_ctx] and the mask of real (and in-window) ones."""
+        bs = self.block_size
+        max_ctx = max(ctx_lens)
+        max_blocks = -(-max_ctx // bs)
+        bt = np.zeros((len(tables), max_blocks), dtype=np.int64)
+        for i, t in enumerate(tables):
+            bt[i, :len(t[:max_blocks])] = t[:max_blocks]
+        cols = np.arange(max_ctx, dtype=np.int64)
+        slots = bt[:, cols // bs] * bs + cols % bs
+        lens = np.asarray(ctx_lens, dtype=np.int64)[:, None]
+        mask = cols[None, :] < lens
+        if self.sliding_window is not None:
+            mask &= cols[None, :] > lens - 1 - self.sliding_window
+        return (self._to_device(slots),
+                torch.from_numpy(mask).to(self.device).view(len(tables), 1, 1, max_ctx))
+
+    def _prefill_segment(self, cursor: int, n: int, start: int,
+                         table: np.ndarray) -> PrefillSegment:
+        ctx = start + n
+        window = self.sliding_window
+        if start == 0 and (window is None or n <= window):
+            return PrefillSegment(cursor, n)  # plain causal over its own new K/V
+        cols = np.arange(ctx, dtype=np.int64)
+        q_pos = np.arange(start, ctx, dtype=np.int64)[:, None]
+        mask = cols[None, :] <= q_pos
+        if window is not None:
+            mask &= cols[None, :] > q_pos - window
+        slots = table[cols // self.block_size] * self.block_size + cols % self.block_size
+        return PrefillSegment(cursor, n, self._to_device(slots),
+                              torch.from_numpy(mask).to(self.device))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)

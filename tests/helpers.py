@@ -1,0 +1,87 @@
+"""Factories shared by the tests: tiny checkpoints, engines, fake request streams."""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import tempfile
+
+import torch
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+_BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def hf_config(arch: str, **overrides):
+    import transformers as tf
+
+    cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
+           "qwen3": tf.Qwen3Config}[arch]
+    kw = dict(_BASE)
+    if arch == "llama":
+        kw["tie_word_embeddings"] = False
+        kw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64}
+    if arch == "mistral":
+        kw["sliding_window"] = 24  # short enough that the tests cross it
+    if arch == "qwen2":
+        kw["tie_word_embeddings"] = True
+    if arch == "qwen3":
+        kw["head_dim"] = 32
+        kw["tie_word_embeddings"] = True
+    kw.update(overrides)
+    return cls(**kw)
+
+
+@functools.cache
+def make_checkpoint(arch: str = "llama", seed: int = 0, **overrides) -> str:
+    """Write a tiny random HF checkpoint (safetensors + tokenizer); cached per session."""
+    import transformers as tf
+
+    from conveyor.model.presets import save_synthetic_tokenizer
+
+    cfg = hf_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Larger-than-default weights give peaked, tie-free logits (greedy is well defined).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+    path = tempfile.mkdtemp(prefix=f"conveyor-{arch}-")
+    model.save_pretrained(path, safe_serialization=True)
+    save_synthetic_tokenizer(path, cfg.vocab_size)
+    return path
+
+
+@functools.cache
+def hf_model(path: str):
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt (the reference)."""
+    model = hf_model(path)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=model.config.eos_token_id,
+                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt),
+                                                                       dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(n: int, vocab: int = 384, lo: int = 3, hi: int = 60,
+                   seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def cpu_threads() -> int:
+    return int(os.environ.get("CONVEYOR_TEST_THREADS", "1"))

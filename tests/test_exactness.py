@@ -1,0 +1,114 @@
+"""Greedy token ids equal transformers' for every request, whatever the batching."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+from helpers import ARCHS, hf_greedy, hf_model, make_checkpoint, random_prompts
+
+from conveyor import LLM, SamplingParams
+
+
+@functools.cache
+def reference(path: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    return hf_greedy(path, list(prompt), max_tokens)
+
+
+def mixed_batch(n: int = 10, seed: int = 0):
+    rng = random.Random(seed)
+    prompts = random_prompts(n, lo=2, hi=70, seed=seed)
+    params = [SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0) for _ in prompts]
+    return prompts, params
+
+
+def check_exact(path: str, outs, prompts, params) -> None:
+    for i, (out, prompt, sp) in enumerate(zip(outs, prompts, params)):
+        want = reference(path, tuple(prompt), sp.max_tokens)
+        got = out.outputs[0].token_ids
+        assert got == want, f"request {i} (prompt {len(prompt)} tokens): {got} != {want}"
+        assert out.prompt_token_ids == prompt
+
+
+CONFIGS = {
+    "default": dict(),
+    "chunked": dict(max_num_batched_tokens=13),  # forces multi-step prefill of most prompts
+    "preempt": dict(num_kv_blocks=9, block_size=8),  # 72 slots for 10 requests
+    "static": dict(batching="static", max_num_seqs=4),
+    "tiny_blocks": dict(block_size=1, num_kv_blocks=600, max_num_batched_tokens=37),
+    "no_prefix_cache": dict(enable_prefix_caching=False, max_num_seqs=3),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_matches_transformers(arch: str, config: str) -> None:
+    path = make_checkpoint(arch)
+    llm = LLM(path, dtype="float32", **CONFIGS[config])
+    prompts, params = mixed_batch()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    check_exact(path, outs, prompts, params)
+    stats = llm.stats()
+    if config == "preempt":
+        assert stats["num_preemptions"] > 0, "the tiny pool should have forced preemptions"
+    if config == "static":
+        assert stats["peak_running"] <= 4
+    assert stats["kv_blocks_in_use"] == 0, "every block must come back"
+
+
+def test_shared_prefixes_with_prefix_cache_match_transformers() -> None:
+    """Requests sharing prefixes of every alignment hit the cache and stay exact."""
+    path = make_checkpoint("llama")
+    rng = random.Random(7)
+    base = [rng.randrange(4, 384) for _ in range(40)]
+    # shorter than a block, exactly 2 blocks, 2 blocks + 3 (block_size 8)
+    prompts = [base[:5] + [9, 10], base[:16] + [11], base[:19] + [12, 13], base[:16],
+               base[:40], base[:40] + [14]]
+    params = [SamplingParams(max_tokens=6, temperature=0.0) for _ in prompts]
+    llm = LLM(path, dtype="float32", block_size=8, num_kv_blocks=64, max_num_seqs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    check_exact(path, outs, prompts, params)
+    assert llm.stats()["prefix_cache_hits"] > 0
+    # A second round is served largely from the cache and is still exact.
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    check_exact(path, outs, prompts, params)
+    assert outs[4].num_cached_tokens == 32  # 40 tokens: 5 full blocks, last token recomputed
+
+
+def test_logits_match_transformers_within_1e4() -> None:
+    """One prefill step and the following decode steps, in a mixed batch."""
+    path = make_checkpoint("qwen3")
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=20)
+    runner = llm.engine.runner
+    runner.record_logits = True
+    prompts = random_prompts(4, lo=5, hi=30, seed=3)
+    for i, p in enumerate(prompts):
+        llm.engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=5,
+                               temperature=0.0), request_id=str(i))
+    model = hf_model(path)
+    seen = 0
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        for rid, logits in runner.last_logits.items():
+            state = runner.requests[rid]
+            seq = state.token_ids[:-1]  # the sampled token was appended after the logits
+            with torch.no_grad():
+                want = model(torch.tensor([seq])).logits[0, -1]
+            torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
+            seen += 1
+    assert seen == 4 * 5
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_and_mostly_agrees(dtype: str) -> None:
+    """Half precision cannot be bit-exact; it must run and agree on the first tokens."""
+    path = make_checkpoint("llama")
+    llm = LLM(path, dtype=dtype)
+    prompts = random_prompts(4, seed=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=4, temperature=0.0))
+    agree = sum(o.outputs[0].token_ids[0] == reference(path, tuple(p), 4)[0]
+                for o, p in zip(outs, prompts))
+    assert agree >= 3
