@@ -50,7 +50,7 @@ class LLMEngine:
         cache_cfg = args.cache_config()
         self.runner = ModelRunner(model_cfg, cache_cfg, device)
         # The pool is sized after the weights are loaded, from what memory is left.
-        num_blocks = self.runner.allocate_kv_cache(cache_cfg.num_kv_blocks)
+        num_blocks = self.runner.allocate_kv_cache(cache_cfg.num_kv_blocks, args.max_num_seqs)
         # Derived values are computed once, into a new config (never patched in place).
         max_len = min(model_cfg.max_model_len, num_blocks * cache_cfg.block_size)
         model_cfg = dataclasses.replace(model_cfg, max_model_len=max_len)

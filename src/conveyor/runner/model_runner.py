@@ -40,14 +40,26 @@ def default_kv_cache_memory(device: torch.device) -> int:
     return int(min(4 << 30, available * 0.25))
 
 
-def num_blocks_for(cache: CacheConfig, model: ModelConfig, device: torch.device) -> int:
+def num_blocks_for(cache: CacheConfig, model: ModelConfig, device: torch.device,
+                   max_num_seqs: int) -> int:
+    """KV blocks from ``num_kv_blocks``, else ``kv_cache_memory``, else a default share.
+
+    The default on CPU is also capped at what ``max_num_seqs`` sequences of full
+    length can use, so a tiny model does not zero gigabytes it will never touch.
+    """
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    memory = cache.kv_cache_memory or default_kv_cache_memory(device)
-    blocks = memory // (model.kv_bytes_per_token * cache.block_size)
+    bytes_per_block = model.kv_bytes_per_token * cache.block_size
+    if cache.kv_cache_memory is not None:
+        blocks = cache.kv_cache_memory // bytes_per_block
+    else:
+        blocks = default_kv_cache_memory(device) // bytes_per_block
+        if device.type != "cuda":
+            useful = max_num_seqs * -(-model.max_model_len // cache.block_size)
+            blocks = min(blocks, useful)
     if blocks < 1:
-        raise ValueError(f"kv_cache_memory {memory} bytes holds no block of "
-                         f"{cache.block_size} tokens for this model")
+        raise ValueError(f"kv_cache_memory holds no block of {cache.block_size} tokens "
+                         "for this model")
     return int(blocks)
 
 
@@ -68,10 +80,10 @@ class ModelRunner:
         self.record_logits = False
         self.last_logits: dict[str, torch.Tensor] = {}
 
-    def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
+    def allocate_kv_cache(self, num_blocks: int | None = None, max_num_seqs: int = 1) -> int:
         """Allocate the KV pool (sized from free memory unless given); returns its blocks."""
         if num_blocks is None:
-            num_blocks = num_blocks_for(self.cache_cfg, self.cfg, self.device)
+            num_blocks = num_blocks_for(self.cache_cfg, self.cfg, self.device, max_num_seqs)
         dtype = DTYPES[self.cfg.dtype]
         shape = (num_blocks * self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.kv_caches = [

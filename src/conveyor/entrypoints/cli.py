@@ -1,0 +1,50 @@
+"""``conveyor`` command line: serve | generate | bench | sim | profile.
+
+Each subcommand lives in its own module and registers itself through
+``add_parser(subparsers)`` returning the function to run, so this file only
+dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module providing add_parser(subparsers) -> None (sets func default)
+SUBCOMMANDS = {
+    "generate": "conveyor.entrypoints.generate",
+    "serve": "conveyor.entrypoints.serve",
+    "bench": "conveyor.bench.cli",
+    "sim": "conveyor.sim.cli",
+    "profile": "conveyor.sim.profile_cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name and module_name.startswith(e.name):
+                continue  # not built yet
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    # `conveyor bench` with no arguments is the main job; other commands need a subcommand.
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
