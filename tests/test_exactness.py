@@ -7,9 +7,10 @@ import random
 
 import pytest
 import torch
-from helpers import ARCHS, hf_greedy, hf_model, make_checkpoint, random_prompts
 
 from conveyor import LLM, SamplingParams
+
+from helpers import ARCHS, hf_greedy, hf_model, make_checkpoint, random_prompts
 
 
 @functools.cache
