@@ -40,6 +40,7 @@ CONFIGS = {
     "static": dict(batching="static", max_num_seqs=4),
     "tiny_blocks": dict(block_size=1, num_kv_blocks=600, max_num_batched_tokens=37),
     "no_prefix_cache": dict(enable_prefix_caching=False, max_num_seqs=3),
+    "sdpa_attention": dict(attention_backend="sdpa", max_num_batched_tokens=40),
 }
 
 

@@ -48,7 +48,7 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         model_cfg = args.resolve_model()
         cache_cfg = args.cache_config()
-        self.runner = ModelRunner(model_cfg, cache_cfg, device)
+        self.runner = ModelRunner(model_cfg, cache_cfg, device, args.attention_backend)
         # The pool is sized after the weights are loaded, from what memory is left.
         num_blocks = self.runner.allocate_kv_cache(cache_cfg.num_kv_blocks, args.max_num_seqs)
         # Derived values are computed once, into a new config (never patched in place).

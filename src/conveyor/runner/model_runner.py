@@ -14,6 +14,7 @@ import torch
 
 from conveyor.config import CacheConfig, ModelConfig
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from conveyor.model import decode_attention
 from conveyor.model.attention import AttentionMetadata, PrefillSegment
 from conveyor.model.loader import DTYPES, load_model
 from conveyor.runner.sampler import Sampler, SamplingRow
@@ -65,7 +66,7 @@ def num_blocks_for(cache: CacheConfig, model: ModelConfig, device: torch.device,
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig,
-                 device: torch.device) -> None:
+                 device: torch.device, attention_backend: str = "auto") -> None:
         self.cfg = model_cfg
         self.cache_cfg = cache_cfg
         self.device = device
@@ -76,9 +77,24 @@ class ModelRunner:
         self.sampler = Sampler(model_cfg.vocab_size, device, seed=model_cfg.seed)
         self.requests: dict[str, RequestState] = {}
         self.sliding_window = self.model.sliding_window
+        self.decode_kernel = self._pick_decode_kernel(attention_backend)
         # Tests set this to read each sampling request's float32 logits of the last step.
         self.record_logits = False
         self.last_logits: dict[str, torch.Tensor] = {}
+
+    def _pick_decode_kernel(self, backend: str):
+        """``compiled`` (fused, CPU) or ``sdpa`` (gather + SDPA); ``auto``: compiled on CPU."""
+        if backend not in ("auto", "sdpa", "compiled"):
+            raise ValueError(f"attention_backend must be auto, sdpa or compiled, got {backend!r}")
+        if backend == "sdpa" or (backend == "auto" and self.device.type != "cpu"):
+            return None
+        cfg = self.cfg
+        if not decode_attention.warm_up(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                        DTYPES[cfg.dtype], self.device):
+            if backend == "compiled":
+                raise RuntimeError("attention_backend='compiled' failed to compile")
+            return None
+        return decode_attention.compiled_decode_attention()
 
     def allocate_kv_cache(self, num_blocks: int | None = None, max_num_seqs: int = 1) -> int:
         """Allocate the KV pool (sized from free memory unless given); returns its blocks."""
@@ -169,7 +185,8 @@ class ModelRunner:
                 logits_rows.append((cursor + n - 1, rid))
             cursor += n
         meta = AttentionMetadata(slot_mapping=self._to_device(np.concatenate(slot_chunks)),
-                                 num_decodes=len(decode_ctx), prefills=prefills)
+                                 num_decodes=len(decode_ctx), prefills=prefills,
+                                 decode_kernel=self.decode_kernel)
         if decode_ctx:
             meta.decode_slots, meta.decode_mask = self._decode_layout(decode_tables, decode_ctx)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -191,8 +208,7 @@ class ModelRunner:
         mask = cols[None, :] < lens
         if self.sliding_window is not None:
             mask &= cols[None, :] > lens - 1 - self.sliding_window
-        return (self._to_device(slots),
-                torch.from_numpy(mask).to(self.device).view(len(tables), 1, 1, max_ctx))
+        return self._to_device(slots), torch.from_numpy(mask).to(self.device)
 
     def _prefill_segment(self, cursor: int, n: int, start: int,
                          table: np.ndarray) -> PrefillSegment:
