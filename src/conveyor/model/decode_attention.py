@@ -42,27 +42,48 @@ _compiled = None
 
 
 def compiled_decode_attention():
-    """The inductor-compiled kernel (one compile per head layout and dtype, then cached)."""
+    """The inductor-compiled kernel, one graph for every batch size and context length.
+
+    Batch, context and pool sizes are marked unbacked, so the graph is never
+    specialized on them (no recompile for a batch of 1, a 1-token context or a
+    context past inductor's long-reduction threshold): one compile per head layout
+    and dtype, done at warm-up.
+    """
     global _compiled
     if _compiled is None:
         import torch._dynamo
 
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _compiled = torch.compile(decode_attention_reference, dynamic=True, fullgraph=True)
-    return _compiled
+    return _call_unbacked
+
+
+def _call_unbacked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    from torch._dynamo.decorators import mark_unbacked
+
+    for t in (q, k_cache, v_cache):
+        mark_unbacked(t, 0)
+    for t in (slots, mask):
+        mark_unbacked(t, 0)
+        mark_unbacked(t, 1)
+    return _compiled(q, k_cache, v_cache, slots, mask, scale)
 
 
 def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
             device: torch.device) -> bool:
-    """Compile for this model's head layout (batch 1 and >1 specialize); False if it fails."""
+    """Compile for this model's head layout and dtype; False if compiling fails."""
     fn = compiled_decode_attention()
     try:
-        for batch, length in ((1, 3), (3, 5)):
-            q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
-            cache = torch.randn(16, num_kv_heads, head_dim, dtype=dtype, device=device)
-            slots = torch.arange(length, device=device).repeat(batch, 1)
-            mask = torch.ones(batch, length, dtype=torch.bool, device=device)
-            fn(q, cache, cache, slots, mask, head_dim ** -0.5)
+        # Compiled guards check grad mode and tensor kinds: mimic the runner, whose KV
+        # cache is an ordinary tensor and whose per-step inputs come from inference mode.
+        k_cache, v_cache = (torch.randn(64, num_kv_heads, head_dim, dtype=dtype, device=device)
+                            for _ in range(2))
+        with torch.inference_mode():
+            q = torch.randn(3, num_heads, head_dim, dtype=dtype, device=device)
+            slots = torch.arange(33, device=device).repeat(3, 1)
+            mask = torch.ones(3, 33, dtype=torch.bool, device=device)
+            fn(q, k_cache, v_cache, slots, mask, head_dim ** -0.5)
     except Exception as e:  # no C++ compiler, unsupported platform, ...
         logger.warning("compiled decode attention unavailable (%s); using SDPA", e)
         return False

@@ -7,6 +7,7 @@ table, updated from the scheduler's diffs, and makes no scheduling decision.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,7 @@ from conveyor.model.attention import AttentionMetadata, PrefillSegment
 from conveyor.model.loader import DTYPES, load_model
 from conveyor.runner.sampler import Sampler, SamplingRow
 from conveyor.sampling_params import SamplingParams
+from conveyor.timings import PhaseTimings
 
 
 @dataclass
@@ -79,6 +81,7 @@ class ModelRunner:
         self.sliding_window = self.model.sliding_window
         self.decode_kernel = self._pick_decode_kernel(attention_backend)
         # Tests set this to read each sampling request's float32 logits of the last step.
+        self.timings = PhaseTimings()
         self.record_logits = False
         self.last_logits: dict[str, torch.Tensor] = {}
 
@@ -127,13 +130,18 @@ class ModelRunner:
     # ---- execution -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
         self._update_states(out)
         if out.is_empty:
             return ModelRunnerOutput()
         order = sorted(out.num_scheduled_tokens,
                        key=lambda rid: out.num_scheduled_tokens[rid] != 1)  # decodes first
         input_ids, positions, meta, logits_rows = self._prepare(order, out)
+        t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        t2 = time.perf_counter()
+        self.timings.add("prepare", t1 - t0)
+        self.timings.add("forward", t2 - t1)
         result = ModelRunnerOutput()
         for rid in order:
             state = self.requests[rid]
@@ -153,6 +161,7 @@ class ModelRunner:
             result.sampled_token_ids[state.req_id] = [token]
             if lp is not None:
                 result.logprobs[state.req_id] = [lp]
+        self.timings.add("logits+sample", time.perf_counter() - t2)
         return result
 
     def _prepare(self, order: list[str], out: SchedulerOutput
@@ -203,7 +212,7 @@ class ModelRunner:
         for i, t in enumerate(tables):
             bt[i, :len(t[:max_blocks])] = t[:max_blocks]
         cols = np.arange(max_ctx, dtype=np.int64)
-        slots = bt[:, cols // bs] * bs + cols % bs
+        slots = np.ascontiguousarray(bt[:, cols // bs] * bs + cols % bs)
         lens = np.asarray(ctx_lens, dtype=np.int64)[:, None]
         mask = cols[None, :] < lens
         if self.sliding_window is not None:
