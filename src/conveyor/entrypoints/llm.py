@@ -54,13 +54,16 @@ class LLM:
         ttfts = _per_prompt(slo_ttft_ms, n, "slo_ttft_ms", None)
         tpots = _per_prompt(slo_tpot_ms, n, "slo_tpot_ms", None)
         engine = self.engine
+        tokenized = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
-                engine.validate(engine.tokenize(prompt)[1], params)
+                text, token_ids = engine.tokenize(prompt)
+                engine.validate(token_ids, params)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
         ids = [engine.add_request(p, sp, priority=pr, tenant=t, slo_ttft_ms=a, slo_tpot_ms=b)
-               for p, sp, pr, t, a, b in zip(prompts, params_list, priorities, tenants, ttfts,
+               for p, sp, pr, t, a, b in zip(tokenized, params_list, priorities, tenants, ttfts,
                                              tpots)]
         return self._run(ids, use_tqdm)
 
