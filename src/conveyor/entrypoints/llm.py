@@ -57,6 +57,7 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
                 engine.validate(engine.tokenize(prompt)[1], params)
+                engine.validate_scheduling(priorities[i], tenants[i], ttfts[i], tpots[i])
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = [engine.add_request(p, sp, priority=pr, tenant=t, slo_ttft_ms=a, slo_tpot_ms=b)
