@@ -115,6 +115,9 @@ class Sim:
         self._weights = (input_weight, output_weight, tenant_weights or {})
         self._charged: set[str] = set()
         self.check = check
+        self.join_order: list[str] = []  # ids in the order they were added
+        # Called as after_schedule(sim, out, record) before the step runs.
+        self.after_schedule: Callable[[Sim, SchedulerOutput, StepRecord], None] | None = None
 
     def add(self, request: Request) -> None:
         self.pending.append(request)
@@ -132,7 +135,9 @@ class Sim:
                 return None
             self.now = max(self.now, self.pending[0].arrival_time)
         while self.pending and self.pending[0].arrival_time <= self.now:
-            sched.add_request(self.pending.pop(0), self.now)
+            req = self.pending.pop(0)
+            self.join_order.append(req.request_id)
+            sched.add_request(req, self.now)
         stats = sched.stats
         before = (stats.num_preemptions, stats.num_admission_preemptions)
         running_before = {r.request_id for r in sched.running}
@@ -154,6 +159,8 @@ class Sim:
                             [r.request_id for r in sched.running],
                             [r.request_id for r in sched.policy.waiting()], [], [],
                             running_pre, admission_pre)
+        if self.after_schedule is not None:
+            self.after_schedule(self, out, record)
         run = self.runner.execute(out)
         self.now += self.step_time(out) if not out.is_empty else 1.0
         record.end = self.now
