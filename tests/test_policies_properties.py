@@ -539,3 +539,47 @@ def test_lpm_uses_cached_prefixes_before_they_are_evicted() -> None:
     assert sum(hits["fcfs"]) < sum(hits["lpm"]), hits
     assert lpm.sched.policy.stats()["num_reordered"] > 0
     assert_exact_outputs(lpm)
+
+
+def test_fair_lifts_a_newcomer_so_it_cannot_starve_the_incumbent() -> None:
+    """f has been served alone for 40 steps when g floods in: g starts at f's counter, so
+    the two alternate at once instead of g taking everything until it catches up."""
+    sched = sched_for("fair", max_num_seqs=2, max_num_batched_tokens=32, num_blocks=64)
+    reqs = [make_req(f"f{i}", 6, 4, tenant="f") for i in range(60)]
+    reqs += [make_req(f"g{i}", 6, 4, tenant="g", arrival=40.0) for i in range(30)]
+    sim = Sim(sched, reqs)
+    sim.run()
+    assert worst_service_gap(sim, "f", "g") <= 2 * fair_bound(PolicyConfig(), "f", 6, 4, 2)
+    f_after = [sim.admission_step(f"f{i}") for i in range(60)
+               if sim.steps[sim.admission_step(f"f{i}")].start >= 40.0]
+    assert f_after and min(f_after) <= 40 + 2 * 4, "f keeps being served after g arrives"
+
+
+def test_lpm_bounds_how_often_a_cold_request_is_overtaken() -> None:
+    """A request with no cached prefix, then a stream of requests that hit the cache:
+    with a window of 2 the cold one goes after at most 2 of them."""
+    sched = sched_for("lpm", PolicyConfig(lpm_window=2), max_num_seqs=1,
+                      max_num_batched_tokens=64, num_blocks=64, block_size=4,
+                      enable_prefix_caching=True)
+    prefix = [(5 * k) % 89 + 5 for k in range(16)]
+    reqs = [make_req("warm", 16, 1, prompt=prefix), make_req("cold", 16, 2, arrival=1.0)]
+    reqs += [make_req(f"hot{t}", 20, 2, arrival=1.0 + t, prompt=prefix + [90 + t % 7] * 4)
+             for t in range(12)]
+    sim = Sim(sched, reqs)
+    sim.run()
+    hot_before = [r for r in sim.all if r.startswith("hot")
+                  and sim.admission_step(r) < sim.admission_step("cold")]
+    assert len(hot_before) == 2
+    assert sched.policy.stats()["num_forced"] == 1
+
+
+def test_a_preempted_request_past_the_wait_limit_is_promoted_not_rejected() -> None:
+    """r1 is preempted after it streamed tokens and then waits longer than the limit for
+    r0 to finish: it has output already, so it is promoted, never rejected."""
+    sched = sched_for("fcfs", max_num_seqs=2, max_num_batched_tokens=32, num_blocks=6,
+                      block_size=4, max_queue_wait_s=3.0, queue_wait_action="reject")
+    sim = Sim(sched, [make_req("r0", 4, 16), make_req("r1", 4, 16)])
+    sim.run()
+    assert sim.all["r1"].num_preemptions >= 1
+    assert sched.stats.num_wait_rejected == 0 and sched.stats.num_overdue >= 1
+    assert_exact_outputs(sim)
