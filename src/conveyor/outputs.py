@@ -35,6 +35,9 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list, repr=False)
     priority: int = 0
     tenant: str = "default"
+    # The request's targets (its own or the server's defaults), None when it has none.
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
     @property
     def queue_time(self) -> float | None:
@@ -61,6 +64,18 @@ class RequestMetrics:
                 or self.last_token_time is None:
             return None
         return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+    @property
+    def slo_attained(self) -> bool | None:
+        """Whether the request met its TTFT and TPOT targets (None: it has no target)."""
+        if self.slo_ttft_s is None and self.slo_tpot_s is None:
+            return None
+        if self.finish_reason == "abort" or self.first_token_time is None:
+            return False
+        if self.slo_ttft_s is not None and self.ttft > self.slo_ttft_s:
+            return False
+        tpot = self.tpot
+        return not (self.slo_tpot_s is not None and tpot is not None and tpot > self.slo_tpot_s)
 
     @property
     def itls(self) -> list[float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -114,6 +115,21 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
 
+    @staticmethod
+    def validate_scheduling(priority: int = 0, tenant: str | None = None,
+                            slo_ttft_ms: float | None = None,
+                            slo_tpot_ms: float | None = None) -> None:
+        """Check the per-request scheduling fields; raises ValueError naming the field."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
+        for name, value in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms)):
+            if value is not None and not (isinstance(value, int | float)
+                                          and not isinstance(value, bool)
+                                          and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     priority: int = 0, tenant: str | None = None,
@@ -123,7 +139,8 @@ class LLMEngine:
         params = params or SamplingParams()
         text, prompt_ids = self.tokenize(prompt)
         self.validate(prompt_ids, params)
-        if self.scheduler.queue_full():
+        self.validate_scheduling(priority, tenant, slo_ttft_ms, slo_tpot_ms)
+        if self.scheduler.queue_full(params.n):
             self.scheduler.stats.num_rejected += 1
             raise QueueFullError(f"the waiting queue is full "
                                  f"({self.config.scheduler.max_queue_len} requests)")
@@ -134,6 +151,13 @@ class LLMEngine:
         room = self.max_model_len - len(prompt_ids)
         max_tokens = min(params.max_tokens, room) if params.max_tokens is not None else room
         params = params.clone(eos_token_ids=self.eos_token_ids)
+        # The request carries its effective targets (its own, else the server's defaults),
+        # so that policies and metrics read one place.
+        policy_cfg = self.config.scheduler.policy
+        slo_ttft_s = slo_ttft_ms / 1e3 if slo_ttft_ms is not None \
+            else policy_cfg.default_slo_ttft_s
+        slo_tpot_s = slo_tpot_ms / 1e3 if slo_tpot_ms is not None \
+            else policy_cfg.default_slo_tpot_s
         children = []
         for k in range(params.n):
             child_params = params
@@ -143,8 +167,7 @@ class LLMEngine:
             children.append(Request(
                 child_id, prompt_ids, child_params, now, priority=priority,
                 tenant=tenant or "default", max_tokens=max_tokens,
-                slo_ttft_s=slo_ttft_ms / 1e3 if slo_ttft_ms is not None else None,
-                slo_tpot_s=slo_tpot_ms / 1e3 if slo_tpot_ms is not None else None))
+                slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s))
         self.output_processor.add(request_id, text, params, children, output_kind)
         for req in children:
             self.scheduler.add_request(req, now)
@@ -209,9 +232,13 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats
         return {
+            "scheduling_policy": self.scheduler.policy.name,
             "num_steps": s.num_steps,
             "num_preemptions": s.num_preemptions,
+            "num_admission_preemptions": s.num_admission_preemptions,
             "num_rejected": s.num_rejected,
+            "num_wait_rejected": s.num_wait_rejected,
+            "num_overdue": s.num_overdue,
             "peak_running": s.peak_running,
             "peak_waiting": s.peak_waiting,
             "num_running": self.scheduler.num_running,
@@ -230,4 +257,5 @@ class LLMEngine:
             "generation_tokens": self.num_generation_tokens,
             "scheduled_tokens": s.total_scheduled_tokens,
             "max_model_len": self.max_model_len,
+            "policy": self.scheduler.policy.stats(),
         }

@@ -71,7 +71,8 @@ class OutputProcessor:
                      if self.tokenizer is not None and params.detokenize else None)
             metrics = RequestMetrics(arrival_time=req.arrival_time,
                                      num_prompt_tokens=req.num_prompt_tokens,
-                                     priority=req.priority, tenant=req.tenant)
+                                     priority=req.priority, tenant=req.tenant,
+                                     slo_ttft_s=req.slo_ttft_s, slo_tpot_s=req.slo_tpot_s)
             child = _Child(i, req, detok, metrics,
                            logprobs=[] if params.logprobs is not None else None,
                            cumulative_logprob=0.0 if params.logprobs is not None else None)

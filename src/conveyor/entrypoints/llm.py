@@ -59,6 +59,7 @@ class LLM:
             try:
                 text, token_ids = engine.tokenize(prompt)
                 engine.validate(token_ids, params)
+                engine.validate_scheduling(priorities[i], tenants[i], ttfts[i], tpots[i])
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
