@@ -166,7 +166,7 @@ def test_timeout_aborts_the_request() -> None:
             stream = await engine.add_request("r", random_prompts(1)[0],
                                               greedy(300, ignore_eos=True), timeout_s=0.2)
             got = 0
-            with pytest.raises(RequestTimeoutError, match="0.2 s"):
+            with pytest.raises(RequestTimeoutError, match=r"0\.2 s"):
                 async for out in stream:
                     got += len(out.outputs[0].token_ids)
             assert got < 300
