@@ -15,7 +15,7 @@ import pytest
 from conveyor import LLM, SamplingParams
 
 from helpers import cpu_threads, make_checkpoint
-from server_helpers import ServerProcess, serve, wait_for
+from server_helpers import ATTENTION_BACKEND, ServerProcess, serve, wait_for
 
 MODEL = "tiny-llama"
 PROMPTS = ["ba be bi bo", "da de di do du fa", "ka ke", "la le li lo lu ma me mi mo"]
@@ -38,7 +38,7 @@ def server(checkpoint: str, request: pytest.FixtureRequest):
 @pytest.fixture(scope="module")
 def offline(checkpoint: str) -> LLM:
     return LLM(checkpoint, dtype="float32", num_threads=cpu_threads(), block_size=8,
-               num_kv_blocks=256)
+               num_kv_blocks=256, attention_backend=ATTENTION_BACKEND)
 
 
 @pytest.fixture(scope="module")
@@ -376,28 +376,32 @@ def test_non_streaming_disconnect_aborts(server: ServerProcess) -> None:
 
 def test_metrics_after_a_burst(server: ServerProcess, client: openai.OpenAI) -> None:
     before = server.metrics()
+    prompt = "ga ge gi go gu " * 4  # 20 tokens: the later requests hit 2 cached blocks
     lengths = [3, 5, 8, 2, 6]
     for n in lengths:
-        client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=n,
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
                                   extra_body={"ignore_eos": True})
     after = server.metrics()
 
     def delta(name: str) -> float:
         return after[name] - before.get(name, 0.0)
 
-    prompt_len = client.completions.create(model=MODEL, prompt=PROMPTS[0],
+    prompt_len = client.completions.create(model=MODEL, prompt=prompt,
                                            max_tokens=1).usage.prompt_tokens
     assert delta('conveyor:request_success_total{finished_reason="length"}') == 5
     assert delta("conveyor:generation_tokens_total") == sum(lengths)
     assert delta("conveyor:request_generation_tokens_sum") == sum(lengths)
     assert delta("conveyor:request_prompt_tokens_sum") == 5 * prompt_len
+    assert delta("conveyor:prompt_tokens_total") == 5 * prompt_len  # cache hits included
+    assert delta("conveyor:prefix_cache_queries_total") == 5 * prompt_len
+    assert delta("conveyor:prefix_cache_hits_total") == 4 * 16
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
                  "request_queue_time_seconds", "time_per_output_token_seconds"):
         assert delta(f"conveyor:{hist}_count") == 5, hist
     assert delta("conveyor:inter_token_latency_seconds_count") == sum(lengths) - 5
-    assert delta("conveyor:prefix_cache_queries_total") == 5 * prompt_len
-    for gauge in ("kv_cache_usage_perc", "num_requests_waiting", "kv_cache_cached_blocks",
-                  "kv_cache_evictable_blocks", "prefix_cache_hit_rate",
-                  "num_requests_rejected_total", "num_preemptions_total"):
-        assert f"conveyor:{gauge}" in after, gauge
+    for name in ("kv_cache_usage_perc", "num_requests_waiting", "kv_cache_cached_blocks",
+                 "kv_cache_evictable_blocks", "prefix_cache_hit_rate",
+                 "num_requests_rejected_total", "num_preemptions_total"):
+        assert f"conveyor:{name}" in after, name
     assert after["conveyor:kv_cache_total_blocks"] == 256
+    assert after["conveyor:kv_cache_evictable_blocks"] >= 2
