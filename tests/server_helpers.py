@@ -21,6 +21,9 @@ import conveyor
 from helpers import cpu_threads
 
 SRC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(conveyor.__file__)))
+# These tests are about serving, not attention kernels (test_exactness covers both backends):
+# SDPA needs no inductor compile, which costs tens of seconds per process on a CPU.
+ATTENTION_BACKEND = "sdpa"
 
 
 def free_port() -> int:
@@ -93,7 +96,7 @@ def serve(model: str, *args: str, api_key: str | None = None, wait: bool = True,
     fd, log_path = tempfile.mkstemp(prefix="conveyor-server-", suffix=".log")
     cmd = [sys.executable, "-m", "conveyor.serve", "--model", model, "--port", str(port),
            "--dtype", "float32", "--num-threads", str(cpu_threads()), "--log-level", "warning",
-           *args]
+           "--attention-backend", ATTENTION_BACKEND, *args]
     if api_key:
         cmd += ["--api-key", api_key]
     env = dict(os.environ)

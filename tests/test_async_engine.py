@@ -23,11 +23,12 @@ from conveyor.engine.llm_engine import LLMEngine
 from conveyor.outputs import RequestMetrics
 
 from helpers import cpu_threads, make_checkpoint, random_prompts
+from server_helpers import ATTENTION_BACKEND
 
 
 def engine_args(**overrides) -> EngineArgs:
     kw = dict(model=make_checkpoint("llama"), dtype="float32", num_threads=cpu_threads(),
-              num_kv_blocks=64, block_size=8)
+              num_kv_blocks=64, block_size=8, attention_backend=ATTENTION_BACKEND)
     kw.update(overrides)
     return EngineArgs(**kw)
 
@@ -71,7 +72,8 @@ async def collect(engine: AsyncEngine, rid: str, prompt, params, **kw) -> list[i
 def test_concurrent_streams_equal_offline_greedy() -> None:
     prompts = random_prompts(6, lo=3, hi=40, seed=1)
     lengths = [5, 9, 1, 14, 7, 11]
-    offline = LLM(engine_args().model, dtype="float32", num_threads=cpu_threads())
+    offline = LLM(engine_args().model, dtype="float32", num_threads=cpu_threads(),
+                  attention_backend=ATTENTION_BACKEND)
     want = [o.outputs[0].token_ids for o in offline.generate(
         [{"prompt_token_ids": p} for p in prompts], [greedy(n) for n in lengths])]
 

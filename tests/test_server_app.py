@@ -27,12 +27,14 @@ from conveyor.entrypoints.openai.chat_template import (
 from conveyor.entrypoints.openai.serving_common import ServerState
 
 from helpers import cpu_threads, make_checkpoint
+from server_helpers import ATTENTION_BACKEND
 
 
 @contextlib.asynccontextmanager
 async def app_client(**state_kw) -> AsyncIterator[tuple[httpx.AsyncClient, ServerState]]:
     args = EngineArgs(model=make_checkpoint("llama"), dtype="float32",
-                      num_threads=cpu_threads(), num_kv_blocks=64, block_size=8)
+                      num_threads=cpu_threads(), num_kv_blocks=64, block_size=8,
+                      attention_backend=ATTENTION_BACKEND)
     engine = AsyncEngine(LLMEngine(args))
     state = make_state(engine, **state_kw)
     app = build_app(state)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 # Most sequences one request may ask for (n times the number of prompts is not capped).
 MAX_N = 128
@@ -187,6 +187,11 @@ class ChatCompletionStreamChoice(_Response):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    @field_serializer("delta")
+    def _delta_without_nulls(self, delta: DeltaMessage) -> dict[str, Any]:
+        # OpenAI sends the role once, then content alone: {"content": "..."}.
+        return delta.model_dump(exclude_none=True)
 
 
 class ChatCompletionChunk(_Response):

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import RequestStream
 from conveyor.entrypoints.openai.chat_template import ChatTemplateError
-from conveyor.entrypoints.openai.errors import OpenAIError, from_engine_error, parse_body
+from conveyor.entrypoints.openai.errors import OpenAIError, parse_body
 from conveyor.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -44,6 +44,7 @@ from conveyor.entrypoints.openai.serving_common import (
     make_usage,
     merge_streams,
     random_id,
+    request_error,
     request_options,
     sse,
     sse_error,
@@ -78,7 +79,7 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as e:  # timeout, engine fault: this request's error, as an HTTP status
-        raise from_engine_error(e) from None
+        raise request_error(e) from None
     check_not_aborted(outputs)
     return JSONResponse(_response(req, request_id, created, state.model_name,
                                   outputs[0]).model_dump())
@@ -196,7 +197,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage=make_usage(prompt_tokens, sum(num_tokens), cached_tokens))
     except Exception as e:  # this request alone fails; the stream ends with an error event
-        yield sse_error(from_engine_error(e))
+        yield sse_error(request_error(e))
     finally:
         stream.close()  # also when the client went away before the first output
     yield DONE

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -33,6 +34,7 @@ from conveyor.outputs import Logprob, RequestOutput
 from conveyor.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger("conveyor.server")
 
 # OpenAI clients choke on -inf; vLLM reports impossible tokens with this floor too.
 _MIN_LOGPROB = -9999.0
@@ -118,7 +120,7 @@ async def add_streams(state: ServerState, prompts: list[PromptType], params: Sam
     except Exception as e:
         for stream in streams:
             stream.close()
-        err = from_engine_error(e)
+        err = request_error(e)
         if err.param == "prompt":
             err.param = prompt_param
         if err.status == 400 and len(prompts) > 1:
@@ -201,6 +203,14 @@ async def _wait_for_disconnect(raw_request: Request) -> None:
         message = await raw_request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def request_error(e: BaseException) -> OpenAIError:
+    """The HTTP error for what failed one request; unexpected ones are logged with traceback."""
+    err = from_engine_error(e)
+    if err.status >= 500 and not isinstance(e, OpenAIError):
+        logger.error("request failed: %s", err.message, exc_info=e)
+    return err
 
 
 def check_not_aborted(outputs: list[RequestOutput]) -> None:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import RequestStream
 from conveyor.engine.llm_engine import PromptType
-from conveyor.entrypoints.openai.errors import OpenAIError, from_engine_error, parse_body
+from conveyor.entrypoints.openai.errors import OpenAIError, parse_body
 from conveyor.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -40,6 +40,7 @@ from conveyor.entrypoints.openai.serving_common import (
     make_usage,
     merge_streams,
     random_id,
+    request_error,
     request_options,
     sse,
     sse_error,
@@ -68,7 +69,7 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as e:  # timeout, engine fault: this request's error, as an HTTP status
-        raise from_engine_error(e) from None
+        raise request_error(e) from None
     check_not_aborted(outputs)
     prompt_texts = await _echo_texts(state, req, outputs)
     return JSONResponse(_response(req, request_id, created, state.model_name, outputs,
@@ -194,7 +195,7 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, c
                                     choices=[], usage=usage)
             yield sse(chunk.model_dump_json())
     except Exception as e:  # this request alone fails; the stream ends with an error event
-        yield sse_error(from_engine_error(e))
+        yield sse_error(request_error(e))
     finally:
         for stream in streams:
             stream.close()  # also when the client went away before the first output
