@@ -86,13 +86,37 @@ def test_concurrent_streams_equal_offline_greedy() -> None:
     assert asyncio.run(main()) == want
 
 
-def test_delta_outputs_arrive_step_by_step() -> None:
+def slow_down(engine: AsyncEngine, seconds: float) -> None:
+    """Make every engine step take at least ``seconds`` (a slower model)."""
+    real_step = engine.engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return real_step()
+
+    engine.engine.step = slow_step
+
+
+def test_deltas_arrive_step_by_step_and_merge_for_a_slow_consumer() -> None:
+    prompt = random_prompts(1)[0]
+
     async def main() -> None:
         async with running() as engine:
-            outs = [o async for o in engine.generate(
-                "r", random_prompts(1)[0], greedy(6, ignore_eos=True))]
-            assert [len(o.outputs[0].token_ids) for o in outs] == [1] * 6
-            assert [o.finished for o in outs] == [False] * 5 + [True]
+            want = await collect(engine, "ref", prompt, greedy(12, ignore_eos=True))
+            slow_down(engine, 0.005)  # the consumer always waits for the engine
+            outs = [o async for o in engine.generate("r", prompt, greedy(12, ignore_eos=True))]
+            assert [len(o.outputs[0].token_ids) for o in outs] == [1] * 12
+            assert [o.finished for o in outs] == [False] * 11 + [True]
+
+            merged, text = [], ""
+            async for o in engine.generate("s", prompt, greedy(12, ignore_eos=True)):
+                merged.append(o)
+                text += o.outputs[0].text
+                await asyncio.sleep(0.03)  # the consumer lags several steps behind
+            tokens = [t for o in merged for t in o.outputs[0].token_ids]
+            assert tokens == want
+            assert len(merged) < 12 and merged[-1].finished
+            assert text == "".join(o.outputs[0].text for o in outs)
 
     asyncio.run(main())
 
@@ -157,13 +181,7 @@ def test_cancelled_consumer_aborts_its_request() -> None:
 def test_timeout_aborts_the_request() -> None:
     async def main() -> None:
         async with running() as engine:
-            real_step = engine.engine.step
-
-            def slow_step():  # a slow model, so that the timeout surely comes first
-                time.sleep(0.005)
-                return real_step()
-
-            engine.engine.step = slow_step
+            slow_down(engine, 0.005)  # a slow model, so that the timeout surely comes first
             free_at_start = await engine.call(lambda e: e.kv.num_free_blocks)
             stream = await engine.add_request("r", random_prompts(1)[0],
                                               greedy(300, ignore_eos=True), timeout_s=0.2)

@@ -227,3 +227,18 @@ def test_find_chat_template_sources() -> None:
         assert find_chat_template(d, "{{ override }}") == "{{ override }}"
         with pytest.raises(ValueError, match="neither a file nor a template"):
             find_chat_template(d, "no-such-file.jinja")
+
+
+def test_serve_command_line() -> None:
+    from conveyor.entrypoints.cli import build_parser
+    from conveyor.entrypoints.serve import run
+
+    args = build_parser().parse_args([
+        "serve", "--model", "tiny", "--port", "9000", "--api-key", "k", "--max-queue-len", "3",
+        "--request-timeout", "2.5", "--served-model-name", "x", "--max-num-seqs", "4",
+        "--scheduling-policy", "fcfs", "--batching", "static", "--kv-cache-memory", "64M"])
+    assert args.func is run
+    assert (args.port, args.api_key, args.request_timeout) == (9000, "k", 2.5)
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (engine_args.max_queue_len, engine_args.served_model_name, engine_args.max_num_seqs,
+            engine_args.batching, engine_args.kv_cache_memory) == (3, "x", 4, "static", 64 << 20)

@@ -117,8 +117,8 @@ def test_request_timeout_aborts_with_an_error(server: ServerProcess) -> None:
 def test_sigterm_drains_requests_in_flight(server: ServerProcess) -> None:
     """Runs last: the server stops here."""
     wait_idle(server)
-    body = {"model": MODEL, "prompt": "ba be bi", "max_tokens": 20, "ignore_eos": True,
-            "stream": True}
+    body = {"model": MODEL, "prompt": "ba be bi", "max_tokens": 12, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", server.url + "/v1/completions", json=body,
                       headers=server.headers, timeout=60) as r:
         lines = r.iter_lines()
@@ -128,8 +128,8 @@ def test_sigterm_drains_requests_in_flight(server: ServerProcess) -> None:
     events = [first, *rest]
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
-    assert "error" not in chunks[-1] and len(chunks) == 20  # one token per chunk
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "error" not in chunks[-1] and chunks[-1]["usage"]["completion_tokens"] == 12
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     # Uvicorn re-raises the signal once it has shut down, so the exit status says SIGTERM;
     # the complete stream above is what shows the request was drained first.
     assert server.proc.wait(timeout=30) in (0, -signal.SIGTERM)

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,17 +104,43 @@ _ACCEPTED = _Accepted()
 _StreamItem = RequestOutput | BaseException | _Accepted
 
 
+def merge_delta_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One delta output covering both (``first`` is updated and returned)."""
+    by_index = {c.index: c for c in first.outputs}
+    for c in later.outputs:
+        prev = by_index.get(c.index)
+        if prev is None:
+            by_index[c.index] = c
+            continue
+        prev.text += c.text
+        prev.token_ids = prev.token_ids + c.token_ids
+        if c.logprobs is not None:
+            prev.logprobs = (prev.logprobs or []) + c.logprobs
+        prev.cumulative_logprob = c.cumulative_logprob
+        prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
+    first.outputs = sorted(by_index.values(), key=lambda c: c.index)
+    first.finished = later.finished
+    first.metrics = later.metrics
+    first.num_cached_tokens = later.num_cached_tokens
+    return first
+
+
 class RequestStream:
     """Async iterator over one request's outputs; closing it early aborts the request.
 
     Ends after the output with ``finished=True``, or raises the request's error
-    (``RequestTimeoutError``, ``EngineStepError``, ``EngineDeadError``).
+    (``RequestTimeoutError``, ``EngineStepError``, ``EngineDeadError``). A consumer
+    that falls behind gets the outputs waiting for it as one: deltas are merged,
+    cumulative outputs replaced by the latest, so a slow client costs one chunk per
+    read rather than one per engine step.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, output_kind: str) -> None:
         self.request_id = request_id
+        self.output_kind = output_kind
         self._engine = engine
-        self._queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
+        self._items: deque[_StreamItem] = deque()
+        self._ready = asyncio.Event()
         self._terminal_queued = False  # a finished output or an error is in the queue
         self._engine_done = False  # the engine holds nothing more for this request
         self._closed = False
@@ -128,7 +155,8 @@ class RequestStream:
             self._terminal_queued = True
             if not isinstance(item, RequestTimeoutError):
                 self._engine_done = True  # finished, failed to add, or aborted after a fault
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._ready.set()
 
     def _on_timeout(self, timeout_s: float) -> None:
         self._put(RequestTimeoutError(
@@ -136,8 +164,14 @@ class RequestStream:
         self._engine.abort_nowait(self.request_id)
 
     # ---- consumer side -------------------------------------------------------------------
+    async def _get(self) -> _StreamItem:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
     async def _wait_accepted(self) -> None:
-        item = await self._queue.get()
+        item = await self._get()
         if isinstance(item, BaseException):
             self.close()
             raise item
@@ -150,7 +184,7 @@ class RequestStream:
         if self._closed:
             raise StopAsyncIteration
         try:
-            item = await self._queue.get()
+            item = await self._get()
         except BaseException:
             self.close()  # cancelled (client gone): abort the request
             raise
@@ -158,6 +192,9 @@ class RequestStream:
             self.close()
             raise item
         assert isinstance(item, RequestOutput)
+        while not item.finished and self._items and isinstance(self._items[0], RequestOutput):
+            later = self._items.popleft()
+            item = merge_delta_outputs(item, later) if self.output_kind == "delta" else later
         if item.finished:
             self.close()
         return item
@@ -254,7 +291,7 @@ class AsyncEngine:
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, output_kind)
         self._streams[request_id] = stream
         if timeout_s is not None:
             assert self._loop is not None
