@@ -102,7 +102,9 @@ def test_an_exception_mid_stream_ends_that_stream_with_an_error_event(monkeypatc
             broken, fine = await asyncio.gather(
                 client.post("/v1/completions",
                             json=completion("ba be", max_tokens=50, logprobs=1, stream=True)),
-                client.post("/v1/completions", json=completion("di do", stream=True)))
+                client.post("/v1/completions",
+                            json=completion("di do", stream=True,
+                                            stream_options={"include_usage": True})))
             events = [e for e in broken.text.split("\n\n") if e]
             assert events[-1] == "data: [DONE]"
             error = json.loads(events[-2][len("data: "):])["error"]
@@ -110,7 +112,9 @@ def test_an_exception_mid_stream_ends_that_stream_with_an_error_event(monkeypatc
             assert len(events) < 50  # it stopped early
             fine_events = [json.loads(e[len("data: "):])
                            for e in fine.text.split("\n\n") if e and "[DONE]" not in e]
-            assert len(fine_events) == 6 and "error" not in fine_events[-1]
+            assert "error" not in fine_events[-1]
+            assert fine_events[-1]["usage"]["completion_tokens"] == 6
+            assert fine_events[-2]["choices"][0]["finish_reason"] == "length"
             assert await free_blocks(state) == start
 
     asyncio.run(main())

@@ -331,6 +331,9 @@ class AsyncEngine:
         self._check_alive()
         cmd = _Call(fn)
         self._commands.put(cmd)
+        assert self._thread is not None
+        if not self._thread.is_alive():  # it died after the check: nobody else will answer
+            self._fail_pending_calls(EngineDeadError("the engine loop is not running"))
         return await asyncio.wrap_future(cmd.future)
 
     async def stats(self) -> dict[str, Any]:

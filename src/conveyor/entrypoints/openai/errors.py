@@ -19,9 +19,15 @@ from conveyor.engine.async_engine import (
     QueueFullError,
     RequestTimeoutError,
 )
-from conveyor.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from conveyor.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+)
 
 M = TypeVar("M", bound=BaseModel)
+_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -123,4 +129,4 @@ def from_engine_error(e: BaseException, param: str | None = None) -> OpenAIError
 def _param_of(message: str) -> str | None:
     """SamplingParams and engine messages start with the offending field's name."""
     word = message.split(" ", 1)[0].strip(":'\"")
-    return word if word.isidentifier() else None
+    return word if word in _FIELDS else None

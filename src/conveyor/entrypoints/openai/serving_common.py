@@ -22,13 +22,7 @@ from conveyor.engine.async_engine import AsyncEngine, RequestStream
 from conveyor.engine.llm_engine import PromptType
 from conveyor.entrypoints.openai.chat_template import ChatTemplate
 from conveyor.entrypoints.openai.errors import OpenAIError, from_engine_error
-from conveyor.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    PromptTokensDetails,
-    SamplingRequest,
-    UsageInfo,
-)
+from conveyor.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from conveyor.metrics import EngineMetrics
 from conveyor.outputs import Logprob, RequestOutput
 from conveyor.sampling_params import SamplingParams
@@ -38,8 +32,6 @@ logger = logging.getLogger("conveyor.server")
 
 # OpenAI clients choke on -inf; vLLM reports impossible tokens with this floor too.
 _MIN_LOGPROB = -9999.0
-_REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(
-    ChatCompletionRequest.model_fields)
 DONE = "data: [DONE]\n\n"
 
 
