@@ -22,7 +22,7 @@ from helpers import cpu_threads
 
 SRC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(conveyor.__file__)))
 # These tests are about serving, not attention kernels (test_exactness covers both backends):
-# SDPA needs no inductor compile, which costs tens of seconds per process on a CPU.
+# SDPA needs no inductor warm-up compile, which costs ~20 s per process on a busy 2-core CPU.
 ATTENTION_BACKEND = "sdpa"
 
 
