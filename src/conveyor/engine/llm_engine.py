@@ -20,6 +20,7 @@ import torch
 from conveyor.config import EngineArgs, EngineConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import Scheduler
+from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.engine.detokenizer import load_tokenizer
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.outputs import RequestMetrics, RequestOutput
@@ -195,6 +196,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule(self.clock())
+        self._count_new_prompts(sched_out)
         t1 = time.perf_counter()
         run_out = self.runner.execute(sched_out)
         t2 = time.perf_counter()
@@ -215,13 +217,18 @@ class LLMEngine:
                 entry[1].request.finished_time = now
         for upd in updates:
             self.num_generation_tokens += len(upd.new_token_ids)
-        for rid in sched_out.new_reqs:
-            if rid.num_computed_tokens == 0 and not rid.output_token_ids:
-                self.num_prompt_tokens += len(rid.prompt_token_ids)
         self._record_finished(finished)
         for listener in self.step_listeners:
             listener(self, finished)
         return outputs
+
+    def _count_new_prompts(self, sched_out: SchedulerOutput) -> None:
+        """Each prompt counts once, cached tokens included, when first admitted (a prefix hit
+        starts with num_computed_tokens > 0; a preempted request comes back as new)."""
+        for new in sched_out.new_reqs:
+            req = self.scheduler.requests.get(new.req_id)
+            if req is not None and req.num_preemptions == 0:
+                self.num_prompt_tokens += len(new.prompt_token_ids)
 
     def _record_finished(self, finished: list[RequestMetrics]) -> None:
         self.num_finished += len(finished)
