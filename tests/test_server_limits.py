@@ -7,6 +7,7 @@ import json
 import signal
 import threading
 import time
+from contextlib import ExitStack
 
 import httpx
 import openai
@@ -64,21 +65,27 @@ def test_health_is_open_and_every_other_route_needs_the_key(server: ServerProces
 def test_full_queue_is_refused_at_once_with_429(server: ServerProcess) -> None:
     wait_idle(server)
     rejected_before = server.metrics()["conveyor:num_requests_rejected_total"]
-    # 20 sequences: one runs, 19 wait, more than --max-queue-len 16.
-    body = {"model": MODEL, "prompt": "ba be bi", "n": 20, "max_tokens": 400,
-            "ignore_eos": True, "stream": True}
-    with httpx.Client(headers=server.headers, timeout=30) as http, http.stream(
-            "POST", server.url + "/v1/completions", json=body) as r:
-        lines = r.iter_lines()  # kept: dropping it would close the connection
-        first = next(line for line in lines if line)
-        assert first.startswith('data: {"id"')
+    # n sequences count against --max-queue-len 16: 10 (one runs, 9 wait) + 7 fill it.
+    # The server answers a stream's headers once the engine has queued its request, and
+    # --request-timeout (1 s) ends both streams soon: everything below is quick.
+    with httpx.Client(headers=server.headers, timeout=30) as http, ExitStack() as open_streams:
+        for n in (10, 7):
+            body = {"model": MODEL, "prompt": "ba be bi", "n": n, "max_tokens": 400,
+                    "ignore_eos": True, "stream": True}
+            r = open_streams.enter_context(
+                http.stream("POST", server.url + "/v1/completions", json=body))
+            assert r.status_code == 200
         refused = http.post(server.url + "/v1/completions",
                             json={"model": MODEL, "prompt": "ba", "max_tokens": 2})
-    # 429, not a 408 after waiting behind 20 x 400 tokens: refused at once.
+        too_many = http.post(server.url + "/v1/completions",
+                             json={"model": MODEL, "prompt": "ba", "max_tokens": 2, "n": 17})
+    # 429, not a 408 after waiting behind 17 x 400 tokens: refused at once.
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "queue_full"
+    # More samples than the queue can ever hold is a bad request, not a busy server.
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
     assert server.metrics()["conveyor:num_requests_rejected_total"] == rejected_before + 1
-    wait_idle(server)  # the stream's request was aborted when it was closed
+    wait_idle(server)  # the streams' requests were aborted when they were closed
 
 
 def test_request_timeout_aborts_with_an_error(server: ServerProcess) -> None:

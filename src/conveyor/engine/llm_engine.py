@@ -113,6 +113,10 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids outside [0, {vocab}): {bad_stop}")
+        limit = self.config.scheduler.max_queue_len
+        if limit is not None and params.n > limit:
+            raise ValueError(f"n: {params.n} samples can never fit in the waiting queue "
+                             f"(max_queue_len {limit})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
 
