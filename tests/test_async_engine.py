@@ -309,3 +309,14 @@ def test_finish_listeners_see_finished_and_aborted_requests() -> None:
     assert (done.finish_reason, done.num_generation_tokens) == ("length", 3)
     assert done.ttft is not None and done.e2e_latency >= done.ttft
     assert gone.finish_reason == "abort" and gone.num_generation_tokens >= 1
+
+
+def test_aborting_n_samples_reports_every_child() -> None:
+    engine = LLMEngine(EngineArgs(model="tiny", attention_backend="sdpa"))
+    engine.add_request([5, 6, 7], SamplingParams(n=3, max_tokens=50, ignore_eos=True),
+                       request_id="x")
+    engine.step()
+    engine.abort_request("x")
+    aborted = [m for m in engine.finished_metrics if m.finish_reason == "abort"]
+    assert len(aborted) == 3 and engine.num_finished == 3
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks

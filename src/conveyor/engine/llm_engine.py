@@ -187,10 +187,10 @@ class LLMEngine:
         for rid in request_ids:
             children = self.output_processor.child_ids(rid)
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
-            out = self.output_processor.abort(rid, now)
-            if out is not None:
-                outputs.append(out)
-                self._record_finished([o for o in [out.metrics] if o is not None])
+            aborted = self.output_processor.abort(rid, now)
+            if aborted is not None:
+                outputs.append(aborted[0])
+                self._record_finished(aborted[1])
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -116,17 +116,24 @@ class OutputProcessor:
                 del self.parents[parent.request_id]
         return outputs, stopped, finished_metrics
 
-    def abort(self, request_id: str, now: float) -> RequestOutput | None:
-        """Mark every child of a parent aborted; returns its last output."""
+    def abort(self, request_id: str, now: float
+              ) -> tuple[RequestOutput, list[RequestMetrics]] | None:
+        """Mark every unfinished child of a parent aborted.
+
+        Returns the parent's last output and the metrics of the children this ended
+        (children that finished earlier were reported when they did).
+        """
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return None
+        ended = []
         for child in parent.children:
             if not child.finished:
                 child.finish_reason = "abort"
                 self._finalize_metrics(child, now)
+                ended.append(child.metrics)
             self.child_to_parent.pop(child.request.request_id, None)
-        return self._make_output(parent, True)
+        return self._make_output(parent, True), ended
 
     # ---- internals -----------------------------------------------------------------------
     def _apply(self, parent: _Parent, child: _Child, upd: RequestUpdate, now: float) -> bool:
