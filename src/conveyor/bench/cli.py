@@ -51,6 +51,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--backend", default="engine", choices=("engine", "openai"),
                    help="engine: in-process LLMEngine; openai: an OpenAI-compatible server")
     g.add_argument("--base-url", default=None, help="openai backend: http://host:port")
+    g.add_argument("--openai-model", default=None,
+                   help="openai backend: the model name sent in requests (default: --model)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="openai backend: bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -172,7 +174,7 @@ def _run_backend(args: argparse.Namespace, requests: list[BenchRequest], label: 
     from conveyor.bench.openai_backend import OpenAITarget, run_openai
 
     target = OpenAITarget(
-        base_url=args.base_url, model=args.served_model_name or args.model,
+        base_url=args.base_url, model=_request_model(args),
         ignore_eos=args.ignore_eos, extra_body=args.openai_extra_body or {},
         api_key=args.api_key, timeout_s=args.request_timeout,
         max_concurrency=args.max_concurrency,
@@ -254,11 +256,15 @@ def _prompt_texts(args: argparse.Namespace, requests: list[BenchRequest]) -> dic
 
 def _target_line(args: argparse.Namespace) -> str:
     if args.backend == "openai":
-        return f"openai {args.base_url} model {args.served_model_name or args.model}"
+        return f"openai {args.base_url} model {_request_model(args)}"
     return (f"engine model {args.model} (load format {args.load_format}, dtype {args.dtype}), "
             f"batching {'static+continuous' if args.compare_batching else args.batching}, "
             f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
             f"{args.max_num_batched_tokens}, policy {args.scheduling_policy}")
+
+
+def _request_model(args: argparse.Namespace) -> str:
+    return args.openai_model or getattr(args, "served_model_name", None) or args.model
 
 
 def _config_dict(args: argparse.Namespace) -> dict[str, Any]:

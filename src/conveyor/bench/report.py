@@ -134,12 +134,9 @@ def compare_files(path_a: str, path_b: str) -> str:
     if not pairs:
         raise ValueError(f"{path_a} and {path_b} share no run label "
                          f"({', '.join(a)} vs {', '.join(b)})")
-    name_a, name_b = os.path.basename(path_a), os.path.basename(path_b)
-    if name_a == name_b:
-        name_a, name_b = path_a, path_b
-    parts = []
+    parts = [f"A = {path_a}\nB = {path_b}"]
     for label, sa, sb in pairs:
-        parts.append(f"run {label}:\n" + format_comparison({name_a: sa, name_b: sb}))
+        parts.append(f"run {label}:\n" + format_comparison({"A": sa, "B": sb}))
     return "\n\n".join(parts)
 
 
