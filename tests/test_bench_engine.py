@@ -85,7 +85,7 @@ def test_compare_batching_static_wastes_slots():
 
 
 def test_measure_step_costs_gives_a_time_per_batch_size():
-    costs = measure_step_costs(tiny_args(), [1, 2], prompt_len=12, steps=2, warmup=1)
+    costs = measure_step_costs(tiny_args(), [2, 1], context_len=12, steps=2, warmup=1)
     assert costs.batch_sizes == [1, 2]
     assert all(t > 0 for t in costs.decode_s)
     assert costs.prefill_s_per_token >= 0
@@ -146,3 +146,17 @@ def test_bare_bench_is_the_main_job():
     main_job = _standalone_parser().parse_args(MAIN_JOB_ARGV)
     assert main_job.compare_batching and main_job.model == "tiny"
     assert main_job.load_format == "dummy"
+
+
+def test_step_trace_records_every_step_and_feeds_in_run_costs():
+    from conveyor.bench.ideal import StepCosts
+
+    result = run_engine(small_workload(8), tiny_args(), progress=False)
+    trace = result.step_trace
+    assert [b for b, _, _ in trace] == result.step_batch_sizes
+    # every prompt token and every output token but the last is computed exactly once
+    reqs = small_workload(8)
+    assert sum(t for _, t, _ in trace) == sum(r.prompt_len + r.output_len - 1 for r in reqs)
+    costs = StepCosts.from_step_trace(trace)
+    decode_sizes = {b for b, t, _ in trace if t == b}
+    assert costs is not None and set(costs.batch_sizes) == decode_sizes

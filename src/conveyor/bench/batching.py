@@ -32,7 +32,8 @@ MODES = ("static", "continuous")
 class BatchingComparison:
     runs: dict[str, list[RunResult]]  # mode -> one result per repeat, in run order
     ideal: IdealRatios
-    costs: StepCosts | None = None
+    costs: StepCosts | None = None  # measured before the runs
+    run_costs: StepCosts | None = None  # seen in the runs' decode steps
 
     def representative(self, mode: str) -> RunResult:
         """The run with the median output throughput (the lower one for an even count)."""
@@ -65,18 +66,21 @@ class BatchingComparison:
                "ttft_p99_ratio_static_over_continuous": self.ttft_ratio("p99"),
                "slot_ideal": ideal.slot_ideal, "packing_bound": ideal.packing_bound,
                "cost_ideal": ideal.cost_ideal,
-               "cost_ideal_with_prefill": ideal.cost_ideal_with_prefill}
+               "cost_ideal_with_prefill": ideal.cost_ideal_with_prefill,
+               "cost_ideal_in_run": ideal.cost_ideal_in_run}
         return out
 
     def format(self) -> str:
         parts = [format_comparison(self.summaries())]
         rows = [[mode, " ".join(fmt(t) for t in self.throughputs(mode))] for mode in self.runs]
         parts.append(table(["output tokens/s per repeat", "in run order"], rows))
-        parts.append(format_ideal(self.ideal, self.throughput_ratio, self.costs))
+        parts.append(format_ideal(self.ideal, self.throughput_ratio, self.costs,
+                                  self.run_costs))
         return "\n\n".join(parts)
 
 
-def format_ideal(ideal: IdealRatios, measured: float, costs: StepCosts | None) -> str:
+def format_ideal(ideal: IdealRatios, measured: float, costs: StepCosts | None,
+                 run_costs: StepCosts | None = None) -> str:
     rows = [["measured (continuous/static tokens/s)", f"{measured:.2f}x", ""]]
 
     def add(name: str, value: float | None) -> None:
@@ -87,33 +91,40 @@ def format_ideal(ideal: IdealRatios, measured: float, costs: StepCosts | None) -
     add("packing bound (static slot-steps/token)", ideal.packing_bound)
     add("cost ideal (decode steps x step time)", ideal.cost_ideal)
     add("cost ideal incl. equal prefill work", ideal.cost_ideal_with_prefill)
+    add("cost ideal, step times seen in the runs", ideal.cost_ideal_in_run)
     text = table(["continuous over static", "ratio", "measured/ideal"], rows)
     text += (f"\npaper replay with {ideal.max_num_seqs} slots: static {ideal.static_steps} "
              f"steps, continuous {ideal.continuous_steps} steps, {ideal.useful_tokens} "
              "tokens")
     if costs is not None:
-        steps = ", ".join(f"{b}:{1e3 * s:.1f}" for b, s in zip(costs.batch_sizes,
-                                                               costs.decode_s))
-        text += (f"\nmeasured decode step ms by batch size: {steps}; prefill "
-                 f"{1e6 * costs.prefill_s_per_token:.1f} us/prompt token")
+        text += (f"\ndecode step ms by batch size, measured first: {_curve(costs)}; "
+                 f"prefill {1e6 * costs.prefill_s_per_token:.1f} us/prompt token")
+    if run_costs is not None:
+        text += f"\ndecode step ms by batch size, seen in the runs: {_curve(run_costs)}"
     return text
+
+
+def _curve(costs: StepCosts) -> str:
+    return ", ".join(f"{b}:{1e3 * s:.1f}" for b, s in zip(costs.batch_sizes, costs.decode_s))
 
 
 def compare_batching(requests: list[BenchRequest], engine_args: EngineArgs, *,
                      repeats: int = 1, measure_costs: bool = True,
-                     cost_prompt_len: int | None = None, progress: bool = True,
+                     cost_context_len: int | None = None, progress: bool = True,
                      log=print) -> BatchingComparison:
     """Run both modes ``repeats`` times each, alternating, after measuring step costs."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     costs = None
     if measure_costs:
-        prompt_len = cost_prompt_len or round(statistics.median(r.prompt_len
-                                                                for r in requests))
+        # A decode step's context: a typical prompt plus half a typical output.
+        context = cost_context_len or round(
+            statistics.fmean(r.prompt_len for r in requests)
+            + statistics.fmean(r.output_len for r in requests) / 2)
         sizes = default_batch_sizes(engine_args.max_num_seqs)
         log(f"measuring decode step time at batch sizes {sizes} "
-            f"(contexts of {prompt_len} tokens)...")
-        costs = measure_step_costs(engine_args, sizes, prompt_len)
+            f"(contexts of {context} tokens)...")
+        costs = measure_step_costs(engine_args, sizes, context)
     runs: dict[str, list[RunResult]] = {mode: [] for mode in MODES}
     for rep in range(repeats):
         order = MODES if rep % 2 == 0 else MODES[::-1]
@@ -129,5 +140,40 @@ def compare_batching(requests: list[BenchRequest], engine_args: EngineArgs, *,
             if s.num_failed:
                 first = next(r.error for r in result.records if r.error)
                 log(f"  {s.num_failed} requests failed, first: {first}")
-    return BatchingComparison(runs, ideal_ratios(requests, engine_args.max_num_seqs, costs),
-                              costs)
+    trace = [step for results in runs.values() for r in results for step in r.step_trace]
+    run_costs = StepCosts.from_step_trace(trace)
+    ideal = ideal_ratios(requests, engine_args.max_num_seqs, costs, run_costs)
+    return BatchingComparison(runs, ideal, costs, run_costs)
+
+
+def study(argv: list[str], *, repeats: int = 1, measure_costs: bool = True,
+          progress: bool = False, log=print) -> tuple[list[BenchRequest], BatchingComparison]:
+    """``conveyor bench --compare-batching ARGV`` as a library call, for the scripts."""
+    from conveyor.bench.cli import parse_bench_args, vocab_size_of
+    from conveyor.bench.workload import describe, load_workload
+
+    args = parse_bench_args(argv)
+    requests = load_workload(args, vocab_size_of(args))
+    log(f"workload: {describe(requests)}")
+    cmp = compare_batching(requests, EngineArgs.from_cli_args(args), repeats=repeats,
+                           measure_costs=measure_costs, progress=progress, log=log)
+    return requests, cmp
+
+
+def headline_row(name: str, cmp: BatchingComparison) -> list[str]:
+    """name, static and continuous tokens/s, their ratio, and the ratio against each ideal."""
+    h = cmp.headline()
+    measured = h["throughput_ratio"]
+
+    def pct(key: str) -> str:
+        value = h[key]
+        return "-" if value is None else f"{value:.2f}x ({100 * measured / value:.0f}%)"
+
+    return [name, fmt(statistics.median(cmp.throughputs("static"))),
+            fmt(statistics.median(cmp.throughputs("continuous"))), f"{measured:.2f}x",
+            pct("slot_ideal"), pct("cost_ideal"), pct("cost_ideal_with_prefill"),
+            pct("cost_ideal_in_run")]
+
+
+HEADLINE_HEADER = ["", "static tok/s", "continuous tok/s", "ratio", "slot ideal (reached)",
+                   "cost ideal (reached)", "cost ideal+prefill", "cost ideal in-run"]

@@ -23,10 +23,11 @@ from conveyor.config import EngineArgs
 # `conveyor bench` with no arguments runs exactly this (printed with the results): a
 # dummy tiny Llama and the conversation preset at one eighth of its prompt lengths and
 # one quarter of its output lengths (prompt median 128, output median 32, max 250), all
-# requests at t=0, static then continuous.
+# requests at t=0, static then continuous. One torch thread: a model this small gains
+# nothing from a second, and on a shared machine a busy sibling thread stalls every op.
 MAIN_JOB_ARGV = [
-    "--model", "tiny", "--load-format", "dummy", "--dtype", "float32",
-    "--workload", "conversation", "--num-requests", "256", "--request-rate", "inf",
+    "--model", "tiny", "--load-format", "dummy", "--dtype", "float32", "--num-threads", "1",
+    "--workload", "conversation", "--num-requests", "128", "--request-rate", "inf",
     "--input-scale", "0.125", "--output-scale", "0.25",
     "--max-num-seqs", "16", "--max-num-batched-tokens", "1024",
     "--compare-batching", "--repeats", "1",
@@ -294,6 +295,15 @@ def _parse_rates(text: str) -> list[float]:
 
 def _standalone_parser() -> argparse.ArgumentParser:
     return add_bench_args(argparse.ArgumentParser(prog="conveyor bench"))
+
+
+def parse_bench_args(argv: list[str]) -> argparse.Namespace:
+    """The options of ``conveyor bench ARGV`` (for scripts that drive the bench library)."""
+    return _standalone_parser().parse_args(argv)
+
+
+def vocab_size_of(args: argparse.Namespace) -> int:
+    return _vocab_size(args)
 
 
 def _is_bare(args: argparse.Namespace) -> bool:

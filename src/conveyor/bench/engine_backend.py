@@ -34,6 +34,7 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
     pending = sorted(requests, key=lambda r: r.arrival_s)
     by_id = {r.request_id: r for r in pending}
     records: dict[str, RequestRecord] = {}
+    tracer = _StepTracer(engine)
     bar = tqdm(total=len(pending), desc=label, unit="req", disable=not progress, leave=False)
     clock = engine.clock
     t0 = clock()
@@ -56,7 +57,10 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
                     records[req.request_id] = RequestRecord.failed(req, f"{kind}: {e}")
                     bar.update(1)
             if engine.has_unfinished_requests():
-                for out in engine.step():
+                t_step = time.perf_counter()
+                outputs = engine.step()
+                tracer.record(time.perf_counter() - t_step)
+                for out in outputs:
                     if out.finished and out.metrics is not None:
                         req = by_id[out.request_id]
                         records[req.request_id] = RequestRecord.from_metrics(
@@ -80,4 +84,22 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
                "max_num_seqs": engine.config.scheduler.max_num_seqs,
                "model": engine.config.model.served_model_name,
                "dtype": engine.config.model.dtype})
-    return RunResult(label, ordered, summary, sizes)
+    return RunResult(label, ordered, summary, sizes, tracer.trace)
+
+
+class _StepTracer:
+    """(requests, tokens, seconds) of every step that ran a batch, from the scheduler's
+    counters: the engine's own stats stay the single source of what a step held."""
+
+    def __init__(self, engine) -> None:
+        self.stats = engine.scheduler.stats
+        self.trace: list[tuple[int, int, float]] = []
+        self._steps = len(self.stats.step_batch_sizes)
+        self._tokens = self.stats.total_scheduled_tokens
+
+    def record(self, seconds: float) -> None:
+        if len(self.stats.step_batch_sizes) > self._steps:
+            tokens = self.stats.total_scheduled_tokens - self._tokens
+            self.trace.append((self.stats.step_batch_sizes[-1], tokens, seconds))
+        self._steps = len(self.stats.step_batch_sizes)
+        self._tokens = self.stats.total_scheduled_tokens

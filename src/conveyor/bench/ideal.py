@@ -66,6 +66,19 @@ class StepCosts:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return max(y0 + (y1 - y0) * (batch - x0) / (x1 - x0), 0.0)
 
+    @classmethod
+    def from_step_trace(cls, trace: list[tuple[int, int, float]]) -> StepCosts | None:
+        """Median time of the pure decode steps (one token per request) per batch size,
+        from runs' own step traces: the cost curve under the runs' very conditions."""
+        by_size: dict[int, list[float]] = {}
+        for requests, tokens, seconds in trace:
+            if tokens == requests:
+                by_size.setdefault(requests, []).append(seconds)
+        if not by_size:
+            return None
+        sizes = sorted(by_size)
+        return cls(sizes, [statistics.median(by_size[b]) for b in sizes])
+
 
 @dataclass
 class IdealRatios:
@@ -79,10 +92,13 @@ class IdealRatios:
     packing_bound: float  # static slot-steps / useful tokens (continuous never idles a slot)
     cost_ideal: float | None = None  # decode steps weighted by measured step time
     cost_ideal_with_prefill: float | None = None
+    # Weighted instead by the decode steps' times seen in the runs themselves.
+    cost_ideal_in_run: float | None = None
 
 
 def ideal_ratios(requests: list[BenchRequest], max_num_seqs: int,
-                 costs: StepCosts | None = None) -> IdealRatios:
+                 costs: StepCosts | None = None,
+                 run_costs: StepCosts | None = None) -> IdealRatios:
     lens = [r.output_len for r in requests]  # FCFS order: requests are in arrival order
     static = static_schedule(lens, max_num_seqs)
     cont = continuous_schedule(lens, max_num_seqs)
@@ -96,51 +112,62 @@ def ideal_ratios(requests: list[BenchRequest], max_num_seqs: int,
         prefill = costs.prefill_s_per_token * sum(r.prompt_len for r in requests)
         ideal.cost_ideal = t_static / t_cont
         ideal.cost_ideal_with_prefill = (t_static + prefill) / (t_cont + prefill)
+    if run_costs is not None:
+        ideal.cost_ideal_in_run = (sum(run_costs.decode(b) for b in static)
+                                   / sum(run_costs.decode(b) for b in cont))
     return ideal
 
 
-def measure_step_costs(engine_args: EngineArgs, batch_sizes: list[int], prompt_len: int, *,
-                       steps: int = 8, warmup: int = 2) -> StepCosts:
-    """Median decode-step time at each batch size, with contexts of ``prompt_len`` tokens,
-    and the marginal time of a prompt token (one prefill of ``prompt_len`` tokens)."""
+def measure_step_costs(engine_args: EngineArgs, batch_sizes: list[int], context_len: int, *,
+                       steps: int = 6, warmup: int = 2, passes: int = 2) -> StepCosts:
+    """Median decode-step time at each batch size with contexts of ``context_len`` tokens,
+    and the marginal time of a prompt token (from the prefill of a single request).
+
+    The sizes are measured in ``passes`` interleaved sweeps, so a burst of load from
+    elsewhere on the machine spreads over all sizes instead of skewing one.
+    """
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.sampling_params import SamplingParams
 
-    biggest = max(batch_sizes)
+    sizes = sorted(set(batch_sizes))
+    biggest = sizes[-1]
     # A budget that prefills every batch in one step, so the timed steps are pure decodes.
     engine = LLMEngine(dataclasses.replace(
         engine_args, batching="continuous", max_num_seqs=biggest,
-        max_num_batched_tokens=max(engine_args.max_num_batched_tokens, biggest * prompt_len)))
+        max_num_batched_tokens=max(engine_args.max_num_batched_tokens,
+                                   biggest * context_len)))
     vocab = engine.config.model.vocab_size
     params = SamplingParams(max_tokens=1 + warmup + steps, ignore_eos=True, temperature=0.0,
                             detokenize=False)
-    decode_s, prefill_1 = [], None
-    for b in sorted(batch_sizes):
-        for i in range(b):
-            prompt = [16 + (7 * i + 13 * j + b) % (vocab - 16) for j in range(prompt_len)]
-            engine.add_request(prompt, params)
-        t = time.perf_counter()
-        engine.step()  # the prefill of every request, each sampling its first token
-        if b == 1:
-            prefill_1 = time.perf_counter() - t
-        times = []
-        while engine.has_unfinished_requests():
+    samples: dict[int, list[float]] = {b: [] for b in sizes}
+    prefill_1: list[float] = []
+    for p in range(passes):
+        for b in sizes if p % 2 == 0 else sizes[::-1]:
+            for i in range(b):
+                engine.add_request([16 + (7 * i + 13 * j + 31 * p + b) % (vocab - 16)
+                                    for j in range(context_len)], params)
             t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
-        decode_s.append(statistics.median(times[warmup:] or times))
-    costs = StepCosts(sorted(batch_sizes), decode_s)
-    if prefill_1 is not None and prompt_len > 1:
-        costs.prefill_s_per_token = max(prefill_1 - costs.decode(1), 0.0) / (prompt_len - 1)
+            engine.step()  # the prefill of every request, each sampling its first token
+            if b == 1:
+                prefill_1.append(time.perf_counter() - t)
+            times = []
+            while engine.has_unfinished_requests():
+                t = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t)
+            samples[b].extend(times[warmup:] or times)
+    costs = StepCosts(sizes, [statistics.median(samples[b]) for b in sizes])
+    if prefill_1 and context_len > 1:
+        extra = statistics.median(prefill_1) - costs.decode(1)
+        costs.prefill_s_per_token = max(extra, 0.0) / (context_len - 1)
     return costs
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Every size up to 8, then powers of two and the cap (interpolated in between)."""
-    sizes = set(range(1, min(max_num_seqs, 8) + 1))
-    b = 16
+    """Powers of two below the cap, and the cap (interpolated in between)."""
+    sizes = {max_num_seqs}
+    b = 1
     while b < max_num_seqs:
         sizes.add(b)
         b *= 2
-    sizes.add(max_num_seqs)
     return sorted(sizes)

@@ -191,3 +191,5 @@ class RunResult:
     summary: Summary
     # Requests in each engine step (engine backend only), for slot and cost analysis.
     step_batch_sizes: list[int] = field(default_factory=list)
+    # (requests, tokens, seconds) of each engine step, timed around engine.step().
+    step_trace: list[tuple[int, int, float]] = field(default_factory=list)
