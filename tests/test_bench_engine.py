@@ -6,7 +6,6 @@ import json
 import os
 
 import pytest
-from helpers import cpu_threads
 
 from conveyor.bench.batching import compare_batching
 from conveyor.bench.cli import MAIN_JOB_ARGV, _is_bare, _standalone_parser
@@ -15,6 +14,8 @@ from conveyor.bench.ideal import measure_step_costs
 from conveyor.bench.workload import BenchRequest, build_requests
 from conveyor.config import EngineArgs
 from conveyor.entrypoints.cli import build_parser, main
+
+from helpers import cpu_threads
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 

@@ -15,7 +15,13 @@ from conveyor.bench.ideal import (
     ideal_ratios,
     static_schedule,
 )
-from conveyor.bench.metrics import RequestRecord, RunResult, percentile, summarize
+from conveyor.bench.metrics import (
+    RequestRecord,
+    RunResult,
+    percentile,
+    records_from_metrics,
+    summarize,
+)
 from conveyor.bench.report import compare_files, format_comparison, load_summaries, save_json
 from conveyor.bench.workload import BenchRequest
 from conveyor.outputs import RequestMetrics
@@ -182,3 +188,12 @@ def test_step_costs_interpolate():
     assert costs.decode(3) == pytest.approx(2.25)
     assert costs.decode(8) == pytest.approx(3.5)  # extrapolated from the last segment
     assert StepCosts([4], [7.0]).decode(2) == 7.0
+
+
+def test_records_from_metrics_keeps_workload_order_and_flags_missing():
+    reqs = [bench_request("a"), bench_request("b"), bench_request("c")]
+    metrics = {"c": metrics_with(5.0, 5.0, [5.5, 6.0]), "a": metrics_with(1.0, 1.0, [2.0])}
+    recs = records_from_metrics(reqs, metrics, t0=1.0)
+    assert [r.request_id for r in recs] == ["a", "b", "c"]
+    assert recs[0].ttft_s == 1.0 and recs[2].arrival_s == 4.0
+    assert not recs[1].ok and recs[1].error == "no result"

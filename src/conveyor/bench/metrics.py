@@ -90,6 +90,15 @@ class RequestRecord:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+def records_from_metrics(requests: list[BenchRequest], metrics: dict[str, RequestMetrics],
+                         t0: float = 0.0) -> list[RequestRecord]:
+    """Records in workload order from ``request_id -> RequestMetrics`` (e.g. a simulator's);
+    a request without metrics is recorded as failed ("no result")."""
+    return [RequestRecord.from_metrics(r, metrics[r.request_id], t0)
+            if r.request_id in metrics else RequestRecord.failed(r, "no result")
+            for r in requests]
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear interpolation between order statistics (numpy's default); NaN if empty."""
     if not values:
