@@ -161,3 +161,23 @@ def test_step_trace_records_every_step_and_feeds_in_run_costs():
     costs = StepCosts.from_step_trace(trace)
     decode_sizes = {b for b, t, _ in trace if t == b}
     assert costs is not None and set(costs.batch_sizes) == decode_sizes
+
+
+def test_cli_compare_batching_prints_both_modes_and_saves(tmp_path, capsys):
+    out = tmp_path / "cmp.json"
+    argv = ["bench", "--model", "tiny", "--load-format", "dummy", "--num-threads",
+            str(cpu_threads()), "--workload", "conversation", "--num-requests", "12",
+            "--input-scale", "0.02", "--output-scale", "0.05", "--max-num-seqs", "4",
+            "--compare-batching", "--no-measure-step-costs", "--out", str(out),
+            "--plot", str(tmp_path), "--no-progress"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "continuous/static" in text and "slot ideal" in text
+    doc = json.loads(out.read_text())
+    assert [r["label"] for r in doc["runs"]] == ["static", "continuous"]
+    assert doc["batching"]["slot_ideal"] > 1
+    assert doc["batching"]["cost_ideal"] is None  # not measured
+    assert len(doc["all_runs"]) == 2
+    lines = (tmp_path / "cmp.records.jsonl").read_text().splitlines()
+    assert sorted({json.loads(ln)["run"] for ln in lines}) == ["continuous", "static"]
+    assert (tmp_path / "latency_cdf.png").exists()

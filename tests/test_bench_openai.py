@@ -136,6 +136,14 @@ def test_openai_backend_unreachable_server_fails_each_request():
     assert all(not r.ok and "ConnectError" in r.error for r in result.records)
 
 
+def test_cli_exits_nonzero_when_nothing_completes(capsys):
+    argv = ["bench", "--backend", "openai", "--base-url", "http://127.0.0.1:9",
+            "--vocab-size", "100", "--num-requests", "2", "--input-scale", "0.01",
+            "--output-scale", "0.01", "--request-timeout", "2", "--no-progress"]
+    assert main(argv) == 1
+    assert "2 requests failed" in capsys.readouterr().out
+
+
 def test_target_url_forms():
     assert OpenAITarget("http://h:1", "m").url == "http://h:1/v1/completions"
     assert OpenAITarget("http://h:1/v1/", "m").url == "http://h:1/v1/completions"

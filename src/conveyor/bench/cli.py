@@ -162,7 +162,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\n{len(failed)} requests failed; first: request {failed[0].request_id}: "
               f"{failed[0].error}")
     _save(args, results, shown, config, extra)
-    return 0
+    # Nothing completed is a failed benchmark (unreachable server, every prompt invalid).
+    return 0 if any(r.summary.num_completed for r in results) else 1
 
 
 def _run_backend(args: argparse.Namespace, requests: list[BenchRequest], label: str,
