@@ -1,0 +1,105 @@
+"""Replay a workload through an in-process ``LLMEngine`` on the wall clock (no HTTP).
+
+Each request is added once its arrival time has passed, stamped with that arrival
+time (a request that arrives while a step runs has been waiting since it arrived),
+and the engine is stepped while anything is unfinished. Output lengths are forced
+with ``ignore_eos`` so every system generates the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+from conveyor.bench.metrics import RequestRecord, RunResult, summarize
+from conveyor.bench.workload import BenchRequest
+from conveyor.config import EngineArgs
+from conveyor.sampling_params import SamplingParams
+
+
+def forced_params(req: BenchRequest) -> SamplingParams:
+    """Greedy, exactly ``output_len`` tokens, no detokenizing (the bench needs no text)."""
+    return SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0,
+                          detokenize=False)
+
+
+def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = None, *,
+               engine=None, label: str = "engine", progress: bool = True) -> RunResult:
+    """Run ``requests`` to completion on ``engine`` (built from ``engine_args`` if None)."""
+    from tqdm import tqdm
+
+    from conveyor.engine.llm_engine import LLMEngine, QueueFullError
+
+    if engine is None:
+        engine = LLMEngine(engine_args or EngineArgs())
+    pending = sorted(requests, key=lambda r: r.arrival_s)
+    by_id = {r.request_id: r for r in pending}
+    records: dict[str, RequestRecord] = {}
+    tracer = _StepTracer(engine)
+    bar = tqdm(total=len(pending), desc=label, unit="req", disable=not progress, leave=False)
+    clock = engine.clock
+    t0 = clock()
+    nxt = 0
+    try:
+        while nxt < len(pending) or engine.has_unfinished_requests():
+            now = clock() - t0
+            while nxt < len(pending) and pending[nxt].arrival_s <= now:
+                req = pending[nxt]
+                nxt += 1
+                try:
+                    engine.add_request(req.prompt_token_ids, forced_params(req),
+                                       request_id=req.request_id,
+                                       arrival_time=t0 + req.arrival_s,
+                                       priority=req.priority, tenant=req.tenant,
+                                       slo_ttft_ms=req.slo_ttft_ms,
+                                       slo_tpot_ms=req.slo_tpot_ms)
+                except (ValueError, QueueFullError) as e:
+                    kind = "rejected" if isinstance(e, QueueFullError) else "invalid"
+                    records[req.request_id] = RequestRecord.failed(req, f"{kind}: {e}")
+                    bar.update(1)
+            if engine.has_unfinished_requests():
+                t_step = time.perf_counter()
+                outputs = engine.step()
+                tracer.record(time.perf_counter() - t_step)
+                for out in outputs:
+                    if out.finished and out.metrics is not None:
+                        req = by_id[out.request_id]
+                        records[req.request_id] = RequestRecord.from_metrics(
+                            req, out.metrics, t0)
+                        bar.update(1)
+            elif nxt < len(pending):
+                time.sleep(max(0.0, pending[nxt].arrival_s - (clock() - t0)))
+    finally:
+        bar.close()
+    duration = clock() - t0
+    stats = engine.stats()
+    sizes = list(engine.scheduler.stats.step_batch_sizes)
+    ordered = [records[r.request_id] for r in requests]
+    summary = summarize(
+        ordered, duration, num_preemptions=stats["num_preemptions"],
+        peak_kv_usage=stats["peak_kv_blocks"] / max(stats["num_kv_blocks"], 1),
+        extra={"backend": "engine", "num_steps": stats["num_steps"],
+               "mean_batch_size": sum(sizes) / len(sizes) if sizes else 0.0,
+               "num_kv_blocks": stats["num_kv_blocks"],
+               "batching": engine.config.scheduler.batching,
+               "max_num_seqs": engine.config.scheduler.max_num_seqs,
+               "model": engine.config.model.served_model_name,
+               "dtype": engine.config.model.dtype})
+    return RunResult(label, ordered, summary, sizes, tracer.trace)
+
+
+class _StepTracer:
+    """(requests, tokens, seconds) of every step that ran a batch, from the scheduler's
+    counters: the engine's own stats stay the single source of what a step held."""
+
+    def __init__(self, engine) -> None:
+        self.stats = engine.scheduler.stats
+        self.trace: list[tuple[int, int, float]] = []
+        self._steps = len(self.stats.step_batch_sizes)
+        self._tokens = self.stats.total_scheduled_tokens
+
+    def record(self, seconds: float) -> None:
+        if len(self.stats.step_batch_sizes) > self._steps:
+            tokens = self.stats.total_scheduled_tokens - self._tokens
+            self.trace.append((self.stats.step_batch_sizes[-1], tokens, seconds))
+        self._steps = len(self.stats.step_batch_sizes)
+        self._tokens = self.stats.total_scheduled_tokens
