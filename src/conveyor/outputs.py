@@ -22,6 +22,8 @@ class RequestMetrics:
     """Per-request timings on the engine's clock (seconds) and counters."""
 
     arrival_time: float
+    # The scheduler's request id (a parent's id, or "<parent>#<k>" for sample k of n > 1).
+    request_id: str = ""
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

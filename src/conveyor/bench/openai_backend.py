@@ -116,7 +116,8 @@ async def _send(client, target: OpenAITarget, req: BenchRequest, t0: float,
     import httpx
 
     start = clock()
-    metrics = RequestMetrics(arrival_time=start, num_prompt_tokens=req.prompt_len,
+    metrics = RequestMetrics(arrival_time=start, request_id=req.request_id,
+                             num_prompt_tokens=req.prompt_len,
                              tenant=req.tenant, priority=req.priority)
     usage: dict[str, Any] | None = None
     finish_reason: str | None = None

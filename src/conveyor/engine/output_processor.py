@@ -69,7 +69,7 @@ class OutputProcessor:
             detok = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                             params.skip_special_tokens)
                      if self.tokenizer is not None and params.detokenize else None)
-            metrics = RequestMetrics(arrival_time=req.arrival_time,
+            metrics = RequestMetrics(arrival_time=req.arrival_time, request_id=req.request_id,
                                      num_prompt_tokens=req.num_prompt_tokens,
                                      priority=req.priority, tenant=req.tenant,
                                      slo_ttft_s=req.slo_ttft_s, slo_tpot_s=req.slo_tpot_s)
