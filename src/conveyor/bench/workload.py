@@ -156,9 +156,9 @@ def rescale_to_rate(rows: list[TraceRow], rate: float) -> list[TraceRow]:
         return list(rows)
     start = rows[0].arrival_s
     span = rows[-1].arrival_s - start
-    if span <= 0:
-        return list(rows)  # all at one instant: no rate to rescale
-    factor = (len(rows) - 1) / (rate * span)
+    factor = (len(rows) - 1) / rate / span if span > 0 else math.inf
+    if not math.isfinite(factor):
+        return list(rows)  # all at one instant (or too close to tell): no rate to rescale
     return [replace(r, arrival_s=(r.arrival_s - start) * factor) for r in rows]
 
 
