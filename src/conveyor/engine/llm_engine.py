@@ -21,6 +21,7 @@ from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.detokenizer import load_tokenizer
 from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.validation import capped_max_tokens, validate_prompt
 from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.model_runner import ModelRunner
@@ -96,21 +97,9 @@ class LLMEngine:
                          f"got {type(prompt).__name__}")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt contains token ids outside [0, {vocab}): {bad[:5]}")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than this model "
-                             f"accepts: max_model_len is {self.max_model_len} (prompt plus "
-                             "at least one generated token)")
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids outside [0, {vocab}): {bad_stop}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        validate_prompt(prompt_ids, params, vocab_size=self.config.model.vocab_size,
+                        max_model_len=self.max_model_len,
+                        has_tokenizer=self.tokenizer is not None)
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -129,8 +118,7 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = self.clock() if arrival_time is None else arrival_time
-        room = self.max_model_len - len(prompt_ids)
-        max_tokens = min(params.max_tokens, room) if params.max_tokens is not None else room
+        max_tokens = capped_max_tokens(params, len(prompt_ids), self.max_model_len)
         params = params.clone(eos_token_ids=self.eos_token_ids)
         children = []
         for k in range(params.n):
