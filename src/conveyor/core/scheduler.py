@@ -32,6 +32,9 @@ from conveyor.core.scheduler_output import (
 )
 from conveyor.request import Request, RequestStatus
 
+# Hot-path comparisons use this module constant: an enum member lookup costs more than the test.
+_RUNNING = RequestStatus.RUNNING
+
 
 @dataclass
 class RequestUpdate:
@@ -151,7 +154,7 @@ class Scheduler:
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != _RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(req.num_uncomputed_tokens, budget,
                           self.max_model_len - req.num_computed_tokens)
@@ -164,7 +167,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != _RUNNING:
                 continue
             scheduled[req.request_id] = num_new
             budget -= num_new
@@ -269,16 +272,18 @@ class Scheduler:
         self._dropped_preempted = set()
         for rid, n in scheduled.items():
             req = self.requests[rid]
-            block_ids = self.kv.block_ids(rid)
             if rid in self._runner_known:
-                new_ids = block_ids[self._blocks_sent[rid]:]
+                # Only the blocks added since the last step (the table is append-only).
+                new_ids = self.kv.block_ids(rid, self._blocks_sent[rid])
                 out.cached_reqs.append(CachedRequestData(rid, new_ids, req.num_computed_tokens))
+                self._blocks_sent[rid] += len(new_ids)
             else:
                 self._runner_known.add(rid)
+                block_ids = self.kv.block_ids(rid)
                 out.new_reqs.append(NewRequestData(
                     rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
                     block_ids, req.num_computed_tokens))
-            self._blocks_sent[rid] = len(block_ids)
+                self._blocks_sent[rid] = len(block_ids)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             self.policy.on_scheduled(req, n, now)
@@ -299,7 +304,7 @@ class Scheduler:
         self._pending_updates = []
         for rid in out.num_scheduled_tokens:
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None or req.status != _RUNNING:
                 continue  # aborted or preempted while the step ran
             self.kv.cache_computed_blocks(req)
             new_tokens = run.sampled_token_ids.get(rid)
@@ -330,13 +335,14 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
+        num_output = len(req.output_token_ids)  # hot path: no property calls
+        if num_output >= sp.min_tokens:
             if not sp.ignore_eos and token in sp.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in sp.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
