@@ -1,0 +1,132 @@
+"""The simulated engine: timing, metrics and refusals on cases small enough to count by hand."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from sim_helpers import LinearCost, WorkItem, make_workload, tiny_args
+
+from conveyor.sim import Simulator
+
+COST = LinearCost(per_step=0.01, per_token=0.001)  # seconds per step, per token
+
+
+def run(work, **overrides):
+    kw = dict(num_kv_blocks=64, max_num_batched_tokens=16)
+    kw.update(overrides)
+    return Simulator(tiny_args(**kw), COST).run(work)
+
+
+def test_a_lone_request_by_hand():
+    # 40 prompt tokens in chunks of 16, 16, 8 (the last samples the first token), then
+    # one decode step per token: 0.026 + 0.026 + 0.018 = 0.070 s to the first token,
+    # 0.011 s per token after it. The engine idles until the arrival at t=1.
+    res = run([WorkItem("a", 1.0, list(range(10, 50)), 5)])
+    m = res.finished["a"]
+    assert m.first_scheduled_time == 1.0
+    assert m.ttft == pytest.approx(0.070)
+    assert m.token_times == pytest.approx([1.070, 1.081, 1.092, 1.103, 1.114])
+    assert m.finished_time == m.last_token_time == m.token_times[-1]
+    assert m.tpot == pytest.approx(0.011)
+    assert (m.num_prompt_tokens, m.num_generation_tokens, m.finish_reason) == (40, 5, "length")
+    assert res.num_steps == 3 + 4 and res.num_events == 1 + 7
+    assert res.sim_time == pytest.approx(1.114)
+
+
+def test_an_arrival_at_a_step_end_joins_the_next_step():
+    # a's first step (10 tokens) ends at 0.02; b arriving exactly then is scheduled then,
+    # c arriving just after waits for the following step (ending at 0.02 + 0.013).
+    work = [WorkItem("a", 0.0, list(range(10, 20)), 3),
+            WorkItem("b", 0.02, list(range(30, 32)), 2),
+            WorkItem("c", 0.0200001, list(range(40, 42)), 2)]
+    res = run(work)
+    assert res.finished["b"].first_scheduled_time == pytest.approx(0.02)
+    assert res.finished["c"].first_scheduled_time == pytest.approx(0.02 + 0.013)
+
+
+def test_every_request_runs_to_its_output_length():
+    work = make_workload(40, seed=5, output_range=(1, 40))
+    res = run(work, max_num_batched_tokens=64, max_num_seqs=8)
+    assert not res.errors and not res.unfinished
+    for w in work:
+        m = res.finished[w.request_id]
+        assert m.num_generation_tokens == w.output_len
+        assert len(m.token_times) == w.output_len
+        assert m.arrival_time == w.arrival_s
+        assert m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert (m.tenant, m.priority) == (w.tenant, w.priority)
+
+
+def test_the_model_length_caps_the_output():
+    # 4 blocks of 16 tokens: max_model_len 64; a 60-token prompt can only grow by 4.
+    res = run([WorkItem("a", 0.0, list(range(10, 70)), 10)], num_kv_blocks=4,
+              max_num_batched_tokens=64)
+    assert res.max_model_len == 64
+    assert res.finished["a"].num_generation_tokens == 4
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "prompt is empty"),
+    ([5, 99999], "outside \\[0, 2048\\)"),
+    (list(range(10, 80)), "max_model_len is 64"),
+])
+def test_requests_the_engine_would_refuse_are_reported_not_run(prompt, message):
+    work = [WorkItem("bad", 0.0, prompt, 3), WorkItem("ok", 0.0, [5, 6, 7], 3)]
+    res = run(work, num_kv_blocks=4)
+    assert set(res.errors) == {"bad"}
+    assert re.search(message, res.errors["bad"])
+    assert set(res.finished) == {"ok"}
+
+
+def test_a_full_queue_refuses_like_the_engine():
+    work = [WorkItem(f"r{i}", 0.0, list(range(10, 40)), 3) for i in range(5)]
+    res = run(work, max_num_seqs=1, max_queue_len=2)
+    # All arrive before the first step: two fit the queue, three are refused.
+    assert len(res.finished) == 2
+    assert all("queue is full" in e for e in res.errors.values())
+    assert res.replicas[0].num_rejected == len(res.errors) == 3
+
+
+def test_queue_wait_rejection_is_recorded_as_an_abort():
+    work = [WorkItem("long", 0.0, list(range(10, 40)), 30),
+            WorkItem("late", 0.001, list(range(50, 60)), 2)]
+    res = run(work, max_num_seqs=1, max_queue_wait_s=0.05, queue_wait_action="reject")
+    late = res.finished["late"]
+    assert late.finish_reason == "abort" and late.num_generation_tokens == 0
+    assert late.finished_time >= 0.05 + 0.001
+    assert res.finished["long"].num_generation_tokens == 30
+
+
+def test_duplicate_request_ids_are_an_error():
+    work = [WorkItem("x", 0.0, [5, 6], 2), WorkItem("x", 1.0, [5, 6], 2)]
+    with pytest.raises(ValueError, match="'x' appears twice"):
+        run(work)
+
+
+def test_a_cost_model_must_return_positive_times():
+    class Zero(LinearCost):
+        def step_time(self, shape):
+            return 0.0
+
+    with pytest.raises(ValueError, match="positive"):
+        Simulator(tiny_args(num_kv_blocks=8), Zero()).run([WorkItem("a", 0.0, [5, 6], 2)])
+
+
+def test_the_kv_pool_defaults_to_the_cost_models_memory():
+    # 1 MiB at tiny's K+V x 2 layers x 2 KV heads x 16 dims x 4 bytes = 512 B per token:
+    # 2048 tokens = 128 blocks of 16, which also caps the model length at 2048.
+    sim = Simulator(tiny_args(), LinearCost(kv_memory=1 << 20))
+    assert sim.num_kv_blocks == 128
+    assert sim.max_model_len == 2048
+    # An explicit size wins, as in the engine.
+    assert Simulator(tiny_args(num_kv_blocks=7), LinearCost()).num_kv_blocks == 7
+
+
+def test_runs_are_repeatable_and_independent():
+    work = make_workload(25, seed=6)
+    sim = Simulator(tiny_args(num_kv_blocks=48, max_num_seqs=4), COST)
+    a, b = sim.run(work), sim.run(work)
+    assert [(m.first_token_time, m.finished_time) for m in a.metrics] == \
+        [(m.first_token_time, m.finished_time) for m in b.metrics]
+    assert a.num_steps == b.num_steps
