@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from sim_helpers import LinearCost, make_workload, tiny_args
 
@@ -77,8 +79,8 @@ def test_at_rate_rescales_gaps_and_keeps_the_pattern():
     scaled = at_rate(w, 50.0)
     span = scaled[-1].arrival_s - scaled[0].arrival_s
     assert (len(w) - 1) / span == pytest.approx(50.0)
-    gaps = [b.arrival_s - a.arrival_s for a, b in zip(w, w[1:])]
-    new_gaps = [b.arrival_s - a.arrival_s for a, b in zip(scaled, scaled[1:])]
+    gaps = [b.arrival_s - a.arrival_s for a, b in itertools.pairwise(w)]
+    new_gaps = [b.arrival_s - a.arrival_s for a, b in itertools.pairwise(scaled)]
     ratio = new_gaps[0] / gaps[0]
     assert all(ng == pytest.approx(g * ratio) for g, ng in zip(gaps, new_gaps))
     assert [s.prompt_token_ids for s in scaled] == [x.prompt_token_ids for x in w]
