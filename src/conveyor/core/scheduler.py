@@ -270,13 +270,17 @@ class Scheduler:
                               preempted_req_ids={r.request_id for r in preempted})
         self._dropped_ids = set()
         self._dropped_preempted = set()
+        # Locals for the per-request loop (it runs for every request of every step).
+        requests, known, sent, block_ids_of = (self.requests, self._runner_known,
+                                               self._blocks_sent, self.kv.block_ids)
+        cached_reqs, on_scheduled = out.cached_reqs, self.policy.on_scheduled
         for rid, n in scheduled.items():
-            req = self.requests[rid]
-            if rid in self._runner_known:
+            req = requests[rid]
+            if rid in known:
                 # Only the blocks added since the last step (the table is append-only).
-                new_ids = self.kv.block_ids(rid, self._blocks_sent[rid])
-                out.cached_reqs.append(CachedRequestData(rid, new_ids, req.num_computed_tokens))
-                self._blocks_sent[rid] += len(new_ids)
+                new_ids = block_ids_of(rid, sent[rid])
+                cached_reqs.append(CachedRequestData(rid, new_ids, req.num_computed_tokens))
+                sent[rid] += len(new_ids)
             else:
                 self._runner_known.add(rid)
                 block_ids = self.kv.block_ids(rid)
@@ -286,9 +290,9 @@ class Scheduler:
                 self._blocks_sent[rid] = len(block_ids)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            self.policy.on_scheduled(req, n, now)
+            on_scheduled(req, n, now)
             req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens:
+            if req.num_computed_tokens == len(req.all_token_ids):
                 out.sampling_req_ids.add(rid)
         self.stats.num_steps += 1 if scheduled else 0
         self.stats.total_scheduled_tokens += out.total_num_scheduled_tokens
@@ -302,12 +306,15 @@ class Scheduler:
                now: float) -> list[RequestUpdate]:
         updates = self._pending_updates
         self._pending_updates = []
+        # Locals for the per-request loop (it runs for every request of every step).
+        get_request, cache_blocks, sampled = (self.requests.get, self.kv.cache_computed_blocks,
+                                              run.sampled_token_ids)
         for rid in out.num_scheduled_tokens:
-            req = self.requests.get(rid)
+            req = get_request(rid)
             if req is None or req.status != _RUNNING:
                 continue  # aborted or preempted while the step ran
-            self.kv.cache_computed_blocks(req)
-            new_tokens = run.sampled_token_ids.get(rid)
+            cache_blocks(req)
+            new_tokens = sampled.get(rid)
             if not new_tokens:
                 continue  # a prefill chunk that did not reach the end
             accepted: list[int] = []

@@ -24,7 +24,7 @@ from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from conveyor.engine.validation import capped_max_tokens, validate_prompt
 from conveyor.outputs import RequestMetrics
-from conveyor.request import Request
+from conveyor.request import Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
 from conveyor.sim.batch import batch_shape
 from conveyor.sim.cost_model import CostModel
@@ -42,6 +42,8 @@ class WorkloadRequest(Protocol):
     slo_ttft_ms: float | None
     slo_tpot_ms: float | None
 
+
+RUNNING = RequestStatus.RUNNING  # a module constant: enum member lookups are slow
 
 # Listener called after every step: (replica index, start, end, the step's SchedulerOutput).
 StepListener = Callable[[int, float, float, SchedulerOutput], None]
@@ -136,8 +138,9 @@ class SimReplica:
         self.in_flight = None
         self.num_steps += 1
         self.busy_time += now - self.step_start
-        for listener in self.listeners:
-            listener(self.index, self.step_start, now, out)
+        if self.listeners:
+            for listener in self.listeners:
+                listener(self.index, self.step_start, now, out)
         sampled = self._sampled
         run = ModelRunnerOutput({rid: sampled for rid in out.sampling_req_ids})
         return self._record(self.scheduler.update(out, run, now), now)
@@ -149,7 +152,7 @@ class SimReplica:
             req, metrics = live[upd.request_id]
             if upd.new_token_ids:
                 metrics.record_tokens(len(upd.new_token_ids), now)
-            if upd.status.is_finished:
+            if upd.status is not RUNNING and upd.status.is_finished:
                 metrics.finalize(req, len(metrics.token_times), upd.status.finish_reason, now)
                 del live[upd.request_id]
                 finished.append((upd.request_id, metrics))

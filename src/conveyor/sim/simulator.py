@@ -151,7 +151,9 @@ class Simulator:
         i, n = 0, len(items)
         stopped = False
         while (heap or i < n) and not stopped:
-            if i < n and (not heap or (items[i].arrival_s, _ARRIVAL) < heap[0][:2]):
+            # The next arrival goes first unless a step ends before it (or at the same time).
+            if i < n and (not heap or items[i].arrival_s < heap[0][0]
+                          or (items[i].arrival_s == heap[0][0] and heap[0][1] > _ARRIVAL)):
                 item = items[i]
                 i += 1
                 now = item.arrival_s
