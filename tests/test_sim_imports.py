@@ -35,9 +35,11 @@ SCRIPT = textwrap.dedent("""
     roofline = make_cost_model("roofline", model, hardware="h100", tp=2)
     assert len(Simulator(args, roofline, replicas=2, router="prefix_affinity")
                .run(work).finished) == 40
-    shapes = [BatchShape(num_decodes=b, decode_context=b * c, num_sampled=b)
+    shapes = [BatchShape(num_decodes=b, decode_context=b * c, max_decode_context=c,
+                         num_sampled=b)
               for b in (1, 2, 4, 8) for c in (64, 256)]
-    fit = fit_step_times(shapes, [0.001 + 1e-5 * s.decode_context for s in shapes])
+    fit = fit_step_times(shapes, [0.001 + 1e-5 * s.decode_context + 1e-4 * s.num_decodes
+                                  for s in shapes])
     profile = ProfileCostModel(fit, model=ProfileCostModel.model_fields(model, "llama3-8b"),
                                device="cuda", kv_cache_memory=1 << 34)
     profile.save(sys.argv[1])

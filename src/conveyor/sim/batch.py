@@ -24,6 +24,8 @@ class BatchShape(NamedTuple):
     prefill_context: int = 0
     num_decodes: int = 0
     decode_context: int = 0  # sum of the decode rows' context lengths (KV tokens read)
+    # The longest: conveyor's CPU/torch runner pads every decode row to it.
+    max_decode_context: int = 0
     num_sampled: int = 0  # rows that reach their end and sample (LM head rows)
 
     @property
@@ -41,7 +43,7 @@ class BatchShape(NamedTuple):
 
 def batch_shape(out: SchedulerOutput) -> BatchShape:
     scheduled = out.num_scheduled_tokens
-    p_tokens = p_rows = p_attn = p_ctx = d_rows = d_ctx = 0
+    p_tokens = p_rows = p_attn = p_ctx = d_rows = d_ctx = d_max = 0
     for rows in (out.new_reqs, out.cached_reqs):
         for row in rows:
             n = scheduled[row.req_id]
@@ -49,9 +51,12 @@ def batch_shape(out: SchedulerOutput) -> BatchShape:
             if n == 1:
                 d_rows += 1
                 d_ctx += start + 1
+                if start >= d_max:
+                    d_max = start + 1
             else:
                 p_tokens += n
                 p_rows += 1
                 p_attn += n * start + n * (n + 1) // 2
                 p_ctx += start + n
-    return BatchShape(p_tokens, p_rows, p_attn, p_ctx, d_rows, d_ctx, len(out.sampling_req_ids))
+    return BatchShape(p_tokens, p_rows, p_attn, p_ctx, d_rows, d_ctx, d_max,
+                      len(out.sampling_req_ids))

@@ -7,16 +7,23 @@ a step, with non-negative coefficients (a cost cannot make a step faster):
            + c_row    * rows                   per request in the batch (inputs, update)
            + c_token  * T                      linear layers, per token
            + c_knee   * max(0, T - knee)       ... piecewise: the slope after the knee
-           + c_pair   * P                      attention query-key pairs (prefill + decode)
+           + c_pair   * P                      prefill attention, per query-key pair
+           + c_decode * B * max_ctx            decode attention over the padded batch
            + c_sample * S                      LM head and sampler, per sampled row
+
+The decode term is the runner's layout: conveyor's torch runner gathers every decode
+row's context padded to the longest one (a paged-attention GPU kernel would cost
+the sum of the contexts instead; the roofline model counts that).
 
 The hinge ``max(0, T - knee)`` makes the token cost piecewise linear: below the
 knee a step is bound by reading the weights (flat-ish in T), above it by compute.
 ``knee`` is chosen by trying every distinct T of the samples and keeping the best
 fit. Residuals are relative (each sample weighted by 1/time), so short decode steps
 count as much as long prefills. Repeated samples of one shape (``--repeats``)
-count once, at their median, and shapes more than 4 median-absolute-deviations off
-the first fit (a noisy neighbour on a shared machine) are dropped before the final
+count once, at their fastest: on a shared machine noise only adds time (a step
+preempted by another process takes a whole time slice longer), so the minimum is
+the best estimate of the step itself. Shapes more than 4 median-absolute-deviations
+off the first fit (all of whose repeats were slowed) are dropped before the final
 fit.
 
 Loading profile.json needs numpy only: no torch.
@@ -32,7 +39,8 @@ import numpy as np
 from conveyor.config import ModelConfig
 from conveyor.sim.batch import BatchShape
 
-FEATURES = ("step", "rows", "tokens", "tokens_over_knee", "attention_pairs", "sampled")
+FEATURES = ("step", "rows", "tokens", "tokens_over_knee", "prefill_attention",
+            "decode_attention", "sampled")
 PROFILE_FORMAT = "conveyor-profile/1"
 # ModelConfig fields a profile must match to be used for another run.
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -42,8 +50,8 @@ _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head
 def features(b: BatchShape, knee: float) -> list[float]:
     tokens = b.num_prefill_tokens + b.num_decodes
     return [1.0, float(b.num_prefills + b.num_decodes), float(tokens),
-            max(0.0, tokens - knee), float(b.prefill_attention + b.decode_context),
-            float(b.num_sampled)]
+            max(0.0, tokens - knee), float(b.prefill_attention),
+            float(b.num_decodes * b.max_decode_context), float(b.num_sampled)]
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
@@ -94,7 +102,7 @@ def _solve(shapes: list[BatchShape], times: np.ndarray, knee: float
 
 
 def fit_step_times(shapes: list[BatchShape], times: list[float]) -> StepFit:
-    """Fit the step-time model; samples of one shape (repeats) count once, at their median."""
+    """Fit the step-time model; samples of one shape (repeats) count once, at their minimum."""
     if len(shapes) != len(times):
         raise ValueError(f"{len(shapes)} shapes but {len(times)} times")
     if any(t <= 0 for t in times):
@@ -106,7 +114,7 @@ def fit_step_times(shapes: list[BatchShape], times: list[float]) -> StepFit:
         raise ValueError(f"need at least {len(FEATURES)} distinct batch shapes to fit, "
                          f"got {len(by_shape)}")
     shapes = list(by_shape)
-    y = np.array([float(np.median(ts)) for ts in by_shape.values()])
+    y = np.array([min(ts) for ts in by_shape.values()])
     tokens = sorted({s.num_prefill_tokens + s.num_decodes for s in shapes})
 
     def best(keep: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
@@ -149,8 +157,8 @@ class ProfileCostModel:
         c = self._coef
         tokens = b.num_prefill_tokens + b.num_decodes
         return (c[0] + c[1] * (b.num_prefills + b.num_decodes) + c[2] * tokens
-                + c[3] * max(0.0, tokens - self._knee)
-                + c[4] * (b.prefill_attention + b.decode_context) + c[5] * b.num_sampled)
+                + c[3] * max(0.0, tokens - self._knee) + c[4] * b.prefill_attention
+                + c[5] * b.num_decodes * b.max_decode_context + c[6] * b.num_sampled)
 
     def kv_cache_memory(self, model: ModelConfig) -> int:
         return self._kv_cache_memory
