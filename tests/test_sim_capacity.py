@@ -48,6 +48,7 @@ def test_min_replicas_is_the_smallest_count_that_meets_the_slo():
     # Checked independently with full runs (no early stop): n meets the target, n-1 misses.
     assert attainment(n) >= 0.9 > attainment(n - 1)
     assert {p.value for p in found.probes} >= {n, n - 1}
+    assert found.failing == n - 1
 
 
 def test_min_replicas_reports_none_when_out_of_reach():
@@ -70,8 +71,8 @@ def test_max_rate_is_bracketed_within_tolerance():
 
     assert meets(rate)
     missed = [p.value for p in found.probes if not p.meets]
-    assert missed and min(missed) <= rate * 1.05 + 1e-9
-    assert not meets(min(missed))
+    assert missed and found.failing == min(missed) <= rate * 1.05 + 1e-9
+    assert not meets(found.failing)
 
 
 def test_at_rate_rescales_gaps_and_keeps_the_pattern():

@@ -130,3 +130,29 @@ def test_runs_are_repeatable_and_independent():
     assert [(m.first_token_time, m.finished_time) for m in a.metrics] == \
         [(m.first_token_time, m.finished_time) for m in b.metrics]
     assert a.num_steps == b.num_steps
+
+
+def test_batch_shape_by_hand():
+    from conveyor.core.scheduler_output import (
+        CachedRequestData,
+        NewRequestData,
+        SchedulerOutput,
+    )
+    from conveyor.sampling_params import SamplingParams
+    from conveyor.sim import batch_shape
+
+    sp = SamplingParams()
+    out = SchedulerOutput(
+        # a fresh prompt of 5 (all computed now, samples); a chunk of 4 after 8 cached
+        new_reqs=[NewRequestData("p", [1] * 5, [], sp, [0], 0),
+                  NewRequestData("c", [1] * 20, [], sp, [1, 2], 8)],
+        # two decodes at contexts 10 and 30
+        cached_reqs=[CachedRequestData("d1", [], 9), CachedRequestData("d2", [], 29)],
+        num_scheduled_tokens={"p": 5, "c": 4, "d1": 1, "d2": 1},
+        total_num_scheduled_tokens=11, sampling_req_ids={"p", "d1", "d2"})
+    s = batch_shape(out)
+    assert (s.num_prefill_tokens, s.num_prefills, s.num_decodes, s.num_sampled) == (9, 2, 2, 3)
+    assert s.prefill_attention == (5 * 6 // 2) + (4 * 8 + 4 * 5 // 2)  # 15 + 42
+    assert s.prefill_context == 5 + 12
+    assert (s.decode_context, s.max_decode_context) == (40, 30)
+    assert s.num_tokens == 11 == out.total_num_scheduled_tokens

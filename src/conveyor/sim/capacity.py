@@ -61,6 +61,9 @@ class Probe:
 @dataclass
 class CapacityResult:
     value: float | None  # None: no probe within the bounds met the SLO
+    # The nearest probed value that misses (one replica fewer, or the lowest failing
+    # rate); None if every probe met the SLO (the capacity is not bracketed).
+    failing: float | None
     probes: list[Probe]
 
 
@@ -105,14 +108,14 @@ def find_min_replicas(requests: Sequence[WorkloadRequest], engine_args: EngineAr
         lo = n
         n = min(n * 2, max_replicas) if n < max_replicas else max_replicas + 1
     if hi is None:
-        return CapacityResult(None, probes)
+        return CapacityResult(None, lo or None, probes)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if meets(mid):
             hi = mid
         else:
             lo = mid
-    return CapacityResult(hi, probes)
+    return CapacityResult(hi, lo or None, probes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,4 +183,4 @@ def find_max_rate(requests: Sequence[WorkloadRequest], engine_args: EngineArgs,
             lo = mid
         else:
             hi = mid
-    return CapacityResult(lo, probes)
+    return CapacityResult(lo, hi, probes)
