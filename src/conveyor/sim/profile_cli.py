@@ -21,7 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "tokens, decode batch size, context length), time every "
                                    "step and fit the cost model `conveyor sim --cost "
                                    "profile.json` uses. With no --model, the tiny "
-                                   "dummy-weight model.")
+                                   "dummy-weight model (seconds); a larger model on a CPU "
+                                   "takes minutes: shrink the grid with --batch-sizes, "
+                                   "--context-lens and --prefill-tokens.")
     EngineArgs.add_cli_args(p)
     p.add_argument("--out", required=True, help="where to write profile.json")
     p.add_argument("--batch-sizes", type=_ints, default=(1, 2, 4, 8, 16, 32),
