@@ -85,3 +85,45 @@ def random_prompts(n: int, vocab: int = 384, lo: int = 3, hi: int = 60,
 
 def cpu_threads() -> int:
     return int(os.environ.get("CONVEYOR_TEST_THREADS", "1"))
+
+
+def fake_execute(out, vocab: int = 100, eos: int | None = None):
+    """A stand-in for the model runner: one token per request that reaches its end.
+
+    The token is a function of the request id and position only, so it is the same
+    whatever the batch; ``eos`` is never produced.
+    """
+    from conveyor.core.scheduler_output import ModelRunnerOutput
+
+    result = ModelRunnerOutput()
+    for rid in out.sampling_req_ids:
+        token = (hash(rid) + out.num_scheduled_tokens[rid]) % vocab
+        if token == eos:
+            token = (token + 1) % vocab
+        result.sampled_token_ids[rid] = [token]
+    return result
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
+                   max_num_batched_tokens: int = 32, batching: str = "continuous",
+                   enable_prefix_caching: bool = False, max_model_len: int | None = None,
+                   **sched_kwargs):
+    from conveyor.config import SchedulerConfig
+    from conveyor.core.kv_cache_manager import KVCacheManager
+    from conveyor.core.scheduler import Scheduler
+
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, batching=batching,
+                          **sched_kwargs)
+    return Scheduler(cfg, kv, max_model_len or num_blocks * block_size)
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int, arrival: float = 0.0,
+                 **kwargs):
+    from conveyor.request import Request
+    from conveyor.sampling_params import SamplingParams
+
+    prompt = [(7 * i + len(rid)) % 50 + 1 for i in range(prompt_len)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, prompt, params, arrival, max_tokens=max_tokens, **kwargs)

@@ -7,9 +7,10 @@ import random
 
 import pytest
 import torch
-from helpers import ARCHS, hf_greedy, hf_model, make_checkpoint, random_prompts
 
 from conveyor import LLM, SamplingParams
+
+from helpers import ARCHS, hf_greedy, hf_model, make_checkpoint, random_prompts
 
 
 @functools.cache
@@ -39,6 +40,7 @@ CONFIGS = {
     "static": dict(batching="static", max_num_seqs=4),
     "tiny_blocks": dict(block_size=1, num_kv_blocks=600, max_num_batched_tokens=37),
     "no_prefix_cache": dict(enable_prefix_caching=False, max_num_seqs=3),
+    "sdpa_attention": dict(attention_backend="sdpa", max_num_batched_tokens=40),
 }
 
 
@@ -112,3 +114,19 @@ def test_half_precision_runs_and_mostly_agrees(dtype: str) -> None:
     agree = sum(o.outputs[0].token_ids[0] == reference(path, tuple(p), 4)[0]
                 for o, p in zip(outs, prompts))
     assert agree >= 3
+
+
+def test_same_step_prefix_sharing_is_exact() -> None:
+    """Identical prompts admitted together share blocks computed in that very step."""
+    path = make_checkpoint("qwen2")
+    prompt = random_prompts(1, lo=37, hi=37, seed=17)[0]
+    llm = LLM(path, dtype="float32", block_size=8)
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 3 +
+                        [{"prompt_token_ids": prompt[:20] + [5, 6]}], params)
+    assert llm.stats()["prefix_cache_hits"] == 2 * 32 + 16
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 16]
+    check_exact(path, outs, [prompt] * 3 + [prompt[:20] + [5, 6]], [params] * 4)
+    n3 = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=3, max_tokens=5,
+                                                                     temperature=0.0))[0]
+    assert all(c.token_ids == outs[0].outputs[0].token_ids for c in n3.outputs)

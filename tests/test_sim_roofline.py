@@ -136,6 +136,7 @@ def test_llama3_8b_has_its_published_parameter_count():
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_parameter_count_matches_transformers(arch):
     import torch
+
     from helpers import hf_config
 
     cfg = hf_config(arch)

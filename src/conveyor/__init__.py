@@ -1,33 +1,30 @@
-"""conveyor: an LLM serving engine built around continuous batching and request scheduling."""
+"""conveyor: an LLM serving engine built around continuous batching and request scheduling.
+
+Public names are imported lazily so that torch-free parts (the scheduler, the KV
+manager, the simulator) can be imported without loading torch.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib
+from typing import Any
 
-from conveyor.config import EngineArgs
-from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from conveyor.sampling_params import SamplingParams
+_EXPORTS = {
+    "LLM": "conveyor.entrypoints.llm",
+    "EngineArgs": "conveyor.config",
+    "SamplingParams": "conveyor.sampling_params",
+    "CompletionOutput": "conveyor.outputs",
+    "Logprob": "conveyor.outputs",
+    "RequestMetrics": "conveyor.outputs",
+    "RequestOutput": "conveyor.outputs",
+}
 
-if TYPE_CHECKING:
-    from conveyor.entrypoints.llm import LLM
-
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "EngineArgs",
-    "Logprob",
-    "RequestMetrics",
-    "RequestOutput",
-    "SamplingParams",
-]
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    # ``LLM`` pulls in torch and the runner: loaded on first use, so that the torch-free
-    # parts (scheduler, KV manager, simulator) can be imported without it.
-    if name == "LLM":
-        from conveyor.entrypoints.llm import LLM
-
-        return LLM
-    raise AttributeError(f"module 'conveyor' has no attribute {name!r}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'conveyor' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -109,6 +109,7 @@ class EngineArgs:
     max_model_len: int | None = None
     device: str = "auto"
     num_threads: int | None = None
+    attention_backend: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
@@ -144,6 +145,10 @@ class EngineArgs:
         g.add_argument("--device", default="auto", help="auto | cpu | cuda")
         g.add_argument("--num-threads", type=int, default=None,
                        help="torch intra-op threads (default: all cores)")
+        g.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "compiled"),
+                       help="decode attention: compiled = fused inductor kernel reading the "
+                            "paged cache in place (CPU); sdpa = gather + SDPA; auto = compiled "
+                            "on CPU when it compiles")
         g.add_argument("--block-size", type=int, default=16)
         g.add_argument("--num-kv-blocks", type=int, default=None)
         g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,

@@ -127,18 +127,26 @@ class KVCacheManager:
         self.stats.queries += num_queried
         self.stats.hits += num_hit
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Register the request's full blocks whose KV is now computed."""
+    def cache_computed_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Register the request's full blocks among its first ``num_tokens`` tokens.
+
+        ``num_tokens`` defaults to what is computed. The scheduler may pass tokens that
+        the current step is about to compute: within a step every layer writes all new
+        K/V before any attention reads, so a request admitted later in the same step
+        may already share those blocks.
+        """
         if not self.enable_prefix_caching:
             return
         blocks = self.req_blocks.get(request.request_id)
         if not blocks:
             return
+        if num_tokens is None:
+            num_tokens = request.num_computed_tokens
         start = self._num_registered.get(request.request_id, 0)
-        if request.num_computed_tokens // self.block_size <= start:
+        if num_tokens // self.block_size <= start:
             return  # no block filled up since the last call (most decode steps)
         hashes = self._block_hashes(request)
-        num_full = min(request.num_computed_tokens // self.block_size, len(hashes), len(blocks))
+        num_full = min(num_tokens // self.block_size, len(hashes), len(blocks))
         for i in range(start, num_full):
             self.pool.cache(blocks[i], hashes[i])
         # A block whose content another block already caches stays unregistered (and is

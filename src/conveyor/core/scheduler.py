@@ -222,6 +222,9 @@ class Scheduler:
             if num_new > 0:
                 scheduled[req.request_id] = num_new
                 budget -= num_new
+                # Safe to publish now: an admission is never preempted within its step, so
+                # these blocks are computed this step (n > 1 siblings share them at once).
+                self.kv.cache_computed_blocks(req, req.num_computed_tokens + num_new)
 
     def _admit(self, req: Request, num_cached: int) -> None:
         if req.num_cached_tokens < 0:  # first admission: record the prefix hit

@@ -26,6 +26,7 @@ from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.sampling_params import SamplingParams
+from conveyor.timings import PhaseTimings
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -49,7 +50,7 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         model_cfg = args.resolve_model()
         cache_cfg = args.cache_config()
-        self.runner = ModelRunner(model_cfg, cache_cfg, device)
+        self.runner = ModelRunner(model_cfg, cache_cfg, device, args.attention_backend)
         # The pool is sized after the weights are loaded, from what memory is left.
         num_blocks = self.runner.allocate_kv_cache(cache_cfg.num_kv_blocks, args.max_num_seqs)
         # Derived values are computed once, into a new config (never patched in place).
@@ -71,6 +72,7 @@ class LLMEngine:
         self.num_finished = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.timings = PhaseTimings()
         self.step_listeners: list[Callable[[LLMEngine, list[RequestMetrics]], None]] = []
 
     @property
@@ -156,11 +158,19 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched_out = self.scheduler.schedule(self.clock())
+        t1 = time.perf_counter()
         run_out = self.runner.execute(sched_out)
+        t2 = time.perf_counter()
         now = self.clock()
         updates = self.scheduler.update(sched_out, run_out, now)
+        t3 = time.perf_counter()
         outputs, stopped, finished = self.output_processor.process(updates, now)
+        self.timings.add("schedule", t1 - t0)
+        self.timings.add("execute", t2 - t1)
+        self.timings.add("update", t3 - t2)
+        self.timings.add("outputs", time.perf_counter() - t3)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for rid in stopped:

@@ -15,6 +15,7 @@ its own call (a fresh prompt attends to its own K/V without touching the cache).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +38,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each token's K/V is written
     num_decodes: int = 0
     decode_slots: torch.Tensor | None = None  # [num_decodes, max_ctx] int64, padded
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_ctx] bool
+    decode_mask: torch.Tensor | None = None  # [num_decodes, max_ctx] bool, True = attend
+    # The fused kernel of decode_attention.py (CPU); None: gather + SDPA.
+    decode_kernel: Callable | None = None
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
@@ -73,9 +76,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             meta: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
     nd = meta.num_decodes
+    if meta.decode_kernel is not None:
+        return meta.decode_kernel(q[:nd], k_cache, v_cache, meta.decode_slots,
+                                  meta.decode_mask, scale)
     qd = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
     kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, max_ctx, D]
     vd = v_cache[meta.decode_slots].transpose(1, 2)
-    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
+    mask = meta.decode_mask.view(nd, 1, 1, -1)
+    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale,
                                        enable_gqa=gqa)
     return o.squeeze(2)  # [B, Hq, D]

@@ -7,6 +7,7 @@ table, updated from the scheduler's diffs, and makes no scheduling decision.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,10 +15,12 @@ import torch
 
 from conveyor.config import CacheConfig, ModelConfig, kv_blocks_for
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from conveyor.model import decode_attention
 from conveyor.model.attention import AttentionMetadata, PrefillSegment
 from conveyor.model.loader import DTYPES, load_model
 from conveyor.runner.sampler import Sampler, SamplingRow
 from conveyor.sampling_params import SamplingParams
+from conveyor.timings import PhaseTimings
 
 
 @dataclass
@@ -54,7 +57,7 @@ def num_blocks_for(cache: CacheConfig, model: ModelConfig, device: torch.device,
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig,
-                 device: torch.device) -> None:
+                 device: torch.device, attention_backend: str = "auto") -> None:
         self.cfg = model_cfg
         self.cache_cfg = cache_cfg
         self.device = device
@@ -65,9 +68,25 @@ class ModelRunner:
         self.sampler = Sampler(model_cfg.vocab_size, device, seed=model_cfg.seed)
         self.requests: dict[str, RequestState] = {}
         self.sliding_window = self.model.sliding_window
+        self.decode_kernel = self._pick_decode_kernel(attention_backend)
         # Tests set this to read each sampling request's float32 logits of the last step.
+        self.timings = PhaseTimings()
         self.record_logits = False
         self.last_logits: dict[str, torch.Tensor] = {}
+
+    def _pick_decode_kernel(self, backend: str):
+        """``compiled`` (fused, CPU) or ``sdpa`` (gather + SDPA); ``auto``: compiled on CPU."""
+        if backend not in ("auto", "sdpa", "compiled"):
+            raise ValueError(f"attention_backend must be auto, sdpa or compiled, got {backend!r}")
+        if backend == "sdpa" or (backend == "auto" and self.device.type != "cpu"):
+            return None
+        cfg = self.cfg
+        if not decode_attention.warm_up(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                        DTYPES[cfg.dtype], self.device):
+            if backend == "compiled":
+                raise RuntimeError("attention_backend='compiled' failed to compile")
+            return None
+        return decode_attention.compiled_decode_attention()
 
     def allocate_kv_cache(self, num_blocks: int | None = None, max_num_seqs: int = 1) -> int:
         """Allocate the KV pool (sized from free memory unless given); returns its blocks."""
@@ -100,13 +119,18 @@ class ModelRunner:
     # ---- execution -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
         self._update_states(out)
         if out.is_empty:
             return ModelRunnerOutput()
         order = sorted(out.num_scheduled_tokens,
                        key=lambda rid: out.num_scheduled_tokens[rid] != 1)  # decodes first
         input_ids, positions, meta, logits_rows = self._prepare(order, out)
+        t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        t2 = time.perf_counter()
+        self.timings.add("prepare", t1 - t0)
+        self.timings.add("forward", t2 - t1)
         result = ModelRunnerOutput()
         for rid in order:
             state = self.requests[rid]
@@ -126,6 +150,7 @@ class ModelRunner:
             result.sampled_token_ids[state.req_id] = [token]
             if lp is not None:
                 result.logprobs[state.req_id] = [lp]
+        self.timings.add("logits+sample", time.perf_counter() - t2)
         return result
 
     def _prepare(self, order: list[str], out: SchedulerOutput
@@ -158,7 +183,8 @@ class ModelRunner:
                 logits_rows.append((cursor + n - 1, rid))
             cursor += n
         meta = AttentionMetadata(slot_mapping=self._to_device(np.concatenate(slot_chunks)),
-                                 num_decodes=len(decode_ctx), prefills=prefills)
+                                 num_decodes=len(decode_ctx), prefills=prefills,
+                                 decode_kernel=self.decode_kernel)
         if decode_ctx:
             meta.decode_slots, meta.decode_mask = self._decode_layout(decode_tables, decode_ctx)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -175,13 +201,12 @@ class ModelRunner:
         for i, t in enumerate(tables):
             bt[i, :len(t[:max_blocks])] = t[:max_blocks]
         cols = np.arange(max_ctx, dtype=np.int64)
-        slots = bt[:, cols // bs] * bs + cols % bs
+        slots = np.ascontiguousarray(bt[:, cols // bs] * bs + cols % bs)
         lens = np.asarray(ctx_lens, dtype=np.int64)[:, None]
         mask = cols[None, :] < lens
         if self.sliding_window is not None:
             mask &= cols[None, :] > lens - 1 - self.sliding_window
-        return (self._to_device(slots),
-                torch.from_numpy(mask).to(self.device).view(len(tables), 1, 1, max_ctx))
+        return self._to_device(slots), torch.from_numpy(mask).to(self.device)
 
     def _prefill_segment(self, cursor: int, n: int, start: int,
                          table: np.ndarray) -> PrefillSegment:
