@@ -99,6 +99,9 @@ def _workload() -> list[WorkItem]:
 CASES = [
     pytest.param(dict(scheduling_policy=name), id=name) for name in sorted(POLICIES)
 ] + [
+    pytest.param(dict(scheduling_policy="edf", default_slo_ttft_ms=30.0,
+                      default_slo_tpot_ms=8.0), id="edf-default-slos",
+                 marks=pytest.mark.skipif("edf" not in POLICIES, reason="no edf policy")),
     pytest.param(dict(scheduling_policy="fcfs", batching="static"), id="fcfs-static"),
     pytest.param(dict(scheduling_policy="fcfs", enable_prefix_caching=False,
                       enable_chunked_prefill=False, max_num_batched_tokens=256),

@@ -105,12 +105,16 @@ class SimReplica:
             self.scheduler.stats.num_rejected += 1
             raise ValueError(f"the waiting queue is full "
                              f"({self.setup.scheduler.max_queue_len} requests)")
+        # A request carries its effective targets: its own, else the server's defaults.
+        policy = self.setup.scheduler.policy
         slo_ttft, slo_tpot = item.slo_ttft_ms, item.slo_tpot_ms
         req = Request(item.request_id, prompt, params, item.arrival_s, priority=item.priority,
                       tenant=item.tenant or "default",
                       max_tokens=capped_max_tokens(params, len(prompt), model.max_model_len),
-                      slo_ttft_s=slo_ttft / 1e3 if slo_ttft is not None else None,
-                      slo_tpot_s=slo_tpot / 1e3 if slo_tpot is not None else None)
+                      slo_ttft_s=slo_ttft / 1e3 if slo_ttft is not None
+                      else policy.default_slo_ttft_s,
+                      slo_tpot_s=slo_tpot / 1e3 if slo_tpot is not None
+                      else policy.default_slo_tpot_s)
         self.scheduler.add_request(req, item.arrival_s)
         self._live[req.request_id] = (req, RequestMetrics.for_request(req))
 
