@@ -81,3 +81,12 @@ def test_unknown_options_and_policy_are_errors() -> None:
 def test_per_prompt_params_length_must_match(llm: LLM) -> None:
     with pytest.raises(ValueError, match="2 entries for 3 prompts"):
         llm.generate([[5], [6], [7]], [SamplingParams(), SamplingParams()])
+
+
+def test_offline_batch_larger_than_the_queue_limit_completes() -> None:
+    """Admission control caps the waiting queue; the offline API feeds it as it drains."""
+    llm = LLM("tiny", max_queue_len=3, max_num_seqs=2)
+    outs = llm.generate([[5 + i, 6] for i in range(9)],
+                        SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3] * 9
+    assert llm.stats()["peak_waiting"] <= 3

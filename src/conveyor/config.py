@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.core.policies import PolicyConfig
+from conveyor.core.policies import POLICIES, PREDICTORS, PolicyConfig
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -87,6 +87,17 @@ class SchedulerConfig:
         if self.queue_wait_action not in ("admit", "reject"):
             raise ValueError(
                 f"queue_wait_action must be 'admit' or 'reject', got {self.queue_wait_action!r}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}; valid "
+                             f"policies: {', '.join(sorted(POLICIES))}")
+        if self.max_queue_len is not None and self.max_queue_len < 0:
+            raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        if self.max_queue_wait_s is not None and not self.max_queue_wait_s >= 0:
+            raise ValueError(f"max_queue_wait_s must be >= 0, got {self.max_queue_wait_s}")
+        if self.max_preemptions_per_request is not None \
+                and self.max_preemptions_per_request < 0:
+            raise ValueError(f"max_preemptions_per_request must be >= 0, "
+                             f"got {self.max_preemptions_per_request}")
 
 
 @dataclass(frozen=True)
@@ -124,11 +135,13 @@ class EngineArgs:
     queue_wait_action: str = "admit"
     max_preemptions_per_request: int | None = None
     sjf_aging_s: float = 0.0
+    sjf_predictor: str = "hint"
     fair_input_weight: float = 1.0
     fair_output_weight: float = 2.0
     tenant_weights: dict[str, float] | None = None
     default_slo_ttft_ms: float | None = None
     default_slo_tpot_ms: float | None = None
+    lpm_window: int = 64
 
     # ---- CLI -----------------------------------------------------------------------------
     @staticmethod
@@ -158,20 +171,36 @@ class EngineArgs:
         g.add_argument("--max-num-seqs", type=int, default=32)
         g.add_argument("--max-num-batched-tokens", type=int, default=512)
         g.add_argument("--batching", default="continuous", choices=("continuous", "static"))
-        g.add_argument("--scheduling-policy", default="fcfs")
+        g.add_argument("--scheduling-policy", default="fcfs",
+                       help=f"waiting order and preemption: {', '.join(sorted(POLICIES))} "
+                            "(docs/scheduling.md)")
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=True)
-        g.add_argument("--max-queue-len", type=int, default=None)
-        g.add_argument("--max-queue-wait-s", type=float, default=None)
-        g.add_argument("--queue-wait-action", default="admit", choices=("admit", "reject"))
-        g.add_argument("--max-preemptions-per-request", type=int, default=None)
-        g.add_argument("--sjf-aging-s", type=float, default=0.0)
+        g.add_argument("--max-queue-len", type=int, default=None,
+                       help="refuse new requests (429) while this many are waiting")
+        g.add_argument("--max-queue-wait-s", type=float, default=None,
+                       help="a request waiting this long goes next whatever the policy")
+        g.add_argument("--queue-wait-action", default="admit", choices=("admit", "reject"),
+                       help="what --max-queue-wait-s does to a request that never ran")
+        g.add_argument("--max-preemptions-per-request", type=int, default=None,
+                       help="a request preempted this often is no longer a victim")
+        g.add_argument("--sjf-aging-s", type=float, default=0.0,
+                       help="sjf: never let a request that arrived this much later go "
+                            "first (0: no aging)")
+        g.add_argument("--sjf-predictor", default="hint", choices=sorted(PREDICTORS),
+                       help="sjf: expected output length (hint: expected_output_tokens, "
+                            "else max_tokens)")
         g.add_argument("--fair-input-weight", type=float, default=1.0)
         g.add_argument("--fair-output-weight", type=float, default=2.0)
         g.add_argument("--tenant-weights", type=_parse_weights, default=None,
                        help="per-tenant weights for the fair policy, e.g. a=2,b=1")
-        g.add_argument("--default-slo-ttft-ms", type=float, default=None)
-        g.add_argument("--default-slo-tpot-ms", type=float, default=None)
+        g.add_argument("--default-slo-ttft-ms", type=float, default=None,
+                       help="TTFT target of requests that carry none (edf, metrics)")
+        g.add_argument("--default-slo-tpot-ms", type=float, default=None,
+                       help="TPOT target of requests that carry none (edf, metrics)")
+        g.add_argument("--lpm-window", type=int, default=64,
+                       help="lpm: oldest waiting requests compared, and the most overtakes "
+                            "any request suffers")
         return parser
 
     @classmethod
@@ -194,6 +223,7 @@ class EngineArgs:
             max_preemptions_per_request=self.max_preemptions_per_request,
             policy=PolicyConfig(
                 sjf_aging_s=self.sjf_aging_s,
+                sjf_predictor=self.sjf_predictor,
                 fair_input_weight=self.fair_input_weight,
                 fair_output_weight=self.fair_output_weight,
                 tenant_weights=tuple(sorted((self.tenant_weights or {}).items())),
@@ -201,6 +231,7 @@ class EngineArgs:
                                     if self.default_slo_ttft_ms is not None else None),
                 default_slo_tpot_s=(self.default_slo_tpot_ms * ms
                                     if self.default_slo_tpot_ms is not None else None),
+                lpm_window=self.lpm_window,
             ),
         )
 
@@ -324,5 +355,9 @@ def _parse_weights(text: str) -> dict[str, float]:
     out = {}
     for part in filter(None, text.split(",")):
         name, _, weight = part.partition("=")
-        out[name.strip()] = float(weight)
+        try:
+            out[name.strip()] = float(weight)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected tenant=weight pairs separated by commas, got {part!r}") from None
     return out

@@ -39,12 +39,16 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list, repr=False)
     priority: int = 0
     tenant: str = "default"
+    # The request's targets (its own or the server's defaults), None when it has none.
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
     # ---- recording (shared by the engine's output processor and the simulator) ----------
     @classmethod
     def for_request(cls, req: Request) -> RequestMetrics:
         return cls(arrival_time=req.arrival_time, num_prompt_tokens=req.num_prompt_tokens,
-                   priority=req.priority, tenant=req.tenant)
+                   priority=req.priority, tenant=req.tenant, slo_ttft_s=req.slo_ttft_s,
+                   slo_tpot_s=req.slo_tpot_s)
 
     def record_tokens(self, num_tokens: int, now: float) -> None:
         """``num_tokens`` generated tokens delivered at ``now``."""
@@ -87,6 +91,18 @@ class RequestMetrics:
                 or self.last_token_time is None:
             return None
         return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+    @property
+    def slo_attained(self) -> bool | None:
+        """Whether the request met its TTFT and TPOT targets (None: it has no target)."""
+        if self.slo_ttft_s is None and self.slo_tpot_s is None:
+            return None
+        if self.finish_reason == "abort" or self.first_token_time is None:
+            return False
+        if self.slo_ttft_s is not None and self.ttft > self.slo_ttft_s:
+            return False
+        tpot = self.tpot
+        return not (self.slo_tpot_s is not None and tpot is not None and tpot > self.slo_tpot_s)
 
     @property
     def itls(self) -> list[float]:

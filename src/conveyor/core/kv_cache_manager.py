@@ -160,16 +160,31 @@ class KVCacheManager:
                      computed: ComputedBlocks = _NO_HIT) -> bool:
         return self._num_new_blocks(request, num_new_tokens, computed) is not None
 
-    def _num_new_blocks(self, request: Request, num_new_tokens: int,
-                        computed: ComputedBlocks) -> int | None:
+    def _blocks_wanted(self, request: Request, num_new_tokens: int,
+                       computed: ComputedBlocks) -> tuple[int, int]:
+        """(new blocks to allocate, prefix hits that sit in the free queue)."""
         held = self.req_blocks.get(request.request_id, ())
         total_tokens = request.num_computed_tokens + computed.num_tokens + num_new_tokens
         n_new = max(0, self.blocks_needed(total_tokens) - len(held) - len(computed.blocks))
         # Hits with no other holder sit in the free queue: taking them shrinks what is free.
         n_hits_free = sum(1 for b in computed.blocks if b.ref_cnt == 0)
+        return n_new, n_hits_free
+
+    def _num_new_blocks(self, request: Request, num_new_tokens: int,
+                        computed: ComputedBlocks) -> int | None:
+        n_new, n_hits_free = self._blocks_wanted(request, num_new_tokens, computed)
         if n_new > self.pool.num_free_blocks - n_hits_free:
             return None
         return n_new
+
+    def num_blocks_to_take(self, request: Request, num_new_tokens: int,
+                           computed: ComputedBlocks = _NO_HIT) -> int:
+        """Free-queue blocks ``allocate_slots`` would consume (it fails if fewer are free)."""
+        return sum(self._blocks_wanted(request, num_new_tokens, computed))
+
+    def num_exclusive_blocks(self, request_id: str) -> int:
+        """Blocks only this request holds: what freeing it gives back to the free queue."""
+        return sum(1 for b in self.req_blocks.get(request_id, ()) if b.ref_cnt == 1)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: ComputedBlocks = _NO_HIT) -> list[int] | None:

@@ -9,7 +9,16 @@ One step:
 Running requests are served first (a decode token each, or their next prefill
 chunk), then waiting ones in the policy's order. When the KV pool runs dry a
 running request is preempted by recompute: its blocks are freed and it rejoins
-the waiting queue with ``num_computed_tokens = 0``.
+the waiting queue with ``num_computed_tokens = 0``. A waiting request that does
+not fit may have running requests preempted for it when the policy names
+victims (``priority``); nobody is preempted unless that makes room.
+
+Shared controls, the same for every policy: ``max_num_seqs`` and
+``max_num_batched_tokens`` caps; ``max_queue_len`` (the engine refuses new
+requests beyond it); ``max_queue_wait_s`` (a request waiting that long since it
+joined the queue is admitted before the policy's choice, or rejected with
+``queue_wait_action="reject"`` if it never ran); ``max_preemptions_per_request``
+(a request preempted that often is no longer offered as a victim).
 
 In ``static`` batching mode waiting requests are only admitted when nothing is
 running: the classic baseline that holds a batch until its longest member ends.
@@ -19,11 +28,14 @@ The scheduler never imports torch and never reads a clock: ``now`` comes in.
 
 from __future__ import annotations
 
+import heapq
+import itertools
+from collections import deque
 from dataclasses import dataclass, field
 
 from conveyor.config import SchedulerConfig
-from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.core.policies import SchedulingPolicy, make_policy
+from conveyor.core.kv_cache_manager import ComputedBlocks, KVCacheManager
+from conveyor.core.policies import PolicyContext, SchedulingPolicy, make_policy
 from conveyor.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -55,7 +67,11 @@ class RequestUpdate:
 class SchedulerStats:
     num_steps: int = 0
     num_preemptions: int = 0
-    num_rejected: int = 0
+    # of which made to admit a waiting request (the rest: a running request needed a block)
+    num_admission_preemptions: int = 0
+    num_rejected: int = 0  # queue full (counted by the engine) or waited too long
+    num_wait_rejected: int = 0  # rejected by max_queue_wait_s
+    num_overdue: int = 0  # promoted ahead of the policy's order by max_queue_wait_s
     peak_running: int = 0
     peak_waiting: int = 0
     total_scheduled_tokens: int = 0
@@ -70,6 +86,8 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.policy = policy or make_policy(config.scheduling_policy, config.policy)
+        self.policy.bind(PolicyContext(max_model_len=max_model_len,
+                                       cached_prefix_tokens=self._cached_prefix_tokens))
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -82,8 +100,14 @@ class Scheduler:
         # Finished by the scheduler outside update() (queue-wait rejection, aborts): reported
         # by the next update() so the engine learns about them.
         self._pending_updates: list[RequestUpdate] = []
+        # max_queue_wait_s: (time joined the queue, entry seq, request), oldest first; an
+        # entry is live while _wait_entry[request_id] holds its seq.
+        self._wait_heap: list[tuple[float, int, Request]] = []
+        self._wait_entry: dict[str, int] = {}
+        self._wait_seq = itertools.count()
         # Waiting requests past max_queue_wait_s, admitted before the policy's choice.
-        self._overdue: list[Request] = []
+        self._overdue: deque[Request] = deque()
+        self._overdue_ids: set[str] = set()
         # Block ids of each request the runner has been told about.
         self._blocks_sent: dict[str, int] = {}
 
@@ -94,11 +118,13 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.policy.add(request, now)
+        self._track_wait(request, request.arrival_time)
         self.stats.peak_waiting = max(self.stats.peak_waiting, len(self.policy))
 
-    def queue_full(self) -> bool:
+    def queue_full(self, num_new: int = 1) -> bool:
+        """Whether admission control refuses ``num_new`` more waiting requests."""
         limit = self.config.max_queue_len
-        return limit is not None and len(self.policy) >= limit
+        return limit is not None and len(self.policy) + num_new > limit
 
     def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
         """Finish requests from outside the step (abort, stop string); unknown ids are ignored."""
@@ -123,7 +149,13 @@ class Scheduler:
             self._runner_known.discard(req.request_id)
             self._dropped_ids.add(req.request_id)
         self._blocks_sent.pop(req.request_id, None)
+        self._wait_entry.pop(req.request_id, None)
+        self._overdue_ids.discard(req.request_id)
         self.policy.on_finished(req)
+
+    def _cached_prefix_tokens(self, req: Request) -> int:
+        """The policy's one window on the KV cache: prompt tokens it holds for ``req``."""
+        return self.kv.get_computed_blocks(req).num_tokens
 
     @property
     def num_waiting(self) -> int:
@@ -144,14 +176,14 @@ class Scheduler:
         admit_allowed = self.config.batching == "continuous" or not self.running
 
         self._apply_queue_wait_limit(now)
-        budget = self._schedule_running(scheduled, preempted, budget)
+        budget = self._schedule_running(scheduled, preempted, budget, now)
         if not preempted and admit_allowed:
             self._schedule_waiting(scheduled, preempted, budget, now)
         return self._build_output(scheduled, preempted, now)
 
     def _schedule_running(self, scheduled: dict[str, int], preempted: list[Request],
-                          budget: int) -> int:
-        for req in list(self.running):
+                          budget: int, now: float) -> int:
+        for req in self.policy.order_running(list(self.running)):
             if budget <= 0:
                 break
             if req.status != _RUNNING:
@@ -163,7 +195,7 @@ class Scheduler:
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self._pick_victim(req)
                 budget += scheduled.pop(victim.request_id, 0)
-                self._preempt(victim)
+                self._preempt(victim, now)
                 preempted.append(victim)
                 if victim is req:
                     break
@@ -183,7 +215,7 @@ class Scheduler:
         return [r for r in self.running
                 if limit is None or r.num_preemptions < limit or r is requester]
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, now: float) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
@@ -194,39 +226,85 @@ class Scheduler:
             self._runner_known.discard(req.request_id)
             self._dropped_preempted.add(req.request_id)
         self._blocks_sent.pop(req.request_id, None)
-        self.policy.requeue(req, req.arrival_time)
+        self.policy.requeue(req, now)
+        self._track_wait(req, now)
 
     def _schedule_waiting(self, scheduled: dict[str, int], preempted: list[Request],
                           budget: int, now: float) -> None:
-        static = self.config.batching == "static"
-        while len(self.running) < self.config.max_num_seqs:
-            req = self._next_waiting(now)
-            if req is None:
-                return
-            if budget <= 0 and not static:
-                return
+        """Admit in the policy's order; stop at the first request that cannot get room."""
+        admitted: set[str] = set()  # admitted in this step: never preempted for another
+        while (req := self._next_waiting(now)) is not None:
             computed = self.kv.get_computed_blocks(req)
-            remaining = req.num_tokens - computed.num_tokens
-            num_new = min(remaining, max(budget, 0))
-            if num_new < remaining and not self.config.enable_chunked_prefill:
-                num_new = 0 if static else -1
-            if num_new < 0 or self.kv.allocate_slots(req, num_new, computed) is None:
-                victim = self.policy.victim_for_waiting(self._preemptible(req), req)
-                if victim is None or victim.request_id in scheduled:
-                    return
-                self._preempt(victim)
-                preempted.append(victim)
+            num_new = self._admission_tokens(req, computed, budget)
+            if (num_new is not None and len(self.running) < self.config.max_num_seqs
+                    and self.kv.allocate_slots(req, num_new, computed) is not None):
+                self.policy.pop(req)
+                self._admit(req, computed.num_tokens, now)
+                admitted.add(req.request_id)
+                if num_new > 0:
+                    scheduled[req.request_id] = num_new
+                    budget -= num_new
+                    # Safe to publish now: an admission is never preempted within its step
+                    # (``admitted`` protects it from _victims_for), so these blocks are
+                    # computed this step (n > 1 siblings share them at once).
+                    self.kv.cache_computed_blocks(req, req.num_computed_tokens + num_new)
                 continue
-            self.policy.pop(req)
-            self._admit(req, computed.num_tokens)
-            if num_new > 0:
-                scheduled[req.request_id] = num_new
-                budget -= num_new
-                # Safe to publish now: an admission is never preempted within its step, so
-                # these blocks are computed this step (n > 1 siblings share them at once).
-                self.kv.cache_computed_blocks(req, req.num_computed_tokens + num_new)
+            if self.config.batching == "static":
+                return
+            victims = self._victims_for(req, computed, budget, scheduled, admitted)
+            if not victims:
+                return
+            for victim in victims:
+                budget += scheduled.pop(victim.request_id, 0)
+                self._preempt(victim, now)
+                preempted.append(victim)
+                self.stats.num_admission_preemptions += 1
 
-    def _admit(self, req: Request, num_cached: int) -> None:
+    def _admission_tokens(self, req: Request, computed: ComputedBlocks,
+                          budget: int) -> int | None:
+        """Tokens a waiting request would compute if admitted now, or None if it cannot be.
+
+        Static batching admits with 0 tokens (the batch waits for budget as a whole).
+        """
+        remaining = req.num_tokens - computed.num_tokens
+        num_new = min(remaining, max(budget, 0))
+        if num_new < remaining and not self.config.enable_chunked_prefill:
+            num_new = 0
+        if num_new == 0 and self.config.batching != "static":
+            return None
+        return num_new
+
+    def _victims_for(self, req: Request, computed: ComputedBlocks, budget: int,
+                     scheduled: dict[str, int], admitted: set[str]) -> list[Request]:
+        """Running requests the policy would preempt so that waiting ``req`` fits.
+
+        Asks the policy one victim at a time and counts what each would give back (a
+        sequence slot, its tokens of this step's budget, the blocks only it holds)
+        until ``req`` would fit; returns [] (preempt nobody) if the policy runs out of
+        victims first. Shared prefix blocks are not counted as freed, so the count
+        errs on the side of preempting too few; the caller then asks again.
+        """
+        candidates = [r for r in self._preemptible(req) if r.request_id not in admitted]
+        victims: list[Request] = []
+        free_seqs = self.config.max_num_seqs - len(self.running)
+        free_blocks = self.kv.num_free_blocks
+        while True:
+            if victims and free_seqs > 0:
+                num_new = self._admission_tokens(req, computed, budget)
+                if (num_new is not None
+                        and self.kv.num_blocks_to_take(req, num_new, computed) <= free_blocks):
+                    return victims
+            victim = self.policy.victim_for_waiting(candidates, req)
+            if victim is None:
+                return []
+            assert victim in candidates, f"policy {self.policy.name} named a non-candidate"
+            candidates.remove(victim)
+            victims.append(victim)
+            free_seqs += 1
+            budget += scheduled.get(victim.request_id, 0)
+            free_blocks += self.kv.num_exclusive_blocks(victim.request_id)
+
+    def _admit(self, req: Request, num_cached: int, now: float) -> None:
         if req.num_cached_tokens < 0:  # first admission: record the prefix hit
             req.num_cached_tokens = num_cached
             self.kv.record_lookup(req.num_prompt_tokens, num_cached)
@@ -235,34 +313,55 @@ class Scheduler:
         req.admitted_seq = self._admit_seq
         self._admit_seq += 1
         self.running.append(req)
+        self._wait_entry.pop(req.request_id, None)
+        self._overdue_ids.discard(req.request_id)
+        self.policy.on_admitted(req, now)
+
+    # ---- queue-wait threshold ------------------------------------------------------------
+    def _track_wait(self, req: Request, now: float) -> None:
+        """Start the queue-wait clock of a request joining the waiting queue."""
+        if self.config.max_queue_wait_s is None:
+            return
+        seq = next(self._wait_seq)
+        self._wait_entry[req.request_id] = seq
+        heapq.heappush(self._wait_heap, (now, seq, req))
 
     def _next_waiting(self, now: float) -> Request | None:
         """Overdue requests (past ``max_queue_wait_s``) first, oldest first; else the policy's."""
         while self._overdue:
             req = self._overdue[0]
-            if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) \
-                    and req.request_id in self.requests:
+            if req.request_id in self._overdue_ids:
                 return req
-            self._overdue.pop(0)
+            self._overdue.popleft()
         return self.policy.peek(now)
 
     def _apply_queue_wait_limit(self, now: float) -> None:
+        """Promote (or reject) requests that have waited ``max_queue_wait_s``: O(log n) each.
+
+        The clock starts when a request joins the waiting queue (arrival or preemption).
+        Only a request that never ran is rejected; a preempted one, which has already
+        streamed output, is promoted instead.
+        """
         limit = self.config.max_queue_wait_s
         if limit is None:
             return
-        overdue = [r for r in self.policy.waiting()
-                   if now - r.arrival_time >= limit and not r.policy_state.get("overdue")]
-        overdue.sort(key=lambda r: r.arrival_time)
-        for req in overdue:
-            if self.config.queue_wait_action == "reject":
+        heap = self._wait_heap
+        while heap and now - heap[0][0] >= limit:
+            _, seq, req = heapq.heappop(heap)
+            if self._wait_entry.get(req.request_id) != seq:
+                continue  # admitted or finished since it joined the queue
+            del self._wait_entry[req.request_id]
+            if self.config.queue_wait_action == "reject" and req.first_scheduled_time is None:
                 self.policy.pop(req)
                 self.stats.num_rejected += 1
+                self.stats.num_wait_rejected += 1
                 self._finish(req, RequestStatus.FINISHED_REJECTED)
                 req.finished_time = now
                 self._pending_updates.append(
                     RequestUpdate(req.request_id, [], status=RequestStatus.FINISHED_REJECTED))
             else:
-                req.policy_state["overdue"] = True
+                self.stats.num_overdue += 1
+                self._overdue_ids.add(req.request_id)
                 self._overdue.append(req)
 
     def _build_output(self, scheduled: dict[str, int], preempted: list[Request],

@@ -19,9 +19,14 @@ import torch
 from conveyor.config import EngineArgs, EngineConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import Scheduler
+from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.engine.detokenizer import load_tokenizer
 from conveyor.engine.output_processor import OutputProcessor
-from conveyor.engine.validation import capped_max_tokens, validate_prompt
+from conveyor.engine.validation import (
+    capped_max_tokens,
+    validate_prompt,
+    validate_scheduling,
+)
 from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.model_runner import ModelRunner
@@ -103,6 +108,9 @@ class LLMEngine:
                         max_model_len=self.max_model_len,
                         has_tokenizer=self.tokenizer is not None)
 
+    # Shared with the simulator (torch-free module).
+    validate_scheduling = staticmethod(validate_scheduling)
+
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     priority: int = 0, tenant: str | None = None,
@@ -112,7 +120,8 @@ class LLMEngine:
         params = params or SamplingParams()
         text, prompt_ids = self.tokenize(prompt)
         self.validate(prompt_ids, params)
-        if self.scheduler.queue_full():
+        self.validate_scheduling(priority, tenant, slo_ttft_ms, slo_tpot_ms)
+        if self.scheduler.queue_full(params.n):
             self.scheduler.stats.num_rejected += 1
             raise QueueFullError(f"the waiting queue is full "
                                  f"({self.config.scheduler.max_queue_len} requests)")
@@ -122,6 +131,13 @@ class LLMEngine:
         now = self.clock() if arrival_time is None else arrival_time
         max_tokens = capped_max_tokens(params, len(prompt_ids), self.max_model_len)
         params = params.clone(eos_token_ids=self.eos_token_ids)
+        # The request carries its effective targets (its own, else the server's defaults),
+        # so that policies and metrics read one place.
+        policy_cfg = self.config.scheduler.policy
+        slo_ttft_s = slo_ttft_ms / 1e3 if slo_ttft_ms is not None \
+            else policy_cfg.default_slo_ttft_s
+        slo_tpot_s = slo_tpot_ms / 1e3 if slo_tpot_ms is not None \
+            else policy_cfg.default_slo_tpot_s
         children = []
         for k in range(params.n):
             child_params = params
@@ -131,8 +147,7 @@ class LLMEngine:
             children.append(Request(
                 child_id, prompt_ids, child_params, now, priority=priority,
                 tenant=tenant or "default", max_tokens=max_tokens,
-                slo_ttft_s=slo_ttft_ms / 1e3 if slo_ttft_ms is not None else None,
-                slo_tpot_s=slo_tpot_ms / 1e3 if slo_tpot_ms is not None else None))
+                slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s))
         self.output_processor.add(request_id, text, params, children, output_kind)
         for req in children:
             self.scheduler.add_request(req, now)
@@ -160,6 +175,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule(self.clock())
+        self._count_new_prompts(sched_out)
         t1 = time.perf_counter()
         run_out = self.runner.execute(sched_out)
         t2 = time.perf_counter()
@@ -180,13 +196,18 @@ class LLMEngine:
                 entry[1].request.finished_time = now
         for upd in updates:
             self.num_generation_tokens += len(upd.new_token_ids)
-        for rid in sched_out.new_reqs:
-            if rid.num_computed_tokens == 0 and not rid.output_token_ids:
-                self.num_prompt_tokens += len(rid.prompt_token_ids)
         self._record_finished(finished)
         for listener in self.step_listeners:
             listener(self, finished)
         return outputs
+
+    def _count_new_prompts(self, sched_out: SchedulerOutput) -> None:
+        """Each prompt counts once, cached tokens included, when first admitted (a prefix hit
+        starts with num_computed_tokens > 0; a preempted request comes back as new)."""
+        for new in sched_out.new_reqs:
+            req = self.scheduler.requests.get(new.req_id)
+            if req is not None and req.num_preemptions == 0:
+                self.num_prompt_tokens += len(new.prompt_token_ids)
 
     def _record_finished(self, finished: list[RequestMetrics]) -> None:
         self.num_finished += len(finished)
@@ -197,9 +218,13 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats
         return {
+            "scheduling_policy": self.scheduler.policy.name,
             "num_steps": s.num_steps,
             "num_preemptions": s.num_preemptions,
+            "num_admission_preemptions": s.num_admission_preemptions,
             "num_rejected": s.num_rejected,
+            "num_wait_rejected": s.num_wait_rejected,
+            "num_overdue": s.num_overdue,
             "peak_running": s.peak_running,
             "peak_waiting": s.peak_waiting,
             "num_running": self.scheduler.num_running,
@@ -218,4 +243,5 @@ class LLMEngine:
             "generation_tokens": self.num_generation_tokens,
             "scheduled_tokens": s.total_scheduled_tokens,
             "max_model_len": self.max_model_len,
+            "policy": self.scheduler.policy.stats(),
         }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from conveyor.sampling_params import SamplingParams
 
 
@@ -31,3 +33,18 @@ def capped_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_
     """``max_tokens`` resolved against the room the model leaves after the prompt."""
     room = max_model_len - num_prompt_tokens
     return min(params.max_tokens, room) if params.max_tokens is not None else room
+
+
+def validate_scheduling(priority: int = 0, tenant: str | None = None,
+                        slo_ttft_ms: float | None = None,
+                        slo_tpot_ms: float | None = None) -> None:
+    """Check the per-request scheduling fields; raises ValueError naming the field."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if tenant is not None and (not isinstance(tenant, str) or not tenant):
+        raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
+    for name, value in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms)):
+        if value is not None and not (isinstance(value, int | float)
+                                      and not isinstance(value, bool)
+                                      and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a number > 0, got {value!r}")

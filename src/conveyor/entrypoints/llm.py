@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +28,7 @@ class LLM:
             raise TypeError(f"unknown LLM option(s): {', '.join(unknown)}")
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.engine = LLMEngine(self.engine_args)
+        self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -54,17 +56,29 @@ class LLM:
         ttfts = _per_prompt(slo_ttft_ms, n, "slo_ttft_ms", None)
         tpots = _per_prompt(slo_tpot_ms, n, "slo_tpot_ms", None)
         engine = self.engine
+        tokenized = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
-                engine.validate(engine.tokenize(prompt)[1], params)
+                text, token_ids = engine.tokenize(prompt)
+                engine.validate(token_ids, params)
+                engine.validate_scheduling(priorities[i], tenants[i], ttfts[i], tpots[i])
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [engine.add_request(p, sp, priority=pr, tenant=t, slo_ttft_ms=a, slo_tpot_ms=b)
-               for p, sp, pr, t, a, b in zip(prompts, params_list, priorities, tenants, ttfts,
-                                             tpots)]
-        return self._run(ids, use_tqdm)
+            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
+        ids = [f"offline-{next(self._ids)}" for _ in tokenized]
+        pending = list(zip(ids, tokenized, params_list, priorities, tenants, ttfts, tpots))
+        return self._run(ids, pending, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+    def _admit(self, pending: list[tuple]) -> None:
+        """Queue pending requests while admission control (max_queue_len) has room."""
+        engine = self.engine
+        while pending and not engine.scheduler.queue_full(pending[0][2].n):
+            rid, prompt, sp, pr, tenant, ttft, tpot = pending.pop(0)
+            engine.add_request(prompt, sp, request_id=rid, priority=pr, tenant=tenant,
+                               slo_ttft_ms=ttft, slo_tpot_ms=tpot)
+
+    def _run(self, ids: list[str], pending: list[tuple],
+             use_tqdm: bool | None) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
         bar = None
@@ -74,12 +88,14 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
         wanted = set(ids)
         try:
+            self._admit(pending)
             while len(results) < len(ids) and self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+                self._admit(pending)
         finally:
             if bar is not None:
                 bar.close()

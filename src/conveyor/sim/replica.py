@@ -22,7 +22,11 @@ from conveyor.config import CacheConfig, ModelConfig, SchedulerConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from conveyor.engine.validation import capped_max_tokens, validate_prompt
+from conveyor.engine.validation import (
+    capped_max_tokens,
+    validate_prompt,
+    validate_scheduling,
+)
 from conveyor.outputs import RequestMetrics
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
@@ -101,7 +105,8 @@ class SimReplica:
         model = self.setup.model
         validate_prompt(prompt, params, vocab_size=model.vocab_size,
                         max_model_len=model.max_model_len, has_tokenizer=False)
-        if self.scheduler.queue_full():
+        validate_scheduling(item.priority, item.tenant, item.slo_ttft_ms, item.slo_tpot_ms)
+        if self.scheduler.queue_full(params.n):
             self.scheduler.stats.num_rejected += 1
             raise ValueError(f"the waiting queue is full "
                              f"({self.setup.scheduler.max_queue_len} requests)")

@@ -1,0 +1,203 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an ``AsyncEngine``.
+
+    GET  /health               200 while the engine loop runs, 503 otherwise (no auth)
+    GET  /metrics              Prometheus text, prefix ``conveyor:``
+    GET  /v1/models
+    POST /v1/completions
+    POST /v1/chat/completions
+
+The server only translates HTTP to engine calls: request parsing and response
+shapes live in ``protocol`` and the ``serving_*`` modules, scheduling and limits
+in the engine. Uvicorn drains in-flight requests on SIGTERM/SIGINT before the
+lifespan stops the engine loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hmac
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.entrypoints.openai.chat_template import (
+    ChatTemplate,
+    find_chat_template,
+    special_tokens_of,
+)
+from conveyor.entrypoints.openai.errors import OpenAIError
+from conveyor.entrypoints.openai.protocol import ModelCard, ModelList
+from conveyor.entrypoints.openai.serving_chat import create_chat_completion
+from conveyor.entrypoints.openai.serving_common import ServerState
+from conveyor.entrypoints.openai.serving_completion import create_completion
+from conveyor.metrics import CONTENT_TYPE, EngineMetrics
+
+logger = logging.getLogger("conveyor.server")
+
+API_KEY_ENV = "CONVEYOR_API_KEY"
+_OPEN_PATHS = frozenset({"/health"})
+
+
+class APIKeyMiddleware:
+    """Every route but /health needs ``Authorization: Bearer <key>``; 401 otherwise.
+
+    Plain ASGI (not BaseHTTPMiddleware) so streaming and disconnects pass through untouched.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            err = OpenAIError(401, "missing or incorrect API key: send 'Authorization: Bearer "
+                                   "<key>'", code="invalid_api_key")
+            await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        yield
+        await state.engine.shutdown()
+
+    app = FastAPI(title="conveyor", lifespan=lifespan)
+    app.state.conveyor = state
+    if state.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
+    state.engine.finish_listeners.append(state.metrics.observe_finished)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = OpenAIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        err = OpenAIError(503, f"the engine loop is not running: {state.engine.error!r}",
+                          code="engine_dead")
+        return JSONResponse(err.body(), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.engine.is_alive:
+            state.metrics.update_stats(await state.engine.stats())
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=state.model_name, root=state.model_root,
+                         max_model_len=state.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(raw_request: Request) -> Response:
+        return await _guarded(create_completion(state, raw_request), raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw_request: Request) -> Response:
+        return await _guarded(create_chat_completion(state, raw_request), raw_request)
+
+    return app
+
+
+async def _guarded(handler: Awaitable[Response], raw_request: Request) -> Response:
+    """A bug in one request's handling fails that request alone, with a 500 error body."""
+    try:
+        return await handler
+    except OpenAIError as e:
+        return JSONResponse(e.body(), status_code=e.status)
+    except Exception as e:
+        logger.exception("%s %s failed", raw_request.method, raw_request.url.path)
+        err = OpenAIError(500, f"internal error: {type(e).__name__}: {e}")
+        return JSONResponse(err.body(), status_code=500)
+
+
+def make_state(engine: AsyncEngine, *, api_key: str | None = None,
+               request_timeout_s: float | None = None,
+               chat_template: str | None = None) -> ServerState:
+    """Server state around an engine: model name, chat template, metrics registry."""
+    import prometheus_client
+
+    prometheus_client.disable_created_metrics()  # the *_created series are noise here
+    cfg = engine.engine.config.model
+    tokenizer = engine.engine.tokenizer
+    source = find_chat_template(cfg.tokenizer, chat_template)
+    template = ChatTemplate(source, special_tokens_of(tokenizer)) if source else None
+    if request_timeout_s is not None and request_timeout_s <= 0:
+        raise ValueError(f"--request-timeout must be > 0, got {request_timeout_s}")
+    return ServerState(engine=engine, model_name=cfg.served_model_name, model_root=cfg.path,
+                       max_model_len=engine.engine.max_model_len,
+                       metrics=EngineMetrics(engine.engine.max_model_len),
+                       chat_template=template, request_timeout_s=request_timeout_s,
+                       api_key=api_key)
+
+
+# ---- command line ------------------------------------------------------------------------
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from conveyor.config import EngineArgs
+
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health "
+                        f"(default: ${API_KEY_ENV} if set)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: --model)")
+    g.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="abort a request not finished this long after it arrived")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja2 chat template (file or text) overriding the checkpoint's")
+    g.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    g.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from conveyor.config import EngineArgs
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_args = EngineArgs.from_cli_args(args)
+    engine = AsyncEngine.from_engine_args(engine_args)
+    # A server runs for days: per-request figures go to Prometheus as requests finish
+    # (finish_listeners) instead of piling up in engine.finished_metrics.
+    engine.engine.keep_metrics = False
+    state = make_state(engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                       request_timeout_s=args.request_timeout, chat_template=args.chat_template)
+    cfg = engine.engine.config
+    logger.info("serving %r (%s, %s, %d KV blocks of %d tokens, max_model_len %d) on "
+                "http://%s:%d", state.model_name, cfg.model.dtype, cfg.device,
+                cfg.cache.num_kv_blocks, cfg.cache.block_size, state.max_model_len,
+                args.host, args.port)
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
+                            log_level=args.log_level, access_log=not args.no_access_log,
+                            timeout_graceful_shutdown=None)
+    uvicorn.Server(config).run()
+    return 0

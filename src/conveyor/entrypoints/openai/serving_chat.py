@@ -1,0 +1,203 @@
+"""``POST /v1/chat/completions``: messages rendered with the checkpoint's chat template.
+
+The rendered text is tokenized as is (no extra BOS): templates write their own
+special tokens, as in vLLM. Streams open with a role chunk per choice, then
+content deltas; the chunk that ends a choice carries its ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from conveyor.engine.async_engine import RequestStream
+from conveyor.entrypoints.openai.chat_template import ChatTemplateError
+from conveyor.entrypoints.openai.errors import OpenAIError, parse_body
+from conveyor.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    DeltaMessage,
+)
+from conveyor.entrypoints.openai.serving_common import (
+    DONE,
+    ClientDisconnected,
+    ServerState,
+    add_streams,
+    build_sampling_params,
+    check_model,
+    check_not_aborted,
+    clamp_logprob,
+    final_outputs,
+    make_usage,
+    merge_streams,
+    random_id,
+    request_error,
+    request_options,
+    sse,
+    sse_error,
+    sse_response,
+    token_text,
+    until_disconnected,
+)
+from conveyor.outputs import CompletionOutput, RequestOutput
+
+MAX_TOP_LOGPROBS = 20
+
+
+async def create_chat_completion(state: ServerState, raw_request: Request) -> Response:
+    req = parse_body(ChatCompletionRequest, await raw_request.body())
+    check_model(state, req.model)
+    _check_supported(req)
+    prompt = render_prompt(state, req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = build_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    request_id = random_id("chatcmpl")
+    created = int(time.time())
+    streams = await add_streams(state, [prompt], params, request_id,
+                                request_options(req, raw_request),
+                                output_kind="delta" if req.stream else "final",
+                                prompt_param="messages")
+    if req.stream:
+        return sse_response(_stream(state, req, request_id, created, streams[0]))
+    try:
+        outputs = await until_disconnected(raw_request, final_outputs(streams))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except Exception as e:  # timeout, engine fault: this request's error, as an HTTP status
+        raise request_error(e) from None
+    check_not_aborted(outputs)
+    return JSONResponse(_response(req, request_id, created, state.model_name,
+                                  outputs[0]).model_dump())
+
+
+def _check_supported(req: ChatCompletionRequest) -> None:
+    for name in ("tools", "functions"):
+        if getattr(req, name):
+            raise OpenAIError(400, f"{name} (tool calling) is not supported", param=name)
+    for name in ("tool_choice", "function_call"):
+        if getattr(req, name) not in (None, "none", "auto"):
+            raise OpenAIError(400, f"{name} (tool calling) is not supported", param=name)
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise OpenAIError(400, "response_format other than text (structured output) is not "
+                               "supported", param="response_format")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs set to true",
+                              param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                   f"{req.top_logprobs}", param="top_logprobs")
+
+
+def render_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
+    if state.chat_template is None:
+        raise OpenAIError(400, "this model has no chat template (none in its tokenizer files); "
+                               "start the server with --chat-template, or use /v1/completions",
+                          param="messages")
+    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    try:
+        return state.chat_template.render(messages, req.add_generation_prompt,
+                                          **(req.chat_template_kwargs or {}))
+    except ChatTemplateError as e:
+        raise OpenAIError(400, f"the chat template rejected the messages: {e}",
+                          param="messages") from None
+
+
+def _message_dict(i: int, message: ChatMessage) -> dict[str, Any]:
+    """A plain dict for the template; text parts are joined, other parts are refused."""
+    out = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise OpenAIError(400, f"messages[{i}]: content part of type {part.type!r} is "
+                                       "not supported (text only)", param="messages")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    out["content"] = content or ""
+    return out
+
+
+def _logprobs(c: CompletionOutput, top_n: int) -> ChatChoiceLogprobs:
+    content = []
+    for token_id, entry in zip(c.token_ids, c.logprobs or []):
+        sampled = entry[token_id]
+        text = token_text(token_id, sampled)
+        # The entry holds the top-k (ranks 1..k) plus the sampled token at its own rank.
+        top = sorted(((tid, lp) for tid, lp in entry.items()
+                      if lp.rank is not None and lp.rank <= top_n), key=lambda x: x[1].rank)
+        content.append(ChatTokenLogprob(
+            token=text, logprob=clamp_logprob(sampled.logprob), bytes=list(text.encode()),
+            top_logprobs=[ChatTopLogprob(token=token_text(tid, lp),
+                                         logprob=clamp_logprob(lp.logprob),
+                                         bytes=list(token_text(tid, lp).encode()))
+                          for tid, lp in top[:top_n]]))
+    return ChatChoiceLogprobs(content=content)
+
+
+def _response(req: ChatCompletionRequest, request_id: str, created: int, model: str,
+              out: RequestOutput) -> ChatCompletionResponse:
+    choices = [ChatCompletionChoice(
+        index=c.index, message=ChatResponseMessage(content=c.text),
+        logprobs=_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
+        finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
+    usage = make_usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                       out.num_cached_tokens)
+    return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                  usage=usage)
+
+
+async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str, created: int,
+                  stream: RequestStream) -> AsyncIterator[str]:
+    def chunk(choices: list[ChatCompletionStreamChoice], **kw: Any) -> str:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
+                                       choices=choices, **kw).model_dump_json())
+
+    finished = [False] * req.n
+    num_tokens = [0] * req.n
+    prompt_tokens = cached_tokens = 0
+    try:
+        for k in range(req.n):
+            yield chunk([ChatCompletionStreamChoice(
+                index=k, delta=DeltaMessage(role="assistant", content=""))])
+        async with contextlib.aclosing(merge_streams([stream])) as merged:
+            async for _, out in merged:
+                prompt_tokens = len(out.prompt_token_ids)
+                cached_tokens = out.num_cached_tokens
+                for c in out.outputs:
+                    num_tokens[c.index] += len(c.token_ids)
+                    newly_finished = c.finish_reason is not None and not finished[c.index]
+                    if not (c.text or c.token_ids or newly_finished):
+                        continue
+                    if newly_finished:
+                        finished[c.index] = True
+                        check_not_aborted([out])
+                    yield chunk([ChatCompletionStreamChoice(
+                        index=c.index, delta=DeltaMessage(content=c.text),
+                        logprobs=_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
+                        finish_reason=c.finish_reason if newly_finished else None,
+                        stop_reason=c.stop_reason if newly_finished else None)])
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage=make_usage(prompt_tokens, sum(num_tokens), cached_tokens))
+    except Exception as e:  # this request alone fails; the stream ends with an error event
+        yield sse_error(request_error(e))
+    finally:
+        stream.close()  # also when the client went away before the first output
+    yield DONE

@@ -1,0 +1,257 @@
+"""What completions and chat completions share: request fields to engine arguments,
+adding and merging request streams, client disconnects, SSE framing, usage, logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from conveyor.engine.async_engine import AsyncEngine, RequestStream
+from conveyor.engine.llm_engine import PromptType
+from conveyor.entrypoints.openai.chat_template import ChatTemplate
+from conveyor.entrypoints.openai.errors import OpenAIError, from_engine_error
+from conveyor.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from conveyor.metrics import EngineMetrics
+from conveyor.outputs import Logprob, RequestOutput
+from conveyor.sampling_params import SamplingParams
+
+T = TypeVar("T")
+logger = logging.getLogger("conveyor.server")
+
+# OpenAI clients choke on -inf; vLLM reports impossible tokens with this floor too.
+_MIN_LOGPROB = -9999.0
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    model_root: str
+    max_model_len: int
+    metrics: EngineMetrics
+    chat_template: ChatTemplate | None = None
+    request_timeout_s: float | None = None
+    api_key: str | None = None
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise OpenAIError(404, f"the model {name!r} does not exist; this server serves "
+                               f"{state.model_name!r}", param="model", code="model_not_found")
+
+
+# ---- request fields -> engine arguments ------------------------------------------------------
+def build_sampling_params(req: SamplingRequest, max_tokens: int | None,
+                          logprobs: int | None) -> SamplingParams:
+    if req.logit_bias:
+        raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError(400, "stream_options is only allowed when stream is true",
+                          param="stream_options")
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        value = getattr(req, name)
+        if value is not None and value <= 0:
+            raise OpenAIError(400, f"{name} must be > 0, got {value}", param=name)
+    kwargs: dict[str, Any] = dict(
+        n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
+        stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+        expected_output_tokens=req.expected_output_tokens)
+    optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                    min_p=req.min_p, presence_penalty=req.presence_penalty,
+                    frequency_penalty=req.frequency_penalty,
+                    repetition_penalty=req.repetition_penalty)
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise from_engine_error(e) from None
+
+
+def request_options(req: SamplingRequest, raw_request: Request) -> dict[str, Any]:
+    """Scheduling hints: a gateway's ``X-Tenant`` header wins over the body's ``user``."""
+    tenant = raw_request.headers.get("x-tenant") or req.user
+    return dict(priority=req.priority, tenant=tenant, slo_ttft_ms=req.slo_ttft_ms,
+                slo_tpot_ms=req.slo_tpot_ms)
+
+
+async def add_streams(state: ServerState, prompts: list[PromptType], params: SamplingParams,
+                      request_id: str, options: dict[str, Any], output_kind: str,
+                      prompt_param: str = "prompt") -> list[RequestStream]:
+    """Queue one engine request per prompt; all or none (a failure aborts the others)."""
+    streams: list[RequestStream] = []
+    i = 0
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(await state.engine.add_request(
+                rid, prompt, params, output_kind=output_kind,
+                timeout_s=state.request_timeout_s, **options))
+    except Exception as e:
+        for stream in streams:
+            stream.close()
+        err = request_error(e)
+        if err.param == "prompt":
+            err.param = prompt_param
+        if err.status == 400 and len(prompts) > 1:
+            err.message = f"prompt {i}: {err.message}"
+        raise err from None
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams
+
+
+# ---- streams -----------------------------------------------------------------------------
+async def merge_streams(streams: list[RequestStream]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come; closes them all at the end."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
+    items: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                items.put_nowait((i, out))
+            items.put_nowait((i, None))
+        except Exception as e:
+            items.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await items.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    last: list[RequestOutput | None] = [None] * len(streams)
+    async with contextlib.aclosing(merge_streams(streams)) as merged:
+        async for i, out in merged:
+            last[i] = out
+    assert all(o is not None and o.finished for o in last)
+    return last  # type: ignore[return-value]
+
+
+async def until_disconnected(raw_request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` unless the client disconnects first (then cancel it: its streams abort)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def request_error(e: BaseException) -> OpenAIError:
+    """The HTTP error for what failed one request; unexpected ones are logged with traceback."""
+    err = from_engine_error(e)
+    if err.status >= 500 and not isinstance(e, OpenAIError):
+        logger.error("request failed: %s", err.message, exc_info=e)
+    return err
+
+
+def check_not_aborted(outputs: list[RequestOutput]) -> None:
+    """An output the server did not abort but the engine did (e.g. queue-wait rejection)."""
+    for out in outputs:
+        if any(c.finish_reason == "abort" for c in out.outputs):
+            raise OpenAIError(503, "the engine aborted the request before it completed (it may "
+                                   "have waited in the queue past --max-queue-wait-s)",
+                              code="aborted")
+
+
+# ---- SSE ---------------------------------------------------------------------------------
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def sse_error(err: OpenAIError) -> str:
+    return sse(json.dumps(err.body()))
+
+
+class SSEResponse(StreamingResponse):
+    """Closes the body generator as soon as the response ends, so that a client that went
+    away while a chunk was being sent aborts its request now, not when garbage collected."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+
+
+def sse_response(body: AsyncIterator[str]) -> SSEResponse:
+    return SSEResponse(body, media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ---- usage and logprobs --------------------------------------------------------------------
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+def clamp_logprob(value: float) -> float:
+    return value if value >= _MIN_LOGPROB and not math.isnan(value) else _MIN_LOGPROB
+
+
+def token_text(token_id: int, logprob: Logprob) -> str:
+    """The token's text; ``token_id:N`` when the model has no tokenizer (as vLLM does)."""
+    return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
