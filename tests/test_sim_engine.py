@@ -75,6 +75,7 @@ def test_requests_the_engine_would_refuse_are_reported_not_run(prompt, message):
     work = [WorkItem("bad", 0.0, prompt, 3), WorkItem("ok", 0.0, [5, 6, 7], 3)]
     res = run(work, num_kv_blocks=4)
     assert set(res.errors) == {"bad"}
+    assert res.errors["bad"].startswith("invalid: ")
     assert re.search(message, res.errors["bad"])
     assert set(res.finished) == {"ok"}
 
@@ -84,7 +85,8 @@ def test_a_full_queue_refuses_like_the_engine():
     res = run(work, max_num_seqs=1, max_queue_len=2)
     # All arrive before the first step: two fit the queue, three are refused.
     assert len(res.finished) == 2
-    assert all("queue is full" in e for e in res.errors.values())
+    assert all(e.startswith("rejected: the waiting queue is full")
+               for e in res.errors.values())
     assert res.replicas[0].num_rejected == len(res.errors) == 3
 
 
@@ -156,3 +158,13 @@ def test_batch_shape_by_hand():
     assert s.prefill_context == 5 + 12
     assert (s.decode_context, s.max_decode_context) == (40, 30)
     assert s.num_tokens == 11 == out.total_num_scheduled_tokens
+
+
+def test_bad_scheduling_fields_are_refused_like_the_engine():
+    work = [WorkItem("neg", 0.0, [5, 6], 2, slo_ttft_ms=-1.0),
+            WorkItem("empty-tenant", 0.0, [5, 6], 2, tenant=""),
+            WorkItem("ok", 0.0, [5, 6], 2, slo_ttft_ms=100.0)]
+    res = run(work)
+    assert "slo_ttft_ms must be a number > 0" in res.errors["neg"]
+    assert "tenant must be a non-empty string" in res.errors["empty-tenant"]
+    assert res.finished["ok"].slo_ttft_s == 0.1

@@ -34,6 +34,10 @@ from conveyor.sim.batch import batch_shape
 from conveyor.sim.cost_model import CostModel
 
 
+class QueueFull(ValueError):
+    """Admission control refused a request (the engine's QueueFullError)."""
+
+
 class WorkloadRequest(Protocol):
     """What the simulator reads of a workload request (the bench workload dataclass)."""
 
@@ -99,7 +103,8 @@ class SimReplica:
         return len(self.scheduler.requests)
 
     def add(self, item: WorkloadRequest, now: float) -> None:
-        """Queue a request as ``LLMEngine.add_request`` would; ValueError if it refuses."""
+        """Queue a request as ``LLMEngine.add_request`` would; ValueError (QueueFull when the
+        queue is full) if it refuses."""
         params = self.make_params(item)
         prompt = item.prompt_token_ids
         model = self.setup.model
@@ -108,7 +113,7 @@ class SimReplica:
         validate_scheduling(item.priority, item.tenant, item.slo_ttft_ms, item.slo_tpot_ms)
         if self.scheduler.queue_full(params.n):
             self.scheduler.stats.num_rejected += 1
-            raise ValueError(f"the waiting queue is full "
+            raise QueueFull(f"the waiting queue is full "
                              f"({self.setup.scheduler.max_queue_len} requests)")
         # A request carries its effective targets: its own, else the server's defaults.
         policy = self.setup.scheduler.policy

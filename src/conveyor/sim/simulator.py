@@ -26,6 +26,7 @@ from conveyor.sampling_params import SamplingParams
 from conveyor.sim.cost_model import CostModel
 from conveyor.sim.model import resolve_sim_model
 from conveyor.sim.replica import (
+    QueueFull,
     ReplicaSetup,
     SimReplica,
     StepListener,
@@ -56,7 +57,8 @@ class ReplicaStats:
 class SimResult:
     # request id -> metrics, in the order requests finished
     finished: dict[str, RequestMetrics]
-    # request id -> why the engine refused it (validation, full queue)
+    # request id -> why the engine refused it: "invalid: ..." (validation) or
+    # "rejected: ..." (full queue), as the benchmark harness records them
     errors: dict[str, str]
     unfinished: list[str]  # still queued when events ran out (a stuck engine)
     replica_of: dict[str, int]
@@ -161,7 +163,8 @@ class Simulator:
                 try:
                     replicas[r].add(item, now)
                 except ValueError as e:
-                    errors[item.request_id] = str(e)
+                    kind = "rejected" if isinstance(e, QueueFull) else "invalid"
+                    errors[item.request_id] = f"{kind}: {e}"
                     stopped = on_finished is not None and on_finished(item.request_id, None)
                     continue
                 replica_of[item.request_id] = r
