@@ -130,3 +130,15 @@ def test_conveyor_profile_measures_the_real_engine(tmp_path, capsys):
     res = Simulator(args, make_cost_model(str(out), resolve_sim_model(args))).run(
         make_workload(10, seed=9))
     assert len(res.finished) == 10 and res.sim_time > 0
+
+
+def test_the_decode_grid_reaches_whole_batches_after_chunked_prefills():
+    """b requests of c tokens under a small budget: all b still decode together at the end."""
+    from conveyor.sim.profiler import ProfileGrid, profile_steps
+
+    grid = ProfileGrid(batch_sizes=(4,), context_lens=(48,), prefill_tokens=(16,),
+                       decode_steps=3, repeats=1)
+    samples, _ = profile_steps(tiny_args(max_num_batched_tokens=64), grid, log=lambda m: None)
+    pure = [s for s, _ in samples if s.num_prefills == 0 and s.num_decodes == 4]
+    assert len(pure) >= 3 and all(s.max_decode_context >= 48 for s in pure)
+    assert any(s.num_prefills and s.num_decodes for s, _ in samples)  # mixed steps too

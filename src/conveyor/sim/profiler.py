@@ -4,8 +4,8 @@ The real ``LLMEngine`` (model runner, scheduler, output processing) runs small
 synthetic workloads chosen to produce the shapes of the grid:
 
 - decode: ``b`` requests of ``c`` prompt tokens each, for every batch size ``b`` and
-  context length ``c``: their prefill chunks, then ``decode_steps`` decode steps of
-  batch ``b`` at context ~``c``;
+  context length ``c``: their prefill chunks (with the first ones already decoding
+  alongside), then ``decode_steps`` decode steps of batch ``b`` at context ~``c``;
 - prefill: one request of ``p`` prompt tokens for every ``p`` (one prefill step);
 - mixed: a prefill of ``p`` tokens arriving while ``b`` requests decode.
 
@@ -52,7 +52,11 @@ def _workloads(grid: ProfileGrid, budget: int) -> list[tuple[str, list[tuple[int
     out = []
     for c in grid.context_lens:
         for b in grid.batch_sizes:
-            out.append((f"decode b={b} ctx={c}", [(c, grid.decode_steps + 1)] * b, []))
+            # Prefills take ceil(b*c / budget) steps (decoding alongside); the output is long
+            # enough that all b then decode together for decode_steps steps.
+            prefill_steps = -(-b * c // budget)
+            out.append((f"decode b={b} ctx={c}",
+                        [(c, grid.decode_steps + prefill_steps + 1)] * b, []))
     for p in grid.prefill_tokens:
         if p <= budget:
             out.append((f"prefill p={p}", [(p, 1)], []))
