@@ -106,6 +106,8 @@ class SimReplica:
         """Queue a request as ``LLMEngine.add_request`` would; ValueError (QueueFull when the
         queue is full) if it refuses."""
         params = self.make_params(item)
+        if params.n != 1:
+            raise ValueError(f"the simulator runs one sequence per request, got n={params.n}")
         prompt = item.prompt_token_ids
         model = self.setup.model
         validate_prompt(prompt, params, vocab_size=model.vocab_size,
@@ -114,7 +116,7 @@ class SimReplica:
         if self.scheduler.queue_full(params.n):
             self.scheduler.stats.num_rejected += 1
             raise QueueFull(f"the waiting queue is full "
-                             f"({self.setup.scheduler.max_queue_len} requests)")
+                            f"({self.setup.scheduler.max_queue_len} requests)")
         # A request carries its effective targets: its own, else the server's defaults.
         policy = self.setup.scheduler.policy
         slo_ttft, slo_tpot = item.slo_ttft_ms, item.slo_tpot_ms
