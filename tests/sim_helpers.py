@@ -30,10 +30,11 @@ class WorkItem:
 
 def make_workload(n: int, *, seed: int = 0, vocab: int = 2048, mean_gap_s: float = 0.003,
                   prompt_range: tuple[int, int] = (8, 120), output_range: tuple[int, int] = (2, 24),
-                  shared_prefix: int = 0, start: float = 0.0) -> list[WorkItem]:
+                  shared_prefix: int = 0, start: float = 0.0,
+                  repeat_every: int = 7) -> list[WorkItem]:
     """Poisson arrivals on the TICK grid; with ``shared_prefix`` every third prompt starts
-    with one of two common prefixes of that many tokens, and every seventh repeats the
-    previous prompt exactly."""
+    with one of two common prefixes of that many tokens, and every ``repeat_every``-th
+    repeats the previous prompt exactly (0: never)."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(4, vocab) for _ in range(shared_prefix)] for _ in range(2)]
     out, t, prev = [], start, None
@@ -43,7 +44,7 @@ def make_workload(n: int, *, seed: int = 0, vocab: int = 2048, mean_gap_s: float
         prompt = [rng.randrange(4, vocab) for _ in range(length)]
         if shared_prefix and i % 3 == 0:
             prompt = prefixes[i % 2] + prompt
-        if prev is not None and i % 7 == 6:
+        if prev is not None and repeat_every and i % repeat_every == repeat_every - 1:
             prompt = list(prev)
         prev = prompt
         out.append(WorkItem(f"r{i}", on_grid(t), prompt, rng.randint(*output_range),

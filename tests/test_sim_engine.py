@@ -168,3 +168,25 @@ def test_bad_scheduling_fields_are_refused_like_the_engine():
     assert "slo_ttft_ms must be a number > 0" in res.errors["neg"]
     assert "tenant must be a non-empty string" in res.errors["empty-tenant"]
     assert res.finished["ok"].slo_ttft_s == 0.1
+
+
+def test_a_request_arriving_mid_step_joins_after_the_update(monkeypatch):
+    """As in the engine's loop, the scheduler takes new requests between steps: one that
+    arrives while a step runs is added after that step's update, before the next schedule."""
+    from conveyor.core.scheduler import Scheduler
+
+    log = []
+    for name in ("add_request", "schedule", "update"):
+        original = getattr(Scheduler, name)
+
+        def spy(self, *args, _name=name, _original=original):
+            log.append(_name if _name != "add_request" else f"add {args[0].request_id}")
+            return _original(self, *args)
+
+        monkeypatch.setattr(Scheduler, name, spy)
+    # a's first step (10 tokens) runs from 0 to 0.02; b arrives at 0.005, mid-step.
+    res = run([WorkItem("a", 0.0, list(range(10, 20)), 2),
+               WorkItem("b", 0.005, list(range(30, 34)), 2)])
+    assert log[:5] == ["add a", "schedule", "update", "add b", "schedule"]
+    assert res.finished["b"].first_scheduled_time == pytest.approx(0.02)
+    assert res.finished["b"].arrival_time == 0.005

@@ -91,6 +91,9 @@ class SimReplica:
                                  setup.cache.enable_prefix_caching, setup.kv_hash_key)
         self.scheduler = Scheduler(setup.scheduler, self.kv, setup.max_model_len)
         self._live: dict[str, tuple[Request, RequestMetrics]] = {}
+        # Routed here but not yet handed to the scheduler: like the engine's loop, a replica
+        # takes new requests between steps, so one arriving mid-step waits for the update.
+        self.inbox: list[WorkloadRequest] = []
         self._sampled = [setup.fake_token]  # shared: update() only reads it
         self.in_flight: SchedulerOutput | None = None
         self.step_start = 0.0
@@ -100,9 +103,21 @@ class SimReplica:
     # ---- requests ------------------------------------------------------------------------
     @property
     def num_unfinished(self) -> int:
-        return len(self.scheduler.requests)
+        return len(self.scheduler.requests) + len(self.inbox)
 
-    def add(self, item: WorkloadRequest, now: float) -> None:
+    def take_inbox(self) -> list[tuple[str, str]]:
+        """Add the requests routed here since the last step; returns (id, why) of refusals."""
+        refused = []
+        for item in self.inbox:
+            try:
+                self.add(item)
+            except ValueError as e:
+                kind = "rejected" if isinstance(e, QueueFull) else "invalid"
+                refused.append((item.request_id, f"{kind}: {e}"))
+        self.inbox.clear()
+        return refused
+
+    def add(self, item: WorkloadRequest) -> None:
         """Queue a request as ``LLMEngine.add_request`` would; ValueError (QueueFull when the
         queue is full) if it refuses."""
         params = self.make_params(item)

@@ -7,6 +7,10 @@ this order, which is what the real engine does between two steps:
     2. requests arrive  (the router sees the loads after those finishes)
     3. a step starts    (schedule() sees every request that has arrived by now)
 
+A request routed to a replica in the middle of a step joins that replica's scheduler
+at its next step start, after the step's update, as the engine's loop adds requests
+between steps (a policy's bookkeeping on arrival then sees the update's effects).
+
 A replica with nothing to run sleeps until a request is routed to it; the clock
 jumps from event to event, so an hour of traffic costs only the steps it contains.
 """
@@ -26,7 +30,6 @@ from conveyor.sampling_params import SamplingParams
 from conveyor.sim.cost_model import CostModel
 from conveyor.sim.model import resolve_sim_model
 from conveyor.sim.replica import (
-    QueueFull,
     ReplicaSetup,
     SimReplica,
     StepListener,
@@ -152,6 +155,27 @@ class Simulator:
         now = 0.0
         i, n = 0, len(items)
         stopped = False
+
+        def start(r: int, now: float) -> bool:
+            """Hand replica r its new requests, then schedule; True if the run must stop."""
+            start_pending[r] = False
+            replica = replicas[r]
+            stop = False
+            if replica.inbox:
+                for rid, why in replica.take_inbox():
+                    errors[rid] = why
+                    del replica_of[rid]
+                    routed[r] -= 1
+                    stop = (on_finished is not None and on_finished(rid, None)) or stop
+            end = replica.start_step(now)
+            if end is not None:
+                heapq.heappush(heap, (end, _END, next(seq), r))
+            elif replica.scheduler.num_running:
+                raise RuntimeError(f"replica {r} scheduled nothing at t={now:.6f}s with "
+                                   f"{replica.scheduler.num_running} running requests")
+            # else: idle (or waiting requests the pool cannot take) until a new arrival.
+            return stop
+
         while (heap or i < n) and not stopped:
             # The next arrival goes first unless a step ends before it (or at the same time).
             if i < n and (not heap or items[i].arrival_s < heap[0][0]
@@ -160,13 +184,7 @@ class Simulator:
                 i += 1
                 now = item.arrival_s
                 r = router.route(item.prompt_token_ids, replicas)
-                try:
-                    replicas[r].add(item, now)
-                except ValueError as e:
-                    kind = "rejected" if isinstance(e, QueueFull) else "invalid"
-                    errors[item.request_id] = f"{kind}: {e}"
-                    stopped = on_finished is not None and on_finished(item.request_id, None)
-                    continue
+                replicas[r].inbox.append(item)
                 replica_of[item.request_id] = r
                 routed[r] += 1
                 if replicas[r].in_flight is None and not start_pending[r]:
@@ -174,27 +192,24 @@ class Simulator:
                     heapq.heappush(heap, (now, _START, next(seq), r))
                 continue
             now, kind, _, r = heapq.heappop(heap)
-            replica = replicas[r]
-            if kind == _END:
-                num_steps += 1
-                done = replica.finish_step(now)
-                finished.update(done)
-                if on_finished is not None:
-                    stopped = any([on_finished(rid, m) for rid, m in done])
+            if kind == _START:
+                stopped = start(r, now)
+                continue
+            num_steps += 1
+            done = replicas[r].finish_step(now)
+            finished.update(done)
+            if on_finished is not None:
+                stopped = any([on_finished(rid, m) for rid, m in done])
+            if (i < n and items[i].arrival_s <= now) or (heap and heap[0][0] <= now):
+                # Arrivals and other step ends at this instant go before the next start.
                 start_pending[r] = True
                 heapq.heappush(heap, (now, _START, next(seq), r))
             else:
-                start_pending[r] = False
-                end = replica.start_step(now)
-                if end is not None:
-                    heapq.heappush(heap, (end, _END, next(seq), r))
-                elif replica.scheduler.num_running:
-                    raise RuntimeError(f"replica {r} scheduled nothing at t={now:.6f}s with "
-                                       f"{replica.scheduler.num_running} running requests")
-                # else: idle (or waiting requests the pool cannot take) until a new arrival.
+                stopped = start(r, now) or stopped  # the common case: the next step at once
         return SimResult(
             finished=finished, errors=errors,
-            unfinished=[rid for rep in replicas for rid in rep.unfinished_ids()],
+            unfinished=[rid for rep in replicas
+                        for rid in [*rep.unfinished_ids(), *(w.request_id for w in rep.inbox)]],
             replica_of=replica_of, replicas=[_stats(rep, routed[rep.index]) for rep in replicas],
             num_steps=num_steps, num_events=i + num_steps, sim_time=now,
             wall_s=time.perf_counter() - t0, num_kv_blocks=self.num_kv_blocks,
