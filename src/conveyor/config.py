@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,6 +252,29 @@ class EngineArgs:
                                  served_model_name=self.served_model_name or self.model)
 
 
+def kv_blocks_for(cache: CacheConfig, model: ModelConfig, max_num_seqs: int, *,
+                  default_memory: Callable[[], int], cap_to_useful: bool) -> int:
+    """KV blocks from ``num_kv_blocks``, else ``kv_cache_memory``, else ``default_memory()``.
+
+    Torch-free so that the runner and the simulator size the pool by the same rule;
+    ``cap_to_useful`` caps the default at what ``max_num_seqs`` full-length sequences use.
+    """
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    bytes_per_block = model.kv_bytes_per_token * cache.block_size
+    if cache.kv_cache_memory is not None:
+        blocks = cache.kv_cache_memory // bytes_per_block
+    else:
+        blocks = default_memory() // bytes_per_block
+        if cap_to_useful:
+            useful = max_num_seqs * -(-model.max_model_len // cache.block_size)
+            blocks = min(blocks, useful)
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory holds no block of {cache.block_size} tokens "
+                         "for this model")
+    return int(blocks)
+
+
 def load_model_config(path: str, *, dtype: str = "auto", load_format: str = "auto",
                       seed: int = 0, max_model_len: int | None = None,
                       tokenizer: str | None = None,
@@ -261,6 +285,25 @@ def load_model_config(path: str, *, dtype: str = "auto", load_format: str = "aut
                          "checkpoint folder or a built-in shape name")
     with open(cfg_file) as f:
         hf = json.load(f)
+    extra_eos: list[int] = []
+    gen_cfg = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_cfg):
+        with open(gen_cfg) as f:
+            g_eos = json.load(f).get("eos_token_id")
+        if g_eos is not None:
+            extra_eos = g_eos if isinstance(g_eos, list) else [g_eos]
+    tok = tokenizer or (path if _has_tokenizer(path) else None)
+    return model_config_from_hf(hf, path, dtype=dtype, load_format=load_format, seed=seed,
+                                max_model_len=max_model_len, tokenizer=tok,
+                                served_model_name=served_model_name, extra_eos=extra_eos)
+
+
+def model_config_from_hf(hf: dict[str, Any], path: str, *, dtype: str = "auto",
+                         load_format: str = "auto", seed: int = 0,
+                         max_model_len: int | None = None, tokenizer: str | None = None,
+                         served_model_name: str | None = None,
+                         extra_eos: list[int] | tuple[int, ...] = ()) -> ModelConfig:
+    """A ModelConfig from a parsed config.json (no file access: the simulator uses it)."""
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
@@ -280,24 +323,18 @@ def load_model_config(path: str, *, dtype: str = "auto", load_format: str = "aut
     max_pos = int(hf.get("max_position_embeddings", 2048))
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    gen_cfg = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen_cfg):
-        with open(gen_cfg) as f:
-            g_eos = json.load(f).get("eos_token_id")
-        if g_eos is not None:
-            extra = g_eos if isinstance(g_eos, list) else [g_eos]
-            eos_ids = tuple(dict.fromkeys([*eos_ids, *extra]))
+    if extra_eos:
+        eos_ids = tuple(dict.fromkeys([*eos_ids, *extra_eos]))
     if max_model_len is not None and max_model_len > max_pos:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}")
-    tok = tokenizer or (path if _has_tokenizer(path) else None)
     return ModelConfig(
         path=path, architecture=arch, hf_config=hf, dtype=dtype, load_format=load_format,
         seed=seed, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"], num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads, head_dim=head_dim,
         intermediate_size=hf["intermediate_size"], max_position_embeddings=max_pos,
-        max_model_len=max_model_len or max_pos, eos_token_ids=eos_ids, tokenizer=tok,
+        max_model_len=max_model_len or max_pos, eos_token_ids=eos_ids, tokenizer=tokenizer,
         served_model_name=served_model_name or path,
     )
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from conveyor.request import Request
 
 
 @dataclass
@@ -40,6 +44,30 @@ class RequestMetrics:
     # The request's targets (its own or the server's defaults), None when it has none.
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+
+    # ---- recording (shared by the engine's output processor and the simulator) ----------
+    @classmethod
+    def for_request(cls, req: Request) -> RequestMetrics:
+        return cls(arrival_time=req.arrival_time, request_id=req.request_id,
+                   num_prompt_tokens=req.num_prompt_tokens,
+                   priority=req.priority, tenant=req.tenant, slo_ttft_s=req.slo_ttft_s,
+                   slo_tpot_s=req.slo_tpot_s)
+
+    def record_tokens(self, num_tokens: int, now: float) -> None:
+        """``num_tokens`` generated tokens delivered at ``now``."""
+        self.token_times.extend([now] * num_tokens)
+
+    def finalize(self, req: Request, num_generation_tokens: int, finish_reason: str | None,
+                 now: float) -> None:
+        """Fill the rest from the finished request; ``now`` if it has no finish time."""
+        self.first_scheduled_time = req.first_scheduled_time
+        self.first_token_time = self.token_times[0] if self.token_times else None
+        self.last_token_time = self.token_times[-1] if self.token_times else None
+        self.finished_time = req.finished_time if req.finished_time is not None else now
+        self.num_generation_tokens = num_generation_tokens
+        self.num_cached_tokens = max(req.num_cached_tokens, 0)
+        self.num_preemptions = req.num_preemptions
+        self.finish_reason = finish_reason
 
     @property
     def queue_time(self) -> float | None:

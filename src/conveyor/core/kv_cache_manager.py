@@ -8,9 +8,8 @@ or is preempted.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from dataclasses import dataclass
-
-import numpy as np
 
 from conveyor.core.block_pool import BlockPool, KVBlock
 from conveyor.request import Request
@@ -39,10 +38,18 @@ _NO_HIT = ComputedBlocks([], 0)
 
 def chain_hash(parent: bytes, token_ids: list[int], extra_key: bytes) -> bytes:
     """Collision-safe (SHA-256) hash of a full block, chained over its parent's hash."""
+    return _hash_block(parent, array("q", token_ids).tobytes(), extra_key)
+
+
+def _hash_block(parent: bytes, token_bytes: bytes, extra_key: bytes) -> bytes:
+    # token_bytes: the block's ids as native int64 (what numpy's int64 tobytes() gives).
     h = hashlib.sha256(parent)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(token_bytes)
     h.update(extra_key)
     return h.digest()
+
+
+_INT64_BYTES = array("q").itemsize
 
 
 class KVCacheManager:
@@ -58,6 +65,9 @@ class KVCacheManager:
         self._extra = extra_hash_key
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._req_hashes: dict[str, list[bytes]] = {}
+        # Leading blocks of each request that hold their own hash: they stay cached while
+        # held, so cache_computed_blocks need not look at them again.
+        self._num_registered: dict[str, int] = {}
         self.stats = PrefixCacheStats()
         self.peak_used_blocks = 0
 
@@ -76,19 +86,28 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """Ids of the request's blocks from index ``start`` on."""
+        blocks = self.req_blocks.get(request_id, ())
+        if start >= len(blocks):
+            return []  # nothing new (most steps)
+        return [b.block_id for b in blocks[start:]]
 
     # ---- prefix cache --------------------------------------------------------------------
     def _block_hashes(self, request: Request) -> list[bytes]:
         """Hashes of the request's full blocks, extended incrementally as it grows."""
         hashes = self._req_hashes.setdefault(request.request_id, [])
         bs = self.block_size
-        tokens = request.all_token_ids
-        while (len(hashes) + 1) * bs <= len(tokens):
-            i = len(hashes)
+        done, full = len(hashes), len(request.all_token_ids) // bs
+        if full > done:
+            # One conversion for all the new blocks, sliced per block: same bytes as
+            # chain_hash on each block, without a list slice and an array per block.
+            data = array("q", request.all_token_ids[done * bs:full * bs]).tobytes()
+            width = bs * _INT64_BYTES
             parent = hashes[-1] if hashes else self._root
-            hashes.append(chain_hash(parent, tokens[i * bs:(i + 1) * bs], self._extra))
+            for k in range(full - done):
+                parent = _hash_block(parent, data[k * width:(k + 1) * width], self._extra)
+                hashes.append(parent)
         return hashes
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
@@ -123,10 +142,18 @@ class KVCacheManager:
             return
         if num_tokens is None:
             num_tokens = request.num_computed_tokens
+        start = self._num_registered.get(request.request_id, 0)
+        if num_tokens // self.block_size <= start:
+            return  # no block filled up since the last call (most decode steps)
         hashes = self._block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(hashes), len(blocks))
-        for i in range(num_full):
+        for i in range(start, num_full):
             self.pool.cache(blocks[i], hashes[i])
+        # A block whose content another block already caches stays unregistered (and is
+        # retried every step, as that other block may be evicted meanwhile).
+        while start < num_full and blocks[start].block_hash is not None:
+            start += 1
+        self._num_registered[request.request_id] = start
 
     # ---- allocation ----------------------------------------------------------------------
     def can_allocate(self, request: Request, num_new_tokens: int,
@@ -166,6 +193,11 @@ class KVCacheManager:
         ``computed`` (a prefix-cache hit, only for a request holding no blocks yet) is
         shared by reference and its block ids are included in the result.
         """
+        if not computed.blocks:
+            held = self.req_blocks.get(request.request_id)
+            if held is not None and \
+                    request.num_computed_tokens + num_new_tokens <= len(held) * self.block_size:
+                return []  # the blocks held have room (most decode steps)
         n_new = self._num_new_blocks(request, num_new_tokens, computed)
         if n_new is None:
             return None
@@ -184,6 +216,7 @@ class KVCacheManager:
         """Release every block the request holds (finish or preemption)."""
         blocks = self.req_blocks.pop(request_id, None)
         self._req_hashes.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
         if blocks:
             self.pool.release(list(reversed(blocks)))
 

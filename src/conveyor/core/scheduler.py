@@ -44,6 +44,9 @@ from conveyor.core.scheduler_output import (
 )
 from conveyor.request import Request, RequestStatus
 
+# Hot-path comparisons use this module constant: an enum member lookup costs more than the test.
+_RUNNING = RequestStatus.RUNNING
+
 
 @dataclass
 class RequestUpdate:
@@ -183,7 +186,7 @@ class Scheduler:
         for req in self.policy.order_running(list(self.running)):
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != _RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(req.num_uncomputed_tokens, budget,
                           self.max_model_len - req.num_computed_tokens)
@@ -196,7 +199,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != _RUNNING:
                 continue
             scheduled[req.request_id] = num_new
             budget -= num_new
@@ -369,23 +372,29 @@ class Scheduler:
                               preempted_req_ids={r.request_id for r in preempted})
         self._dropped_ids = set()
         self._dropped_preempted = set()
+        # Locals for the per-request loop (it runs for every request of every step).
+        requests, known, sent, block_ids_of = (self.requests, self._runner_known,
+                                               self._blocks_sent, self.kv.block_ids)
+        cached_reqs, on_scheduled = out.cached_reqs, self.policy.on_scheduled
         for rid, n in scheduled.items():
-            req = self.requests[rid]
-            block_ids = self.kv.block_ids(rid)
-            if rid in self._runner_known:
-                new_ids = block_ids[self._blocks_sent[rid]:]
-                out.cached_reqs.append(CachedRequestData(rid, new_ids, req.num_computed_tokens))
+            req = requests[rid]
+            if rid in known:
+                # Only the blocks added since the last step (the table is append-only).
+                new_ids = block_ids_of(rid, sent[rid])
+                cached_reqs.append(CachedRequestData(rid, new_ids, req.num_computed_tokens))
+                sent[rid] += len(new_ids)
             else:
                 self._runner_known.add(rid)
+                block_ids = self.kv.block_ids(rid)
                 out.new_reqs.append(NewRequestData(
                     rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
                     block_ids, req.num_computed_tokens))
-            self._blocks_sent[rid] = len(block_ids)
+                self._blocks_sent[rid] = len(block_ids)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            self.policy.on_scheduled(req, n, now)
+            on_scheduled(req, n, now)
             req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens:
+            if req.num_computed_tokens == len(req.all_token_ids):
                 out.sampling_req_ids.add(rid)
         self.stats.num_steps += 1 if scheduled else 0
         self.stats.total_scheduled_tokens += out.total_num_scheduled_tokens
@@ -399,12 +408,15 @@ class Scheduler:
                now: float) -> list[RequestUpdate]:
         updates = self._pending_updates
         self._pending_updates = []
+        # Locals for the per-request loop (it runs for every request of every step).
+        get_request, cache_blocks, sampled = (self.requests.get, self.kv.cache_computed_blocks,
+                                              run.sampled_token_ids)
         for rid in out.num_scheduled_tokens:
-            req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
+            req = get_request(rid)
+            if req is None or req.status != _RUNNING:
                 continue  # aborted or preempted while the step ran
-            self.kv.cache_computed_blocks(req)
-            new_tokens = run.sampled_token_ids.get(rid)
+            cache_blocks(req)
+            new_tokens = sampled.get(rid)
             if not new_tokens:
                 continue  # a prefill chunk that did not reach the end
             accepted: list[int] = []
@@ -432,13 +444,14 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
+        num_output = len(req.output_token_ids)  # hot path: no property calls
+        if num_output >= sp.min_tokens:
             if not sp.ignore_eos and token in sp.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in sp.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 

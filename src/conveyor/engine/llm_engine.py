@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +22,11 @@ from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.engine.detokenizer import load_tokenizer
 from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.validation import (
+    capped_max_tokens,
+    validate_prompt,
+    validate_scheduling,
+)
 from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.model_runner import ModelRunner
@@ -100,40 +104,13 @@ class LLMEngine:
                          f"got {type(prompt).__name__}")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt contains token ids outside [0, {vocab}): {bad[:5]}")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than this model "
-                             f"accepts: max_model_len is {self.max_model_len} (prompt plus "
-                             "at least one generated token)")
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids outside [0, {vocab}): {bad_stop}")
-        limit = self.config.scheduler.max_queue_len
-        if limit is not None and params.n > limit:
-            raise ValueError(f"n: {params.n} samples can never fit in the waiting queue "
-                             f"(max_queue_len {limit})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        validate_prompt(prompt_ids, params, vocab_size=self.config.model.vocab_size,
+                        max_model_len=self.max_model_len,
+                        has_tokenizer=self.tokenizer is not None,
+                        max_queue_len=self.config.scheduler.max_queue_len)
 
-    @staticmethod
-    def validate_scheduling(priority: int = 0, tenant: str | None = None,
-                            slo_ttft_ms: float | None = None,
-                            slo_tpot_ms: float | None = None) -> None:
-        """Check the per-request scheduling fields; raises ValueError naming the field."""
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if tenant is not None and (not isinstance(tenant, str) or not tenant):
-            raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
-        for name, value in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms)):
-            if value is not None and not (isinstance(value, int | float)
-                                          and not isinstance(value, bool)
-                                          and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    # Shared with the simulator (torch-free module).
+    validate_scheduling = staticmethod(validate_scheduling)
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -153,8 +130,7 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = self.clock() if arrival_time is None else arrival_time
-        room = self.max_model_len - len(prompt_ids)
-        max_tokens = min(params.max_tokens, room) if params.max_tokens is not None else room
+        max_tokens = capped_max_tokens(params, len(prompt_ids), self.max_model_len)
         params = params.clone(eos_token_ids=self.eos_token_ids)
         # The request carries its effective targets (its own, else the server's defaults),
         # so that policies and metrics read one place.

@@ -69,10 +69,7 @@ class OutputProcessor:
             detok = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                             params.skip_special_tokens)
                      if self.tokenizer is not None and params.detokenize else None)
-            metrics = RequestMetrics(arrival_time=req.arrival_time, request_id=req.request_id,
-                                     num_prompt_tokens=req.num_prompt_tokens,
-                                     priority=req.priority, tenant=req.tenant,
-                                     slo_ttft_s=req.slo_ttft_s, slo_tpot_s=req.slo_tpot_s)
+            metrics = RequestMetrics.for_request(req)
             child = _Child(i, req, detok, metrics,
                            logprobs=[] if params.logprobs is not None else None,
                            cumulative_logprob=0.0 if params.logprobs is not None else None)
@@ -140,7 +137,7 @@ class OutputProcessor:
         """Fold one update into a child; True if a stop string finished it."""
         params = parent.params
         child.token_ids.extend(upd.new_token_ids)
-        child.metrics.token_times.extend([now] * len(upd.new_token_ids))
+        child.metrics.record_tokens(len(upd.new_token_ids), now)
         if upd.new_logprobs and child.logprobs is not None:
             for token, (ids, vals, rank, lp) in zip(upd.new_token_ids, upd.new_logprobs):
                 entry = {tid: Logprob(val, r + 1, self._token_text(tid))
@@ -170,15 +167,7 @@ class OutputProcessor:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _finalize_metrics(self, child: _Child, now: float) -> None:
-        req, m = child.request, child.metrics
-        m.first_scheduled_time = req.first_scheduled_time
-        m.first_token_time = m.token_times[0] if m.token_times else None
-        m.last_token_time = m.token_times[-1] if m.token_times else None
-        m.finished_time = req.finished_time if req.finished_time is not None else now
-        m.num_generation_tokens = len(child.token_ids)
-        m.num_cached_tokens = max(req.num_cached_tokens, 0)
-        m.num_preemptions = req.num_preemptions
-        m.finish_reason = child.finish_reason
+        child.metrics.finalize(child.request, len(child.token_ids), child.finish_reason, now)
 
     def _make_output(self, parent: _Parent, finished: bool) -> RequestOutput:
         delta = parent.output_kind == "delta"

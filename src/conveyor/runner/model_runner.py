@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from conveyor.config import CacheConfig, ModelConfig
+from conveyor.config import CacheConfig, ModelConfig, kv_blocks_for
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from conveyor.model import decode_attention
 from conveyor.model.attention import AttentionMetadata, PrefillSegment
@@ -50,20 +50,9 @@ def num_blocks_for(cache: CacheConfig, model: ModelConfig, device: torch.device,
     The default on CPU is also capped at what ``max_num_seqs`` sequences of full
     length can use, so a tiny model does not zero gigabytes it will never touch.
     """
-    if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks
-    bytes_per_block = model.kv_bytes_per_token * cache.block_size
-    if cache.kv_cache_memory is not None:
-        blocks = cache.kv_cache_memory // bytes_per_block
-    else:
-        blocks = default_kv_cache_memory(device) // bytes_per_block
-        if device.type != "cuda":
-            useful = max_num_seqs * -(-model.max_model_len // cache.block_size)
-            blocks = min(blocks, useful)
-    if blocks < 1:
-        raise ValueError(f"kv_cache_memory holds no block of {cache.block_size} tokens "
-                         "for this model")
-    return int(blocks)
+    return kv_blocks_for(cache, model, max_num_seqs,
+                         default_memory=lambda: default_kv_cache_memory(device),
+                         cap_to_useful=device.type != "cuda")
 
 
 class ModelRunner:

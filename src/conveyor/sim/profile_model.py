@@ -1,0 +1,209 @@
+"""Cost model fitted to step times measured on a real machine (``conveyor profile``).
+
+The fit is a small linear regression on features that each stand for one cost of
+a step, with non-negative coefficients (a cost cannot make a step faster):
+
+    step_s = c_step                            fixed per step (Python, launches)
+           + c_row    * rows                   per request in the batch (inputs, update)
+           + c_token  * T                      linear layers, per token
+           + c_knee   * max(0, T - knee)       ... piecewise: the slope after the knee
+           + c_pair   * P                      prefill attention, per query-key pair
+           + c_decode * B * max_ctx            decode attention over the padded batch
+           + c_sample * S                      LM head and sampler, per sampled row
+
+The decode term is the runner's layout: conveyor's torch runner gathers every decode
+row's context padded to the longest one (a paged-attention GPU kernel would cost
+the sum of the contexts instead; the roofline model counts that).
+
+The hinge ``max(0, T - knee)`` makes the token cost piecewise linear: below the
+knee a step is bound by reading the weights (flat-ish in T), above it by compute.
+``knee`` is chosen by trying every distinct T of the samples and keeping the best
+fit. Residuals are relative (each sample weighted by 1/time), so short decode steps
+count as much as long prefills. Repeated samples of one shape (``--repeats``)
+count once, at their fastest: on a shared machine noise only adds time (a step
+preempted by another process takes a whole time slice longer), so the minimum is
+the best estimate of the step itself. Shapes more than 4 median-absolute-deviations
+off the first fit (all of whose repeats were slowed) are dropped before the final
+fit.
+
+Loading profile.json needs numpy only: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from conveyor.config import ModelConfig
+from conveyor.sim.batch import BatchShape
+
+FEATURES = ("step", "rows", "tokens", "tokens_over_knee", "prefill_attention",
+            "decode_attention", "sampled")
+PROFILE_FORMAT = "conveyor-profile/1"
+# ModelConfig fields a profile must match to be used for another run.
+_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                 "intermediate_size", "vocab_size", "dtype")
+
+
+def features(b: BatchShape, knee: float) -> list[float]:
+    tokens = b.num_prefill_tokens + b.num_decodes
+    return [1.0, float(b.num_prefills + b.num_decodes), float(tokens),
+            max(0.0, tokens - knee), float(b.prefill_attention),
+            float(b.num_decodes * b.max_decode_context), float(b.num_sampled)]
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set method)."""
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 1e-12 * max(1.0, float(np.abs(a).max()))
+    for _ in range(max_iter):
+        w = a.T @ (b - a @ x)
+        candidates = ~passive & (w > tol)
+        if not candidates.any():
+            break
+        passive[np.argmax(np.where(candidates, w, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return x
+
+
+@dataclass
+class StepFit:
+    knee: float
+    coefficients: dict[str, float]
+    median_rel_error: float
+    p90_rel_error: float
+    num_samples: int
+    num_dropped: int  # distinct shapes left out of the final fit as outliers
+
+
+def _solve(shapes: list[BatchShape], times: np.ndarray, knee: float
+           ) -> tuple[np.ndarray, np.ndarray]:
+    x = np.array([features(s, knee) for s in shapes])
+    w = 1.0 / times  # relative residuals
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    coef = nnls(x * w[:, None] / scale, times * w) / scale
+    rel = (x @ coef - times) / times
+    return coef, rel
+
+
+def fit_step_times(shapes: list[BatchShape], times: list[float]) -> StepFit:
+    """Fit the step-time model; samples of one shape (repeats) count once, at their minimum."""
+    if len(shapes) != len(times):
+        raise ValueError(f"{len(shapes)} shapes but {len(times)} times")
+    if any(t <= 0 for t in times):
+        raise ValueError("step times must be positive")
+    by_shape: dict[BatchShape, list[float]] = {}
+    for shape, t in zip(shapes, times):
+        by_shape.setdefault(shape, []).append(t)
+    if len(by_shape) < len(FEATURES):
+        raise ValueError(f"need at least {len(FEATURES)} distinct batch shapes to fit, "
+                         f"got {len(by_shape)}")
+    shapes = list(by_shape)
+    y = np.array([min(ts) for ts in by_shape.values()])
+    tokens = sorted({s.num_prefill_tokens + s.num_decodes for s in shapes})
+
+    def best(keep: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        kept = [s for s, k in zip(shapes, keep) if k]
+        options = []
+        for knee in [0.0, *tokens[:-1]]:
+            coef, rel = _solve(kept, y[keep], knee)
+            options.append((float(np.mean(rel ** 2)), knee, coef, rel))
+        _, knee, coef, rel = min(options, key=lambda o: o[0])
+        return knee, coef, rel
+
+    keep = np.ones(len(y), dtype=bool)
+    knee, coef, rel = best(keep)
+    mad = float(np.median(np.abs(rel - np.median(rel)))) or 1e-9
+    keep = np.abs(rel - np.median(rel)) <= 4 * mad * 1.4826
+    if keep.sum() >= len(FEATURES):
+        knee, coef, rel = best(keep)
+    abs_rel = np.abs(rel)
+    return StepFit(knee=knee, coefficients=dict(zip(FEATURES, map(float, coef))),
+                   median_rel_error=float(np.median(abs_rel)),
+                   p90_rel_error=float(np.percentile(abs_rel, 90)),
+                   num_samples=len(times), num_dropped=int((~keep).sum()))
+
+
+class ProfileCostModel:
+    """Evaluates a fitted profile; ``load`` reads profile.json (numpy only, no torch)."""
+
+    def __init__(self, fit: StepFit, *, model: dict, device: str, kv_cache_memory: int,
+                 meta: dict | None = None) -> None:
+        self.fit = fit
+        self.model = model  # the profiled model's shape (_SHAPE_FIELDS) and name
+        self.device = device
+        self.cap_kv_to_useful = device != "cuda"
+        self._kv_cache_memory = kv_cache_memory
+        self.meta = meta or {}
+        self._coef = [fit.coefficients[name] for name in FEATURES]
+        self._knee = fit.knee
+
+    def step_time(self, b: BatchShape) -> float:
+        c = self._coef
+        tokens = b.num_prefill_tokens + b.num_decodes
+        return (c[0] + c[1] * (b.num_prefills + b.num_decodes) + c[2] * tokens
+                + c[3] * max(0.0, tokens - self._knee) + c[4] * b.prefill_attention
+                + c[5] * b.num_decodes * b.max_decode_context + c[6] * b.num_sampled)
+
+    def kv_cache_memory(self, model: ModelConfig) -> int:
+        return self._kv_cache_memory
+
+    def describe(self) -> str:
+        return (f"profile of {self.model.get('name')} on {self.device} "
+                f"(median fit error {self.fit.median_rel_error:.1%})")
+
+    def check_model(self, model: ModelConfig) -> None:
+        """ValueError if ``model`` differs in shape from the profiled one."""
+        diffs = [f"{name} {getattr(model, name)} vs {self.model.get(name)}"
+                 for name in _SHAPE_FIELDS if getattr(model, name) != self.model.get(name)]
+        if diffs:
+            raise ValueError(f"the profile was measured for {self.model.get('name')!r}, "
+                             f"another shape than {model.served_model_name!r}: "
+                             f"{'; '.join(diffs)}")
+
+    # ---- file ----------------------------------------------------------------------------
+    def to_json(self, samples: list[tuple[BatchShape, float]] | None = None) -> dict:
+        return {"format": PROFILE_FORMAT, "model": self.model, "device": self.device,
+                "kv_cache_memory": self._kv_cache_memory, "features": list(FEATURES),
+                "fit": asdict(self.fit), "meta": self.meta,
+                "samples": [{**s._asdict(), "seconds": t} for s, t in samples or []]}
+
+    def save(self, path: str, samples: list[tuple[BatchShape, float]] | None = None) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(samples), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> ProfileCostModel:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read profile {path}: {e}") from None
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"{path} is not a profile written by `conveyor profile` "
+                             f"(expected format {PROFILE_FORMAT!r})")
+        if tuple(data.get("features", ())) != FEATURES:
+            raise ValueError(f"{path}: profile features {data.get('features')} differ from "
+                             f"this version's {list(FEATURES)}; profile again")
+        fit = StepFit(**data["fit"])
+        return cls(fit, model=data["model"], device=data["device"],
+                   kv_cache_memory=int(data["kv_cache_memory"]), meta=data.get("meta"))
+
+    @staticmethod
+    def model_fields(model: ModelConfig, name: str) -> dict:
+        return {"name": name, **{f: getattr(model, f) for f in _SHAPE_FIELDS}}

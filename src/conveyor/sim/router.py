@@ -1,0 +1,114 @@
+"""Routers: which replica a new request goes to. Registered by name.
+
+- ``round_robin``: replicas in turn, whatever their load.
+- ``least_loaded``: the replica with the fewest unfinished requests (running plus
+  waiting); ties go to the lowest index.
+- ``prefix_affinity``: the replica that last received the longest prefix of this
+  prompt (in chunks of ``chunk_tokens``), so that its prefix cache can serve it,
+  unless the replicas are out of balance (the most loaded has more than
+  ``balance_abs`` requests more than the least loaded, and more than
+  ``balance_rel`` times as many), or no replica has seen the prefix: then
+  ``least_loaded``. This is the cache-aware routing of SGLang's router, with a hash
+  chain standing in for its radix tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+
+class LoadView(Protocol):
+    @property
+    def num_unfinished(self) -> int: ...
+
+
+class Router(Protocol):
+    name: str
+
+    def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView]) -> int:
+        """Index of the replica that takes the request with this prompt."""
+        ...
+
+
+class RoundRobinRouter:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView]) -> int:
+        i = self._next % len(replicas)
+        self._next += 1
+        return i
+
+
+def least_loaded(replicas: Sequence[LoadView]) -> int:
+    best, best_load = 0, replicas[0].num_unfinished
+    for i in range(1, len(replicas)):
+        load = replicas[i].num_unfinished
+        if load < best_load:
+            best, best_load = i, load
+    return best
+
+
+class LeastLoadedRouter:
+    name = "least_loaded"
+
+    def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView]) -> int:
+        return least_loaded(replicas)
+
+
+class PrefixAffinityRouter:
+    name = "prefix_affinity"
+
+    def __init__(self, chunk_tokens: int = 64, balance_abs: int = 8,
+                 balance_rel: float = 1.5) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.chunk_tokens = chunk_tokens
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        # chained hash of a prompt prefix (whole chunks) -> replica that last received it
+        self._owner: dict[int, int] = {}
+
+    def _chain(self, tokens: list[int]) -> list[int]:
+        n = self.chunk_tokens
+        hashes, h = [], 0
+        for i in range(0, len(tokens) - n + 1, n):
+            h = hash((h, tuple(tokens[i:i + n])))
+            hashes.append(h)
+        return hashes
+
+    def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView]) -> int:
+        chain = self._chain(prompt_token_ids)
+        loads = [r.num_unfinished for r in replicas]
+        lo, hi = min(loads), max(loads)
+        balanced = hi - lo <= self.balance_abs or hi <= self.balance_rel * lo
+        choice = None
+        if balanced:
+            for h in reversed(chain):  # the longest prefix some replica has seen
+                choice = self._owner.get(h)
+                if choice is not None and choice < len(replicas):
+                    break
+                choice = None
+        if choice is None:
+            choice = least_loaded(replicas)
+        for h in chain:
+            self._owner[h] = choice
+        return choice
+
+
+ROUTERS: dict[str, Callable[[], Router]] = {
+    "round_robin": RoundRobinRouter,
+    "least_loaded": LeastLoadedRouter,
+    "prefix_affinity": PrefixAffinityRouter,
+}
+
+
+def make_router(name: str) -> Router:
+    try:
+        return ROUTERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown router {name!r}; valid routers: "
+                         f"{', '.join(sorted(ROUTERS))}") from None

@@ -1,0 +1,144 @@
+"""The profile cost model: the fit, its file, and `conveyor profile` end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sim_helpers import make_workload, tiny_args
+
+from conveyor.config import EngineArgs
+from conveyor.sim import BatchShape, ProfileCostModel, Simulator, make_cost_model
+from conveyor.sim.model import resolve_sim_model
+from conveyor.sim.profile_model import FEATURES, fit_step_times, nnls
+
+TRUE = dict(step=2e-3, rows=5e-5, tokens=1e-5, tokens_over_knee=3e-5, prefill_attention=2e-8,
+            decode_attention=4e-8, sampled=1e-4)
+KNEE = 128
+
+
+def true_time(s: BatchShape) -> float:
+    t = s.num_prefill_tokens + s.num_decodes
+    return (TRUE["step"] + TRUE["rows"] * (s.num_prefills + s.num_decodes) + TRUE["tokens"] * t
+            + TRUE["tokens_over_knee"] * max(0, t - KNEE)
+            + TRUE["prefill_attention"] * s.prefill_attention
+            + TRUE["decode_attention"] * s.num_decodes * s.max_decode_context
+            + TRUE["sampled"] * s.num_sampled)
+
+
+def grid_shapes() -> list[BatchShape]:
+    shapes = [BatchShape(num_decodes=b, decode_context=b * c, max_decode_context=c,
+                         num_sampled=b)
+              for b in (1, 2, 4, 8, 16, 32) for c in (32, 128, 512)]
+    shapes += [BatchShape(num_prefill_tokens=p, num_prefills=1,
+                          prefill_attention=p * (p + 1) // 2, prefill_context=p, num_sampled=1)
+               for p in (16, 64, 128, 256, 512)]
+    shapes += [BatchShape(num_prefill_tokens=p, num_prefills=1,
+                          prefill_attention=p * 64 + p * (p + 1) // 2, prefill_context=p + 64,
+                          num_decodes=b, decode_context=b * 100, max_decode_context=100,
+                          num_sampled=b)
+               for p in (64, 256) for b in (4, 16)]
+    return shapes
+
+
+def test_the_fit_recovers_a_known_piecewise_model():
+    shapes = grid_shapes()
+    fit = fit_step_times(shapes, [true_time(s) for s in shapes])
+    assert fit.knee == KNEE
+    for name in FEATURES:
+        assert fit.coefficients[name] == pytest.approx(TRUE[name], rel=1e-6, abs=1e-12)
+    assert fit.median_rel_error < 1e-9
+
+
+def test_the_fit_shrugs_off_a_shared_machines_noise():
+    # A shared machine: 1% jitter, and a third of the steps lose a 5 ms time slice to
+    # another process (all three repeats of a few shapes do).
+    rng = np.random.default_rng(0)
+    shapes = grid_shapes() * 3  # three repeats of each shape
+    times = [true_time(s) * (1 + abs(rng.normal(0, 0.01)))
+             + (0.005 if rng.random() < 1 / 3 else 0.0) for s in shapes]
+    model = ProfileCostModel(fit_step_times(shapes, times), model={}, device="cpu",
+                             kv_cache_memory=1)
+    errors = [abs(model.step_time(s) / true_time(s) - 1) for s in grid_shapes()]
+    assert max(errors) < 0.1 and np.median(errors) < 0.03
+
+
+def test_too_few_shapes_is_a_clear_error():
+    with pytest.raises(ValueError, match="distinct batch shapes"):
+        fit_step_times([BatchShape(num_decodes=1)] * 10, [0.01] * 10)
+    with pytest.raises(ValueError, match="positive"):
+        fit_step_times(grid_shapes(), [0.0] * len(grid_shapes()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 8), st.integers(3, 5), st.integers(0, 10_000))
+def test_nnls_satisfies_its_optimality_conditions(m_extra, n, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(n + m_extra, n))
+    b = rng.normal(size=n + m_extra)
+    x = nnls(a, b)
+    grad = a.T @ (b - a @ x)  # -1/2 the gradient of the squared residual
+    assert (x >= 0).all()
+    assert (grad <= 1e-8).all()  # no coordinate could still lower the residual
+    assert np.allclose(grad[x > 1e-10], 0, atol=1e-8)
+
+
+def test_a_profile_file_round_trips_and_guards_its_model(tmp_path):
+    shapes = grid_shapes()
+    model = resolve_sim_model(tiny_args())
+    profile = ProfileCostModel(fit_step_times(shapes, [true_time(s) for s in shapes]),
+                               model=ProfileCostModel.model_fields(model, "tiny"),
+                               device="cpu", kv_cache_memory=1 << 20)
+    path = tmp_path / "p.json"
+    profile.save(str(path), list(zip(shapes, map(true_time, shapes))))
+    loaded = make_cost_model(str(path), model)
+    assert all(loaded.step_time(s) == pytest.approx(true_time(s)) for s in shapes)
+    assert loaded.cap_kv_to_useful  # profiled on a CPU: the engine caps its default pool
+    assert len(json.loads(path.read_text())["samples"]) == len(shapes)
+    other = resolve_sim_model(EngineArgs(model="smollm2-135m"))
+    with pytest.raises(ValueError, match="hidden_size 576 vs 64"):
+        make_cost_model(str(path), other)
+    with pytest.raises(ValueError, match="profile already"):
+        make_cost_model(str(path), model, tp=2)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ValueError, match="not a profile"):
+        ProfileCostModel.load(str(bad))
+
+
+def test_conveyor_profile_measures_the_real_engine(tmp_path, capsys):
+    from conveyor.entrypoints.cli import main
+
+    out = tmp_path / "tiny.json"
+    rc = main(["profile", "--model", "tiny", "--load-format", "dummy", "--num-threads", "1",
+               "--batch-sizes", "1,2,4", "--context-lens", "16,48", "--prefill-tokens",
+               "16,32,64", "--decode-steps", "2", "--repeats", "1", "--out", str(out)])
+    assert rc == 0
+    assert "fit error" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["device"] == "cpu" and data["model"]["name"] == "tiny"
+    shapes = [BatchShape(**{k: v for k, v in s.items() if k != "seconds"})
+              for s in data["samples"]]
+    assert any(s.num_decodes == 4 and s.num_prefills == 0 for s in shapes)
+    assert any(s.num_prefill_tokens == 64 for s in shapes)
+    assert all(s["seconds"] > 0 for s in data["samples"])
+    # The simulator runs on it (the tiny shape matches), with the machine's KV default.
+    args = tiny_args(max_num_seqs=4)
+    res = Simulator(args, make_cost_model(str(out), resolve_sim_model(args))).run(
+        make_workload(10, seed=9))
+    assert len(res.finished) == 10 and res.sim_time > 0
+
+
+def test_the_decode_grid_reaches_whole_batches_after_chunked_prefills():
+    """b requests of c tokens under a small budget: all b still decode together at the end."""
+    from conveyor.sim.profiler import ProfileGrid, profile_steps
+
+    grid = ProfileGrid(batch_sizes=(4,), context_lens=(48,), prefill_tokens=(16,),
+                       decode_steps=3, repeats=1)
+    samples, _ = profile_steps(tiny_args(max_num_batched_tokens=64), grid, log=lambda m: None)
+    pure = [s for s, _ in samples if s.num_prefills == 0 and s.num_decodes == 4]
+    assert len(pure) >= 3 and all(s.max_decode_context >= 48 for s in pure)
+    assert any(s.num_prefills and s.num_decodes for s, _ in samples)  # mixed steps too
