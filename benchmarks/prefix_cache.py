@@ -130,7 +130,11 @@ def run_pair(name: str, make, args: EngineArgs, repeats: int, log) -> Pair:
 
 
 def med(runs: list[CacheRun], get) -> float:
-    return statistics.median(get(r) for r in runs)
+    values = [get(r) for r in runs]
+    value = statistics.median(values)
+    if all(isinstance(x, int) for x in values) and float(value).is_integer():
+        return int(value)  # counts stay counts
+    return value
 
 
 # ---- reporting ------------------------------------------------------------------------------
