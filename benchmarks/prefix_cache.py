@@ -155,6 +155,7 @@ def compare_table(columns: dict[str, list[CacheRun]], ideal: dict[str, CacheIdea
         row("requests", lambda r: r.summary.num_completed),
         row("prompt tokens", lambda r: r.prompt_tokens),
         row("prefill tokens computed", lambda r: r.prefill_tokens),
+        row("prefill tokens saved", lambda r: r.prompt_tokens - r.prefill_tokens),
         row("hit rate (engine)", lambda r: r.hit_rate, pct),
         *[[f"ideal hit rate ({name})", *([pct(i.hit_rate)] * len(columns))]
           for name, i in ideal.items()],

@@ -167,7 +167,7 @@ def test_chat_run_hits_exactly_the_ideal_and_matches_the_uncached_run() -> None:
     on = run_cache_mode(make, args, caching=True)
     off = run_cache_mode(make, args, caching=False)
     assert on.summary.num_completed == off.summary.num_completed == 9
-    assert on.sequences == off.sequences
+    assert on.by_id() == off.by_id() and len(on.request_ids) == 9
     ideal = token_ideal(on.sequences, 4)
     assert on.hits == ideal.hits > 0 and on.queries == ideal.queries == on.prompt_tokens
     assert on.prefill_tokens == on.prompt_tokens - on.hits

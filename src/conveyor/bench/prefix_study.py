@@ -37,14 +37,19 @@ class CacheRun:
     num_evictions: int
     num_kv_blocks: int
     policy_stats: dict = field(default_factory=dict)
-    # (prompt ids, generated ids) of every request in arrival order, for the ideal.
+    # (prompt ids, generated ids) of every request in arrival order, for the ideal,
+    # and their request ids.
     sequences: list[tuple[list[int], list[int]]] = field(default_factory=list, repr=False)
+    request_ids: list[str] = field(default_factory=list, repr=False)
     # (requests, tokens, seconds) of each engine step
     step_trace: list[tuple[int, int, float]] = field(default_factory=list, repr=False)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+    def by_id(self) -> dict[str, tuple[list[int], list[int]]]:
+        return dict(zip(self.request_ids, self.sequences))
 
     def ttft_ms(self, stat: str) -> float:
         return getattr(self.summary.latency["ttft"], stat)
@@ -82,6 +87,7 @@ def run_cache_mode(make_requests: MakeRequests, engine_args: EngineArgs, *, cach
         num_kv_blocks=stats["num_kv_blocks"], policy_stats=stats["policy"],
         sequences=[(issued[r.request_id].prompt_token_ids, outputs.get(r.request_id, []))
                    for r in by_arrival],
+        request_ids=[r.request_id for r in by_arrival],
         step_trace=result.step_trace)
 
 
