@@ -8,7 +8,9 @@ with ``ignore_eos`` so every system generates the same tokens.
 
 from __future__ import annotations
 
+import bisect
 import time
+from collections.abc import Callable
 
 from conveyor.bench.metrics import RequestRecord, RunResult, summarize
 from conveyor.bench.workload import BenchRequest
@@ -22,9 +24,16 @@ def forced_params(req: BenchRequest) -> SamplingParams:
                           detokenize=False)
 
 
+FollowUp = Callable[[BenchRequest, list[int], float], "BenchRequest | None"]
+
+
 def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = None, *,
-               engine=None, label: str = "engine", progress: bool = True) -> RunResult:
-    """Run ``requests`` to completion on ``engine`` (built from ``engine_args`` if None)."""
+               engine=None, label: str = "engine", progress: bool = True,
+               follow_up: FollowUp | None = None) -> RunResult:
+    """Run ``requests`` to completion on ``engine`` (built from ``engine_args`` if None).
+
+    The result's records follow ``requests``, then follow-ups in the order they were made.
+    """
     from tqdm import tqdm
 
     from conveyor.engine.llm_engine import LLMEngine, QueueFullError
@@ -33,6 +42,7 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
         engine = LLMEngine(engine_args or EngineArgs())
     pending = sorted(requests, key=lambda r: r.arrival_s)
     by_id = {r.request_id: r for r in pending}
+    issued = list(requests)
     records: dict[str, RequestRecord] = {}
     tracer = _StepTracer(engine)
     bar = tqdm(total=len(pending), desc=label, unit="req", disable=not progress, leave=False)
@@ -66,6 +76,13 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
                         records[req.request_id] = RequestRecord.from_metrics(
                             req, out.metrics, t0)
                         bar.update(1)
+                        if follow_up is not None:
+                            nxt_req = follow_up(req, out.outputs[0].token_ids,
+                                                out.metrics.finished_time - t0)
+                            if nxt_req is not None:
+                                _insert(pending, nxt, nxt_req, by_id)
+                                issued.append(nxt_req)
+                                bar.total += 1
             elif nxt < len(pending):
                 time.sleep(max(0.0, pending[nxt].arrival_s - (clock() - t0)))
     finally:
@@ -73,7 +90,7 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
     duration = clock() - t0
     stats = engine.stats()
     sizes = list(engine.scheduler.stats.step_batch_sizes)
-    ordered = [records[r.request_id] for r in requests]
+    ordered = [records[r.request_id] for r in issued]
     summary = summarize(
         ordered, duration, num_preemptions=stats["num_preemptions"],
         peak_kv_usage=stats["peak_kv_blocks"] / max(stats["num_kv_blocks"], 1),
@@ -85,6 +102,16 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
                "model": engine.config.model.served_model_name,
                "dtype": engine.config.model.dtype})
     return RunResult(label, ordered, summary, sizes, tracer.trace)
+
+
+def _insert(pending: list[BenchRequest], start: int, req: BenchRequest,
+            by_id: dict[str, BenchRequest]) -> None:
+    """Queue a follow-up among the requests not yet added, in arrival order."""
+    if req.request_id in by_id:
+        raise ValueError(f"follow-up request id {req.request_id!r} is already in use")
+    by_id[req.request_id] = req
+    keys = [r.arrival_s for r in pending[start:]]
+    pending.insert(start + bisect.bisect_right(keys, req.arrival_s), req)
 
 
 class _StepTracer:

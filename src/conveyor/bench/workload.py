@@ -61,9 +61,10 @@ def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="trace format (auto: by extension, .csv azure, .jsonl mooncake)")
     g.add_argument("--num-requests", type=int, default=None,
                    help="requests to replay (default: the whole trace; 200 for a preset)")
-    g.add_argument("--sample", default="head", choices=("head", "random"),
-                   help="which trace rows --num-requests takes: the first ones, or a seeded "
-                        "random sample across the whole trace")
+    g.add_argument("--sample", default="head", choices=("head", "random", "families"),
+                   help="which trace rows --num-requests takes: the first ones, a seeded "
+                        "random sample across the whole trace, or (Mooncake) whole prefix "
+                        "families, drawn at random, so that shared prefixes stay shared")
     g.add_argument("--request-rate", type=_parse_rate, default=None,
                    help="requests/s: rescales a trace's arrivals to this mean rate, or the "
                         "rate of a preset's arrivals; inf sends everything at t=0 "
@@ -135,15 +136,42 @@ def workload_rows(args: argparse.Namespace) -> list[TraceRow]:
 
 # ---- transforms ---------------------------------------------------------------------------
 def select_rows(rows: list[TraceRow], num: int | None, how: str, seed: int) -> list[TraceRow]:
-    """The first ``num`` rows, or a seeded random sample in arrival order; starts at t=0."""
+    """The first ``num`` rows, a seeded random sample or whole prefix families (see
+    ``sample_families``), in arrival order; starts at t=0."""
     if num is not None and num < len(rows):
         if how == "random":
             picked = sorted(random.Random(seed).sample(range(len(rows)), num))
             rows = [rows[i] for i in picked]
+        elif how == "families":
+            rows = sample_families(rows, num, seed)
         else:
             rows = rows[:num]
     start = rows[0].arrival_s if rows else 0.0
     return [replace(r, arrival_s=r.arrival_s - start) for r in rows]
+
+
+def sample_families(rows: list[TraceRow], num: int, seed: int) -> list[TraceRow]:
+    """``num`` rows made of whole prefix families, in arrival order.
+
+    A family is every row with the same first hash id (rows can only share a prefix
+    within one). Families are taken in a seeded random order, each only if it still
+    fits, so a sample keeps the trace's reuse: a random sample of rows would split
+    families and lose most of it (the trace's reuse spans its whole hour).
+    """
+    if not all(r.hash_ids for r in rows):
+        raise WorkloadError("--sample families needs a trace with hash_ids (Mooncake)")
+    families: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        families.setdefault(r.hash_ids[0], []).append(i)
+    order = list(families.values())
+    random.Random(seed).shuffle(order)
+    picked: list[int] = []
+    for members in order:
+        if len(picked) + len(members) <= num:
+            picked.extend(members)
+        if len(picked) == num:
+            break
+    return [rows[i] for i in sorted(picked)]
 
 
 def rescale_to_rate(rows: list[TraceRow], rate: float) -> list[TraceRow]:
