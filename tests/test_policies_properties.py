@@ -365,7 +365,7 @@ def test_queue_wait_reject_is_honoured_to_within_one_step(
     reqs = [r for r in build(workload) if r.num_prompt_tokens + r.max_tokens <= num_blocks * 4]
     sim = Sim(sched, reqs, step_time=lambda out: 0.25 + 0.05 * out.total_num_scheduled_tokens)
     sim.run()
-    longest_step = max(s.end - s.start for s in sim.steps)
+    longest_step = max((s.end - s.start for s in sim.steps), default=0.0)
     for rec in sim.steps:
         for rid in rec.rejected:
             req = sim.all[rid]
