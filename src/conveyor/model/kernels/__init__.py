@@ -1,0 +1,93 @@
+"""Native CPU kernels, compiled on first use with the system C compiler and loaded by ctypes.
+
+Only plain C with OpenMP (no torch headers), so a build takes well under a second. The
+shared object is cached under ``~/.cache/conveyor/kernels/<key>/`` where the key covers
+the source, the flags and this CPU's instruction set (it is built with -march=native).
+OpenMP resolves to the libgomp that torch has already loaded, so the kernels and torch
+share one thread pool and ``torch.set_num_threads`` governs both.
+
+Without a compiler ``load()`` returns None and callers fall back to PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+from conveyor.model.presets import cache_root
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "decode_attention.c")
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_LIBS = ["-lmvec", "-lm"]
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_key() -> str:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def _build(compiler: str, out_path: str) -> None:
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out_path))
+    os.close(fd)
+    base = [compiler, *_FLAGS, _SOURCE, "-o", tmp]
+    try:
+        try:
+            subprocess.run([*base, *_LIBS], check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError:
+            # No libmvec (non-glibc): the exponentials stay scalar.
+            subprocess.run([*base, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, out_path)  # atomic: concurrent builders never see half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it if needed; None if it cannot be built."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if platform.system() != "Linux":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: native CPU kernels disabled")
+        return None
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_key().encode())
+    path = os.path.join(cache_root(), "kernels", key.hexdigest()[:16], "libconveyor_cpu.so")
+    try:
+        if not os.path.isfile(path):
+            _build(compiler, path)
+        import torch  # noqa: F401  (load torch's libgomp first so the kernels share it)
+
+        lib = ctypes.CDLL(path)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning("native CPU kernels disabled: %s", detail.strip()[:500])
+        return None
+    ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    for name in ("decode_attention_f32", "decode_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [ptr] * 7 + [i32] * 5 + [f32]
+    _lib = lib
+    return lib
