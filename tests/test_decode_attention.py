@@ -89,3 +89,29 @@ def test_backend_choice_and_errors() -> None:
         pick_decode_kernel("native", cpu, torch.float16, 8, 2)
     with pytest.raises(ValueError, match="auto, native or sdpa"):
         pick_decode_kernel("fast", cpu, torch.float32, 8, 2)
+
+
+@needs_native
+def test_native_layer_ops_match_torch_ops() -> None:
+    from conveyor.model.layer_ops import NativeOps, TorchOps
+    from conveyor.model.llama import RMSNorm, RotaryEmbedding
+
+    torch.manual_seed(0)
+    native, ref = NativeOps(kernels.load()), TorchOps()
+    norm = RMSNorm(48, 1e-5)
+    norm.weight.data.normal_()
+    x, residual = torch.randn(13, 48), torch.randn(13, 48)
+    torch.testing.assert_close(native.rms_norm(x, norm), ref.rms_norm(x, norm))
+    want_out, want_res = ref.add_rms_norm(x, residual.clone(), norm)
+    got_out, got_res = native.add_rms_norm(x, residual.clone(), norm)
+    torch.testing.assert_close(got_out, want_out)
+    torch.testing.assert_close(got_res, want_res)
+    gate_up = torch.randn(5, 2 * 40)
+    torch.testing.assert_close(native.silu_mul(gate_up, 40), ref.silu_mul(gate_up, 40))
+    rope = RotaryEmbedding({"rope_theta": 10000.0}, 16, 64)
+    qkv = torch.randn(7, (4 + 2 * 2) * 16)
+    positions = torch.tensor([0, 3, 9, 63, 1, 2, 40])
+    want = ref.rope_(rope, positions, qkv.clone(), 4, 2, 16)
+    got = native.rope_(rope, positions, qkv.clone(), 4, 2, 16)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

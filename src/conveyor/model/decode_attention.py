@@ -43,6 +43,7 @@ class NativeDecode:
     needs_mask = False
 
     def __init__(self, lib) -> None:
+        self.lib = lib
         self._fns = {torch.float32: lib.decode_attention_f32,
                      torch.bfloat16: lib.decode_attention_bf16}
 

@@ -16,7 +16,8 @@ import torch
 from conveyor.config import CacheConfig, ModelConfig, kv_blocks_for
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from conveyor.model.attention import AttentionMetadata, PrefillSegment
-from conveyor.model.decode_attention import pick_decode_kernel
+from conveyor.model.decode_attention import NativeDecode, pick_decode_kernel
+from conveyor.model.layer_ops import NativeOps
 from conveyor.model.loader import DTYPES, load_model
 from conveyor.runner.sampler import Sampler, SamplingRow
 from conveyor.sampling_params import SamplingParams
@@ -71,6 +72,8 @@ class ModelRunner:
         self.decode_kernel = pick_decode_kernel(attention_backend, device,
                                                 DTYPES[model_cfg.dtype], model_cfg.num_heads,
                                                 model_cfg.num_kv_heads)
+        if isinstance(self.decode_kernel, NativeDecode) and model_cfg.dtype == "float32":
+            self.model.ops = NativeOps(self.decode_kernel.lib)
         # Tests set this to read each sampling request's float32 logits of the last step.
         self.timings = PhaseTimings()
         self.record_logits = False
@@ -127,6 +130,8 @@ class ModelRunner:
             return result
         idx = torch.tensor([row for row, _ in logits_rows], device=self.device)
         logits = self.model.compute_logits(hidden[idx])  # [N, vocab]
+        t3 = time.perf_counter()
+        self.timings.add("logits", t3 - t2)
         states = [self.requests[rid] for _, rid in logits_rows]
         if self.record_logits:
             self.last_logits = {s.req_id: logits[i].float().cpu() for i, s in enumerate(states)}
@@ -138,7 +143,7 @@ class ModelRunner:
             result.sampled_token_ids[state.req_id] = [token]
             if lp is not None:
                 result.logprobs[state.req_id] = [lp]
-        self.timings.add("logits+sample", time.perf_counter() - t2)
+        self.timings.add("sample", time.perf_counter() - t3)
         return result
 
     def _prepare(self, order: list[str], out: SchedulerOutput

@@ -24,7 +24,8 @@ from conveyor.model.presets import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "decode_attention.c")
+_SOURCES = [os.path.join(os.path.dirname(__file__), name)
+            for name in ("decode_attention.c", "elementwise.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _LIBS = ["-lmvec", "-lm"]
 _lib: ctypes.CDLL | None = None
@@ -45,7 +46,7 @@ def _build(compiler: str, out_path: str) -> None:
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out_path))
     os.close(fd)
-    base = [compiler, *_FLAGS, _SOURCE, "-o", tmp]
+    base = [compiler, *_FLAGS, *_SOURCES, "-o", tmp]
     try:
         try:
             subprocess.run([*base, *_LIBS], check=True, capture_output=True, text=True)
@@ -70,9 +71,10 @@ def load() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: native CPU kernels disabled")
         return None
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_key().encode())
+    key = hashlib.sha256(" ".join(_FLAGS).encode() + _cpu_key().encode())
+    for source in _SOURCES:
+        with open(source, "rb") as f:
+            key.update(f.read())
     path = os.path.join(cache_root(), "kernels", key.hexdigest()[:16], "libconveyor_cpu.so")
     try:
         if not os.path.isfile(path):
@@ -85,9 +87,17 @@ def load() -> ctypes.CDLL | None:
         logger.warning("native CPU kernels disabled: %s", detail.strip()[:500])
         return None
     ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    for name in ("decode_attention_f32", "decode_attention_bf16"):
+    signatures = {
+        "decode_attention_f32": [ptr] * 7 + [i32] * 5 + [f32],
+        "decode_attention_bf16": [ptr] * 7 + [i32] * 5 + [f32],
+        "rms_norm_f32": [ptr] * 3 + [i32] * 2 + [f32],
+        "add_rms_norm_f32": [ptr] * 4 + [i32] * 2 + [f32],
+        "silu_mul_f32": [ptr] * 2 + [i32] * 2,
+        "rope_f32": [ptr] * 4 + [i32] * 4,
+    }
+    for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype = None
-        fn.argtypes = [ptr] * 7 + [i32] * 5 + [f32]
+        fn.argtypes = argtypes
     _lib = lib
     return lib
