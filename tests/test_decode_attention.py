@@ -115,3 +115,14 @@ def test_native_layer_ops_match_torch_ops() -> None:
     got = native.rope_(rope, positions, qkv.clone(), 4, 2, 16)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+@needs_native
+def test_loading_kernels_keeps_subnormals() -> None:
+    """Linking with -ffast-math would flush denormals to zero process-wide."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom conveyor.model import kernels\nassert kernels.load()\n"
+            "x = torch.tensor([1e-40])\nassert (x * 1.0).item() != 0.0, 'flush-to-zero is on'")
+    subprocess.run([sys.executable, "-c", code], check=True)

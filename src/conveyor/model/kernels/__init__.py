@@ -26,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), name)
             for name in ("decode_attention.c", "elementwise.c")]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# -ffast-math only while compiling: linking with it would add crtfastmath, whose
+# constructor turns on flush-to-zero for the whole process (torch included).
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 _LIBS = ["-lmvec", "-lm"]
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -44,19 +46,24 @@ def _cpu_key() -> str:
 
 def _build(compiler: str, out_path: str) -> None:
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out_path))
-    os.close(fd)
-    base = [compiler, *_FLAGS, *_SOURCES, "-o", tmp]
+    workdir = tempfile.mkdtemp(dir=os.path.dirname(out_path))
     try:
+        objects = []
+        for source in _SOURCES:
+            obj = os.path.join(workdir, os.path.basename(source) + ".o")
+            subprocess.run([compiler, *_FLAGS, "-c", source, "-o", obj], check=True,
+                           capture_output=True, text=True)
+            objects.append(obj)
+        tmp = os.path.join(workdir, "lib.so")
+        link = [compiler, "-shared", "-fopenmp", *objects, "-o", tmp]
         try:
-            subprocess.run([*base, *_LIBS], check=True, capture_output=True, text=True)
+            subprocess.run([*link, *_LIBS], check=True, capture_output=True, text=True)
         except subprocess.CalledProcessError:
             # No libmvec (non-glibc): the exponentials stay scalar.
-            subprocess.run([*base, "-lm"], check=True, capture_output=True, text=True)
+            subprocess.run([*link, "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, out_path)  # atomic: concurrent builders never see half a file
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def load() -> ctypes.CDLL | None:
