@@ -18,7 +18,12 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 
-from peers.checkpoint import SPECIAL_TOKENS, bpe_vocab
+from peers.checkpoint import (
+    SPECIAL_TOKENS,
+    bpe_vocab,
+    round_trip_failures,
+    save_bpe_tokenizer,
+)
 from peers.install import vllm_requirements
 from peers.table import RunFigures, SystemResult, format_table, ratio, table_rows
 from peers.workload_file import (
@@ -170,15 +175,36 @@ def test_vllm_requirements_drop_the_torch_family_and_extras():
         "intel-openmp==2024.2.1; platform_machine == \"x86_64\""]
 
 
-@pytest.mark.parametrize("size", [259, 300, 49152])
+@pytest.mark.parametrize("size", [17, 300, 49152])
 def test_bpe_vocab_is_exactly_the_size_and_every_merge_is_closed(size):
     vocab, merges = bpe_vocab(size)
     assert len(vocab) == size and sorted(vocab.values()) == list(range(size))
     assert [vocab[t] for t in SPECIAL_TOKENS] == [0, 1, 2]
-    assert len(merges) == size - 259
+    assert len(merges) == size - 16  # one merge per word; ids below 16 are not words
     assert all(a in vocab and b in vocab and a + b in vocab for a, b in merges)
 
 
 def test_bpe_vocab_rejects_sizes_it_cannot_build():
     with pytest.raises(ValueError, match="vocab_size"):
-        bpe_vocab(100)
+        bpe_vocab(16)
+    with pytest.raises(ValueError, match="vocab_size"):
+        bpe_vocab(16 + 12 + 144 + 1728 + 20736 + 248832 + 1)
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("tok"))
+    save_bpe_tokenizer(path, 2000)
+    return AutoTokenizer.from_pretrained(path)
+
+
+@given(st.lists(st.lists(st.integers(16, 1999), min_size=1, max_size=40), max_size=5))
+def test_prompts_from_16_up_round_trip_through_text(small_tokenizer, prompts):
+    assert round_trip_failures(small_tokenizer, prompts) == []
+
+
+def test_round_trip_check_catches_a_bare_letter(small_tokenizer):
+    # id 5 is a bare letter: it glues onto the word before it when re-encoded
+    assert round_trip_failures(small_tokenizer, [[100, 200], [100, 5, 200]]) == [1]

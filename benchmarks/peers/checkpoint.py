@@ -1,49 +1,67 @@
-"""The shared checkpoint: SmolLM2-135M-shaped random weights and a byte-level BPE tokenizer.
+"""The shared checkpoint: SmolLM2-135M-shaped random weights and a BPE tokenizer.
 
 Written once per seed under ``<cache>/peers/checkpoints`` with transformers'
 ``save_pretrained`` (safetensors, float32), deterministic from the seed. Every
 server casts it to the benchmark dtype itself; llama.cpp gets GGUF files converted
-from this very folder (gguf.py).
+from this very folder (``ensure_gguf``).
 
-Why a byte-level BPE tokenizer and not the preset's synthetic WordLevel one:
-llama.cpp's converter accepts SentencePiece, BPE (with merges) or WordPiece vocabularies,
-and vLLM rejects prompt ids at or above the tokenizer's size, so the tokenizer must be
-a BPE with exactly the model's 49,152 entries. It is built, not trained: three special
-tokens (ids 0-2 as in SmolLM2: endoftext, im_start, im_end), the 256 byte symbols, then
-two-symbol merges in a fixed order until the vocabulary is full. Prompts are sent as
-token ids, so the merges' quality is irrelevant; the text it decodes to is gibberish
-either way.
+Why this tokenizer and not the preset's synthetic WordLevel one: llama.cpp's converter
+takes SentencePiece, BPE (with merges) or WordPiece vocabularies; vLLM rejects prompt
+ids at or above the tokenizer's size, so it needs exactly the model's 49,152 entries;
+and `transformers serve` takes text prompts only, so decoding a prompt's ids and
+encoding the text again must give the very same ids. A byte-level BPE built (not
+trained) as words does all three:
+
+    ids 0-2     <|endoftext|> <|im_start|> <|im_end|>   (as in SmolLM2)
+    ids 3-15    "Ġ" (a space) and 12 letters a-l         (the base symbols)
+    ids 16-     words "Ġ" + 1 to 5 letters, shortest first, until 49,152
+    merges      (word minus its last letter, last letter) for every word
+
+Prompt ids are drawn from 16 up (conveyor's workload), so every prompt token is a word
+that decodes to " " + letters. The GPT-2 pre-tokenizer splits such text at each space,
+and within a word the only merge that can apply is at its left end, so the merges
+rebuild exactly that word: encode(decode(ids)) == ids for every prompt (``round_trip_failures``
+checks it before text prompts are used).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+SPACE = "\u0120"  # "Ġ": the byte-level symbol of a space
+LETTERS = "abcdefghijkl"
 PRESET = "smollm2-135m"
-FORMAT_VERSION = 1  # bump when the files written here change
+FORMAT_VERSION = 2  # bump when the files written here change
 
 
 def bpe_vocab(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Specials, the byte alphabet, then merges of two byte symbols: exactly ``vocab_size``."""
-    from tokenizers import pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 byte symbols
-    tokens = [*SPECIAL_TOKENS, *alphabet]
-    if vocab_size < len(tokens) or vocab_size > len(tokens) + len(alphabet) ** 2:
-        raise ValueError(f"vocab_size {vocab_size} outside [{len(tokens)}, "
-                         f"{len(tokens) + len(alphabet) ** 2}] for a two-byte BPE")
+    """Specials, base symbols, then words of up to 5 letters: exactly ``vocab_size``."""
+    tokens = [*SPECIAL_TOKENS, SPACE, *LETTERS]
+    most = len(tokens) + sum(len(LETTERS) ** n for n in range(1, 6))
+    if not len(tokens) < vocab_size <= most:
+        raise ValueError(f"vocab_size {vocab_size} outside ({len(tokens)}, {most}] for "
+                         f"words of up to 5 of {len(LETTERS)} letters")
     merges: list[tuple[str, str]] = []
-    for a in alphabet:
-        for b in alphabet:
+    for n in range(1, 6):
+        for letters in itertools.product(LETTERS, repeat=n):
             if len(tokens) == vocab_size:
-                break
-            merges.append((a, b))
-            tokens.append(a + b)
+                return {t: i for i, t in enumerate(tokens)}, merges
+            word = SPACE + "".join(letters)
+            merges.append((word[:-1], word[-1]))
+            tokens.append(word)
     return {t: i for i, t in enumerate(tokens)}, merges
+
+
+def round_trip_failures(tokenizer, prompts: list[list[int]]) -> list[int]:
+    """Indices of the prompts whose decoded text does not encode back to the same ids
+    (encoded as `transformers serve` does: ``tokenizer(text)``, special tokens on)."""
+    return [i for i, ids in enumerate(prompts)
+            if tokenizer(tokenizer.decode(ids))["input_ids"] != ids]
 
 
 def save_bpe_tokenizer(path: str, vocab_size: int) -> None:
@@ -68,7 +86,7 @@ def recipe(seed: int) -> dict:
 
     return {"preset": PRESET, "config": preset_config(PRESET), "seed": seed,
             "init": "transformers default", "weights": "float32 safetensors",
-            "tokenizer": "two-byte BPE", "format": FORMAT_VERSION}
+            "tokenizer": "word BPE", "format": FORMAT_VERSION}
 
 
 def checkpoint_dir(root: str, seed: int) -> str:

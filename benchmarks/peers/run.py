@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from peers import install  # noqa: E402
 from peers.checkpoint import ensure_checkpoint, ensure_gguf  # noqa: E402
+from peers.checks import record_mismatches, text_prompt_failures  # noqa: E402
 from peers.servers import Server, ServerError, tail  # noqa: E402
 from peers.systems import GGUF_TYPE, SERVED_NAME, SYSTEMS, Context, System  # noqa: E402
 from peers.table import RunFigures, SystemResult, format_table  # noqa: E402
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             if system.server is None:
                 res = run_hf_generate(system, dtype, ctx, args, workload, spec, out_dir)
             else:
-                res = run_server(system, dtype, ctx, args, workload, warmup, spec, out_dir)
+                res = run_server(system, dtype, ctx, args, workload, warmup, spec, rows, out_dir)
             status = res.error or ", ".join(f"{r.tokens_per_s:.1f}" for r in res.runs) + \
                 " tokens/s"
             print(f"   {name} {dtype}: {status} ({time.perf_counter() - t:.0f}s)", flush=True)
@@ -196,10 +197,21 @@ def estimate_s(args: argparse.Namespace, output_tokens: int) -> float:
 
 # ---- one system -------------------------------------------------------------------------------
 def run_server(system: System, dtype: str, ctx: Context, args: argparse.Namespace,
-               workload: str, warmup: str, spec: WorkloadSpec, out_dir: str) -> SystemResult:
+               workload: str, warmup: str, spec: WorkloadSpec, rows: list, out_dir: str
+               ) -> SystemResult:
     from peers.servers import free_port
 
     res = SystemResult(system.name, dtype, note=system.note)
+    if "text" in system.bench_args:
+        # Text prompts must reach the server as the very token ids the others get.
+        with open(os.path.join(ctx.checkpoint, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        prompts = [r.prompt_token_ids for r in load_requests(workload, spec.seed, vocab)]
+        bad = text_prompt_failures(ctx.checkpoint, prompts)
+        if bad:
+            res.error = f"{len(bad)} prompt(s) do not survive decode + encode (e.g. #{bad[0]})"
+            return res
+        print(f"   text prompts: all {len(prompts)} re-tokenize to their token ids", flush=True)
     server_spec = system.server(ctx, dtype, free_port())
     log = os.path.join(out_dir, f"{system.name}-{dtype}.server.log")
     try:
@@ -214,6 +226,10 @@ def run_server(system: System, dtype: str, ctx: Context, args: argparse.Namespac
                 out = os.path.join(out_dir, f"{system.name}-{dtype}-run{i + 1}.json")
                 summary = bench(system, server_spec.base_url, ctx, workload, spec.seed, out)
                 res.runs.append(RunFigures.from_summary(summary))
+                found = record_mismatches(out.replace(".json", ".records.jsonl"), rows)
+                if found:
+                    print(f"   warning: run {i + 1}: {found.describe()}", flush=True)
+                    res.note += f"; run {i + 1}: {found.describe()}"
     except (ServerError, BenchError, OSError) as e:
         res.error = str(e).splitlines()[0]
         print(f"   error: {e}", flush=True)

@@ -10,6 +10,7 @@ checkpoint cast to the benchmark dtype at load.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -33,6 +34,14 @@ ISOLATED_ENV: dict[str, str | None] = {
 # one 4,600-token step.
 CONVEYOR_ARGS = ("--max-num-seqs", "32", "--max-num-batched-tokens", "2048",
                  "--no-enable-prefix-caching")
+
+
+# `transformers serve` takes text prompts only (the checkpoint's tokenizer round-trips
+# every prompt exactly: checkpoint.py), answers 422 to fields it does not know
+# (ignore_eos), is pinned to its checkpoint (no model name needed), and reads generation
+# settings from a JSON string: EOS id -1 disables the EOS stop, as ignore_eos does.
+TRANSFORMERS_SERVE_BODY = {"ignore_eos": None, "model": None,
+                           "generation_config": json.dumps({"eos_token_id": -1})}
 
 
 @dataclass(frozen=True)
@@ -81,9 +90,10 @@ def vllm_server(ctx: Context, dtype: str, port: int) -> ServerSpec:
 
 
 def transformers_server(ctx: Context, dtype: str, port: int) -> ServerSpec:
+    # The positional model is preloaded and pinned ("force_model").
     argv = [os.path.join(ctx.paths.venv("transformers"), "bin", "transformers"), "serve",
-            "--continuous-batching", "--host", HOST, "--port", str(port),
-            "--dtype", TORCH_DTYPE[dtype], "--force-model", ctx.checkpoint]
+            ctx.checkpoint, "--continuous-batching", "--host", HOST, "--port", str(port),
+            "--dtype", TORCH_DTYPE[dtype], "--device", "cpu"]
     env = {**ISOLATED_ENV, "OMP_NUM_THREADS": str(ctx.threads)}
     return ServerSpec("transformers-serve", argv, port, env, "/v1/models",
                       ctx.startup_timeout_s)
@@ -105,7 +115,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("hf-generate", "hf-generate", None,
            note="one static padded batch (in-process); TTFT = the padded prefill"),
     System("transformers-serve", "transformers", transformers_server,
-           note="transformers serve --continuous-batching"),
+           bench_args=("--prompt-format", "text", "--openai-extra-body",
+                       json.dumps(TRANSFORMERS_SERVE_BODY)),
+           note="transformers serve --continuous-batching; text prompts (exact round trip)"),
     System("llamacpp", "llamacpp", llamacpp_server,
            note="llama-server -np 32 --kv-unified --no-cache-prompt -cram 0"),
 )}
