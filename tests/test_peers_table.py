@@ -208,3 +208,29 @@ def test_prompts_from_16_up_round_trip_through_text(small_tokenizer, prompts):
 def test_round_trip_check_catches_a_bare_letter(small_tokenizer):
     # id 5 is a bare letter: it glues onto the word before it when re-encoded
     assert round_trip_failures(small_tokenizer, [[100, 200], [100, 5, 200]]) == [1]
+
+
+# ---- server lifecycle ----------------------------------------------------------------------
+def test_server_is_ready_then_stopped_with_its_children(tmp_path):
+    from peers.servers import Server, ServerSpec, free_port
+
+    port = free_port()
+    # A shell that forks the real server: stopping must end the child too (process group).
+    argv = ["sh", "-c", f"{sys.executable} -m http.server {port} --bind 127.0.0.1 & wait"]
+    spec = ServerSpec("http", argv, port, {"PYTHONPATH": None}, "/", startup_timeout_s=60)
+    with Server(spec, str(tmp_path / "http.log"), stop_grace_s=10) as server:
+        assert server.startup_s is not None
+        pgid = server.proc.pid
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)  # no process of that group is left
+
+
+def test_server_that_exits_while_starting_names_its_log(tmp_path):
+    from peers.servers import Server, ServerError, ServerSpec, free_port
+
+    spec = ServerSpec("broken", [sys.executable, "-c", "print('no such model'); exit(3)"],
+                      free_port(), startup_timeout_s=60)
+    log = str(tmp_path / "broken.log")
+    with pytest.raises(ServerError, match="exited with 3") as err, Server(spec, log):
+        pass
+    assert log in str(err.value) and "no such model" in str(err.value)

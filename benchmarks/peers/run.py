@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -112,6 +113,8 @@ def _csv(valid):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # A SIGTERM unwinds like Ctrl-C, so the running server is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.perf_counter()
     paths = install.PeerPaths(args.cache_dir)
     install.setup([SYSTEMS[name].setup for name in args.peers if SYSTEMS[name].setup], paths)

@@ -104,20 +104,36 @@ class Server:
             time.sleep(0.5)
 
     def stop(self) -> None:
+        """SIGTERM to the server's group; SIGKILL what is left of it after the grace."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        _signal_group(proc.pid, signal.SIGTERM)
-        try:
+        pgid = proc.pid
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.perf_counter() + self.stop_grace_s
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(self.stop_grace_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(proc.pid, signal.SIGKILL)
-            proc.wait()
+        # The leader may be gone while its workers still wind down.
+        while _group_alive(pgid) and time.perf_counter() < deadline:
+            time.sleep(0.1)
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGKILL)
+        proc.wait()
 
 
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)  # the group this script created for the server, by its id
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _answers(url: str) -> bool:
