@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+# Appended, not prepended: benchmarks/ holds scripts whose names must not shadow modules.
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 
 from peers.checkpoint import (
     SPECIAL_TOKENS,
