@@ -136,6 +136,7 @@ class EngineArgs:
     max_preemptions_per_request: int | None = None
     sjf_aging_s: float = 0.0
     sjf_predictor: str = "hint"
+    sjf_prompt_weight: float = 1.0
     fair_input_weight: float = 1.0
     fair_output_weight: float = 2.0
     tenant_weights: dict[str, float] | None = None
@@ -191,6 +192,9 @@ class EngineArgs:
         g.add_argument("--sjf-predictor", default="hint", choices=sorted(PREDICTORS),
                        help="sjf: expected output length (hint: expected_output_tokens, "
                             "else max_tokens)")
+        g.add_argument("--sjf-prompt-weight", type=float, default=1.0,
+                       help="sjf: cost of a prompt token still to prefill relative to an "
+                            "output token (prefill is batched: below 1 fits engine time)")
         g.add_argument("--fair-input-weight", type=float, default=1.0)
         g.add_argument("--fair-output-weight", type=float, default=2.0)
         g.add_argument("--tenant-weights", type=_parse_weights, default=None,
@@ -225,6 +229,7 @@ class EngineArgs:
             policy=PolicyConfig(
                 sjf_aging_s=self.sjf_aging_s,
                 sjf_predictor=self.sjf_predictor,
+                sjf_prompt_weight=self.sjf_prompt_weight,
                 fair_input_weight=self.fair_input_weight,
                 fair_output_weight=self.fair_output_weight,
                 tenant_weights=tuple(sorted((self.tenant_weights or {}).items())),

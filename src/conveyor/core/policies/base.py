@@ -33,6 +33,8 @@ class PolicyConfig:
     sjf_aging_s: float = 0.0
     # sjf: how the expected output length is predicted (a name in ``PREDICTORS``).
     sjf_predictor: str = "hint"
+    # sjf: cost of a token still to prefill relative to an output token still to generate.
+    sjf_prompt_weight: float = 1.0
     # fair: service counted as input_weight * prompt tokens + output_weight * output tokens.
     fair_input_weight: float = 1.0
     fair_output_weight: float = 2.0
@@ -50,6 +52,8 @@ class PolicyConfig:
                f"must be a finite number >= 0, got {self.sjf_aging_s}")
         _check(self.sjf_predictor in PREDICTORS, "sjf_predictor",
                f"must be one of {', '.join(sorted(PREDICTORS))}, got {self.sjf_predictor!r}")
+        _check(self.sjf_prompt_weight >= 0 and math.isfinite(self.sjf_prompt_weight),
+               "sjf_prompt_weight", f"must be a finite number >= 0, got {self.sjf_prompt_weight}")
         _check(self.fair_input_weight >= 0, "fair_input_weight",
                f"must be >= 0, got {self.fair_input_weight}")
         _check(self.fair_output_weight >= 0, "fair_output_weight",
