@@ -51,6 +51,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("bench")
     g.add_argument("--backend", default="engine", choices=("engine", "openai"),
                    help="engine: in-process LLMEngine; openai: an OpenAI-compatible server")
+    g.add_argument("--step-cost", type=_parse_step_cost, default=None,
+                   metavar="BASE,PER_TOKEN,PER_SEQ",
+                   help="engine backend: replay in virtual time, each step costing BASE + "
+                        "PER_TOKEN * tokens + PER_SEQ * requests seconds (deterministic; "
+                        "see bench/model_clock.py)")
     g.add_argument("--base-url", default=None, help="openai backend: http://host:port")
     g.add_argument("--openai-model", default=None,
                    help="openai backend: the model name sent in requests (default: --model)")
@@ -172,7 +177,7 @@ def _run_backend(args: argparse.Namespace, requests: list[BenchRequest], label: 
         from conveyor.bench.engine_backend import run_engine
 
         return run_engine(requests, EngineArgs.from_cli_args(args), label=label,
-                          progress=progress)
+                          progress=progress, cost_model=args.step_cost)
     from conveyor.bench.openai_backend import OpenAITarget, run_openai
 
     target = OpenAITarget(
@@ -219,6 +224,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.compare_batching and args.backend != "engine":
         raise WorkloadError("--compare-batching runs the in-process engine: use "
                             "--backend engine")
+    if args.step_cost is not None and (args.backend != "engine" or args.compare_batching):
+        raise WorkloadError("--step-cost replays a plain engine-backend run (not --backend "
+                            "openai or --compare-batching)")
     if args.compare_batching and args.sweep_rate:
         raise WorkloadError("--compare-batching and --sweep-rate do not combine")
     if args.request_rate is not None and args.time_scale != 1.0:
@@ -262,7 +270,9 @@ def _target_line(args: argparse.Namespace) -> str:
     return (f"engine model {args.model} (load format {args.load_format}, dtype {args.dtype}), "
             f"batching {'static+continuous' if args.compare_batching else args.batching}, "
             f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
-            f"{args.max_num_batched_tokens}, policy {args.scheduling_policy}")
+            f"{args.max_num_batched_tokens}, policy {args.scheduling_policy}"
+            + (f", virtual time (step cost {args.step_cost.describe()} s)"
+               if args.step_cost is not None else ""))
 
 
 def _request_model(args: argparse.Namespace) -> str:
@@ -280,6 +290,15 @@ def _config_dict(args: argparse.Namespace) -> dict[str, Any]:
             value = value.describe() if hasattr(value, "describe") else str(value)
         out[key] = value
     return out
+
+
+def _parse_step_cost(text: str):
+    from conveyor.bench.model_clock import StepCostModel
+
+    try:
+        return StepCostModel.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _parse_rates(text: str) -> list[float]:

@@ -1,9 +1,13 @@
-"""Replay a workload through an in-process ``LLMEngine`` on the wall clock (no HTTP).
+"""Replay a workload through an in-process ``LLMEngine`` in real time (no HTTP).
 
 Each request is added once its arrival time has passed, stamped with that arrival
 time (a request that arrives while a step runs has been waiting since it arrived),
 and the engine is stepped while anything is unfinished. Output lengths are forced
 with ``ignore_eos`` so every system generates the same tokens.
+
+Time is the engine's clock (monotonic wall time), or, given a ``StepCostModel``, a
+virtual clock that each step moves by its modelled cost (``bench/model_clock.py``):
+a deterministic replay for comparing schedulers on a machine too busy to time them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from conveyor.bench.metrics import RequestRecord, RunResult, summarize
+from conveyor.bench.model_clock import ModelClock, ModelTimedRunner, StepCostModel
 from conveyor.bench.workload import BenchRequest
 from conveyor.config import EngineArgs
 from conveyor.sampling_params import SamplingParams
@@ -29,8 +34,10 @@ FollowUp = Callable[[BenchRequest, list[int], float], "BenchRequest | None"]
 
 def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = None, *,
                engine=None, label: str = "engine", progress: bool = True,
-               follow_up: FollowUp | None = None) -> RunResult:
-    """Run ``requests`` to completion on ``engine`` (built from ``engine_args`` if None).
+               follow_up: FollowUp | None = None,
+               cost_model: StepCostModel | None = None) -> RunResult:
+    """Run ``requests`` to completion on ``engine`` (built from ``engine_args`` if None);
+    with ``cost_model``, in virtual time (an engine passed in gets its clock back).
 
     The result's records follow ``requests``, then follow-ups in the order they were made.
     """
@@ -40,6 +47,10 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
 
     if engine is None:
         engine = LLMEngine(engine_args or EngineArgs())
+    own_clock, own_runner = engine.clock, engine.runner
+    if cost_model is not None:
+        engine.clock = ModelClock()
+        engine.runner = ModelTimedRunner(own_runner, engine.clock, cost_model)
     pending = sorted(requests, key=lambda r: r.arrival_s)
     by_id = {r.request_id: r for r in pending}
     issued = list(requests)
@@ -47,6 +58,7 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
     tracer = _StepTracer(engine)
     bar = tqdm(total=len(pending), desc=label, unit="req", disable=not progress, leave=False)
     clock = engine.clock
+    virtual = isinstance(clock, ModelClock)
     t0 = clock()
     nxt = 0
     try:
@@ -67,9 +79,9 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
                     records[req.request_id] = RequestRecord.failed(req, f"{kind}: {e}")
                     bar.update(1)
             if engine.has_unfinished_requests():
-                t_step = time.perf_counter()
+                t_step = clock()
                 outputs = engine.step()
-                tracer.record(time.perf_counter() - t_step)
+                tracer.record(clock() - t_step)
                 for out in outputs:
                     if out.finished and out.metrics is not None:
                         req = by_id[out.request_id]
@@ -83,11 +95,14 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
                                 _insert(pending, nxt, nxt_req, by_id)
                                 issued.append(nxt_req)
                                 bar.total += 1
-            elif nxt < len(pending):
+            elif virtual:  # idle: jump to the next arrival
+                clock.advance_to(t0 + pending[nxt].arrival_s)
+            else:
                 time.sleep(max(0.0, pending[nxt].arrival_s - (clock() - t0)))
+        duration = clock() - t0
     finally:
         bar.close()
-    duration = clock() - t0
+        engine.clock, engine.runner = own_clock, own_runner
     stats = engine.stats()
     sizes = list(engine.scheduler.stats.step_batch_sizes)
     ordered = [records[r.request_id] for r in issued]
