@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 
+from conveyor.bench.breakdown import ServiceTimeline
 from conveyor.bench.metrics import RequestRecord, RunResult, Summary
 
 _CDF_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E latency"))
@@ -69,6 +70,54 @@ def plot_rate_sweep(points: list[tuple[float, Summary]], path: str) -> str:
             ticks = [*finite, inf_x]
             ax.set_xticks(ticks, [f"{t:g}" for t in finite] + ["inf"])
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_service_shares(panels: list[tuple[str, ServiceTimeline]], path: str,
+                        groups: list | None = None, demand: dict | None = None,
+                        last_arrival_s: float | None = None) -> str:
+    """One panel per run: each group's share of service per time bin, stacked to 1.
+
+    ``groups`` fixes the stacking order (default: sorted). ``demand`` (group -> fraction
+    of requests) is drawn as dashed levels in that order, so a panel shows at a glance
+    whether service follows the arrival mix (fcfs) or the fair share; a dotted line
+    marks ``last_arrival_s``.
+    """
+    plt = _pyplot()
+    if groups is None:
+        groups = sorted({g for _, tl in panels for g in tl.service}, key=str)
+    colors = {g: plt.get_cmap("tab10")(i % 10) for i, g in enumerate(groups)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), sharey=True,
+                             squeeze=False)
+    for ax, (title, tl) in zip(axes[0], panels):
+        shares = tl.shares()
+        ys = []
+        for g in groups:
+            values = [0.0 if math.isnan(v) else v for v in shares.get(g, [0.0] * len(tl.centers))]
+            ys.append(values + values[-1:])  # one value per edge: the last bin drawn to its end
+        ax.stackplot(tl.edges, ys, labels=[str(g) for g in groups],
+                     colors=[colors[g] for g in groups], alpha=0.85, step="post")
+        level = 0.0
+        for g in groups if demand else ():
+            level += demand.get(g, 0.0)
+            ax.axhline(level, color="black", lw=0.8, ls="--")
+        if last_arrival_s is not None:
+            ax.axvline(last_arrival_s, color="black", lw=1.0, ls=":")
+        ax.set_title(title)
+        ax.set_xlabel("time since start (s)")
+        ax.set_xlim(tl.edges[0], tl.edges[-1])
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("share of service (weighted tokens)")
+    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    notes = (["dashed: cumulative share of requests"] if demand else []) + \
+        (["dotted: last arrival"] if last_arrival_s is not None else [])
+    if notes:
+        fig.text(0.01, 0.01, "; ".join(notes), fontsize=8)
+    fig.tight_layout(rect=(0, 0.04 if notes else 0, 1, 1))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
