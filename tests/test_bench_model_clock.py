@@ -3,6 +3,7 @@ whose timestamps are computed by hand."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -95,3 +96,26 @@ def test_virtual_replay_is_deterministic_under_load():
     assert [(r.ttft_s, r.e2e_s, r.itls_s) for r in first.records] == \
         [(r.ttft_s, r.e2e_s, r.itls_s) for r in second.records]
     assert max(first.step_batch_sizes) == 4  # it was loaded: requests queued for slots
+
+
+def test_cli_step_cost_replays_the_same_timeline_twice(tmp_path, capsys):
+    from conveyor.entrypoints.cli import main
+
+    argv = ["bench", "--model", "tiny", "--load-format", "dummy", "--num-threads", "1",
+            "--attention-backend", "sdpa", "--workload", "conversation", "--num-requests", "6",
+            "--input-scale", "0.02", "--output-scale", "0.05", "--max-num-seqs", "2",
+            "--step-cost", "0.5,0,0", "--no-progress"]
+    docs = []
+    for i in range(2):
+        out = tmp_path / f"run{i}.json"
+        assert main([*argv, "--out", str(out)]) == 0
+        assert "virtual time (step cost 0.5,0,0 s)" in capsys.readouterr().out
+        docs.append(json.loads(out.read_text())["runs"][0]["summary"])
+    assert docs[0]["latency"] == docs[1]["latency"]
+    # Half a second a step: the run lasts exactly its number of steps times 0.5.
+    assert docs[0]["duration_s"] == 0.5 * docs[0]["extra"]["num_steps"]
+    assert main([*argv, "--backend", "openai", "--base-url", "http://x"]) == 2
+    assert "--step-cost replays a plain engine-backend run" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv[:-3], "--step-cost", "1,2", "--no-progress"])
+    assert "expected BASE,PER_TOKEN,PER_SEQ" in capsys.readouterr().err
