@@ -13,6 +13,7 @@ from conveyor.bench.model_clock import ModelClock, StepCostModel
 from conveyor.bench.workload import BenchRequest
 from conveyor.config import EngineArgs
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.sim.batch import BatchShape
 
 
 def test_fit_recovers_a_noiseless_model():
@@ -119,3 +120,23 @@ def test_cli_step_cost_replays_the_same_timeline_twice(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*argv[:-3], "--step-cost", "1,2", "--no-progress"])
     assert "expected BASE,PER_TOKEN,PER_SEQ" in capsys.readouterr().err
+
+
+class PrefillDecodeCost:
+    """A simulator-style cost model: 0.1 s per prefill token, 1 s per decode row."""
+
+    def step_time(self, shape) -> float:
+        return 0.1 * shape.num_prefill_tokens + 1.0 * shape.num_decodes
+
+
+def test_virtual_replay_takes_a_simulator_cost_model():
+    # Prompt 8: its prefill step costs 0.8 s and gives the first token; two decode steps
+    # of 1 s each give the other two.
+    reqs = [BenchRequest("a", 0.0, list(range(16, 24)), 3)]
+    result = run_engine(reqs, engine=tiny_engine(), progress=False,
+                        cost_model=PrefillDecodeCost())
+    (a,) = result.records
+    assert a.ttft_s == pytest.approx(0.8) and a.itls_s == pytest.approx([1.0, 1.0])
+    # The linear model speaks the same interface: 11 tokens in 4 rows.
+    shape = BatchShape(num_prefill_tokens=8, num_prefills=1, num_decodes=3)
+    assert StepCostModel(1.0, 0.5, 0.25).step_time(shape) == pytest.approx(1 + 5.5 + 1)

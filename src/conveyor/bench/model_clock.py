@@ -15,6 +15,10 @@ function of the workload, the engine options and the three constants: policies
 compared on one cost model differ by what they decided, nothing else. The constants
 are fitted (least squares) to the step trace of a wall-clock run on the machine at
 hand, or given, so that another machine replays the very same timeline.
+
+Any of the simulator's cost models (``conveyor.sim``: a ``conveyor profile`` fit, the
+roofline) works in place of ``StepCostModel``: the clock asks ``step_time`` of the
+step's ``BatchShape``, as the simulator does.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conveyor.core.scheduler_output import SchedulerOutput
+from conveyor.sim.batch import BatchShape, batch_shape
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,10 @@ class StepCostModel:
 
     def cost(self, num_seqs: int, num_tokens: int) -> float:
         return self.base_s + self.per_token_s * num_tokens + self.per_seq_s * num_seqs
+
+    def step_time(self, shape: BatchShape) -> float:
+        """The simulator's cost model interface."""
+        return self.cost(shape.num_prefills + shape.num_decodes, shape.num_tokens)
 
     @classmethod
     def fit(cls, trace: list[tuple[int, int, float]]) -> StepCostModel:
@@ -99,9 +108,10 @@ class ModelClock:
 
 class ModelTimedRunner:
     """Wraps a model runner: after each ``execute`` the clock moves by the step's
-    modelled cost, so tokens are stamped when the modelled step ends."""
+    modelled cost (``model.step_time(shape)``: a ``StepCostModel`` or a simulator cost
+    model), so tokens are stamped when the modelled step ends."""
 
-    def __init__(self, runner, clock: ModelClock, model: StepCostModel) -> None:
+    def __init__(self, runner, clock: ModelClock, model) -> None:
         self._runner = runner
         self._clock = clock
         self._model = model
@@ -109,8 +119,7 @@ class ModelTimedRunner:
     def execute(self, out: SchedulerOutput):
         result = self._runner.execute(out)
         if out.num_scheduled_tokens:
-            self._clock.add(self._model.cost(len(out.num_scheduled_tokens),
-                                             out.total_num_scheduled_tokens))
+            self._clock.add(self._model.step_time(batch_shape(out)))
         return result
 
     def __getattr__(self, name: str):
