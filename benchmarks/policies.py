@@ -379,7 +379,8 @@ def main() -> int:
         print(f"unknown trace(s) {unknown}; valid: {', '.join(TRACES)}", file=sys.stderr)
         return 2
     print("python benchmarks/policies.py " + shlex.join(sys.argv[1:]))
-    print("parameters: " + json.dumps(vars(args), default=str))
+    print("parameters: " + json.dumps(
+        {**vars(args), "step_cost": args.step_cost and args.step_cost.describe()}))
     print(f"tenants {TENANT_MIX}; priority classes {PRIORITY_MIX} (0 is urgent); "
           f"SLO TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms")
     t_start = time.perf_counter()
