@@ -1,7 +1,7 @@
 """Scheduling policies under saturation: what each one wins and what it costs.
 
     python benchmarks/policies.py                          # both traces, wall clock
-    python benchmarks/policies.py --clock model --step-cost 0.0066,3e-05,0.00031
+    python benchmarks/policies.py --clock model --step-cost 0.00103,1.2e-05,7.4e-05
                                                            # deterministic virtual time
     python benchmarks/policies.py --traces azure --num-requests 60    # a quick look
 
@@ -355,8 +355,8 @@ def main() -> int:
     p.add_argument("--sjf-prompt-weight", type=float, default=1 / 16,
                    help="sjf: a prompt token's cost relative to an output token's (the "
                         "engine's default is 1; sjf-w1 runs with 1)")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=25.0)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--num-threads", type=int, default=1)
