@@ -368,8 +368,9 @@ def main() -> int:
     p.add_argument("--step-cost", type=StepCostModel.parse, default=None,
                    metavar="BASE,PER_TOKEN,PER_SEQ",
                    help="--clock model: these constants (seconds) instead of fitting them")
-    p.add_argument("--share-bin-s", type=float, default=1.0,
-                   help="time bin of the share-of-service plot")
+    p.add_argument("--share-bin-s", type=float, default=None,
+                   help="time bin of the share-of-service plot (default: a 30th of the "
+                        "fcfs run)")
     p.add_argument("--out", default=os.path.join(REPO, "results", "policies"))
     args = p.parse_args()
     args.policies = args.policies.split(",") if args.policies else None
@@ -398,6 +399,12 @@ def main() -> int:
     return 0
 
 
+def share_bin(st: TraceStudy, args: argparse.Namespace) -> float:
+    if args.share_bin_s is not None:
+        return args.share_bin_s
+    return next(iter(st.runs.values())).summary.duration_s / 30
+
+
 def report(studies: list[TraceStudy], args: argparse.Namespace) -> None:
     from conveyor.bench.plots import plot_latency_cdfs, plot_service_shares
 
@@ -420,7 +427,7 @@ def report(studies: list[TraceStudy], args: argparse.Namespace) -> None:
                   "class replayed without the rest")
             print(text)
         if "fair" in st.runs:
-            text, entry["fairness"] = fairness_breakdown(st, args.share_bin_s)
+            text, entry["fairness"] = fairness_breakdown(st, share_bin(st, args))
             print(f"\nfairness ({TENANT_MIX}): TTFT by tenant, ms; alone = the light tenants "
                   "replayed without heavy; share = of weighted service while requests arrive")
             print(text)
@@ -430,7 +437,7 @@ def report(studies: list[TraceStudy], args: argparse.Namespace) -> None:
             last_arrival = max(r.arrival_s for r in reqs)
             png = plot_service_shares(
                 [(f"{st.name}: {label}", service_timeline(st.runs[label].records,
-                                                                   args.share_bin_s))
+                                                                   share_bin(st, args)))
                  for label in ("fcfs", "fair")],
                 os.path.join(args.out, f"share_{st.name}.png"), groups=[HEAVY, *LIGHTS],
                 demand=demand, last_arrival_s=last_arrival)
