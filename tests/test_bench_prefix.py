@@ -190,7 +190,7 @@ def test_proportionality_compares_ttft_saved_with_the_fitted_token_cost() -> Non
     # Steps cost 2 ms + 0.1 ms per token; 4 requests save 30 tokens each: 3 ms expected.
     trace = [(1, n, 0.002 + 0.0001 * n) for n in (1, 10, 40, 100)]
     assert fit_step_cost(trace) == pytest.approx((0.002, 0.0001))
-    assert fit_step_cost([(1, 5, 0.1), (2, 5, 0.2)]) is None
+    assert fit_step_cost([(1, 5, 0.1), (2, 5, 0.2), (3, 5, 0.3)]) is None
     off = fake_run("off", [0.010, 0.012, 0.014, 0.016], 160, trace)
     on = fake_run("on", [0.007, 0.009, 0.011, 0.013], 40, trace)
     p = proportionality(off, on)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from conveyor.bench.engine_backend import FollowUp, run_engine
 from conveyor.bench.metrics import Summary
+from conveyor.bench.model_clock import StepCostModel
 from conveyor.bench.workload import BenchRequest
 from conveyor.config import EngineArgs
 
@@ -141,15 +142,11 @@ def proportionality(off: CacheRun, on: CacheRun,
 
 
 def fit_step_cost(trace: list[tuple[int, int, float]]) -> tuple[float, float] | None:
-    """Least-squares ``seconds = fixed + per_token * tokens`` over engine steps, or None
-    when the steps do not vary in size (nothing to fit)."""
-    if len(trace) < 2:
+    """(fixed, per-token) seconds of an engine step, from the model-clock fit over
+    ``(requests, tokens, seconds)`` steps; None when step sizes do not vary (nothing to
+    fit). The fixed part includes the per-request term at the mean batch size."""
+    if len(trace) < 3 or len({tokens for _, tokens, _ in trace}) < 2:
         return None
-    xs = [float(tokens) for _, tokens, _ in trace]
-    ys = [seconds for _, _, seconds in trace]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
-        return None
-    per_token = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    return my - per_token * mx, per_token
+    model = StepCostModel.fit(trace)
+    mean_requests = sum(r for r, _, _ in trace) / len(trace)
+    return model.base_s + model.per_seq_s * mean_requests, model.per_token_s
