@@ -29,10 +29,13 @@ FollowUp = Callable[[BenchRequest, list[int], float], "BenchRequest | None"]
 
 def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = None, *,
                engine=None, label: str = "engine", progress: bool = True,
-               follow_up: FollowUp | None = None) -> RunResult:
+               follow_up: FollowUp | None = None,
+               sleep: Callable[[float], None] = time.sleep) -> RunResult:
     """Run ``requests`` to completion on ``engine`` (built from ``engine_args`` if None).
 
     The result's records follow ``requests``, then follow-ups in the order they were made.
+    ``sleep(seconds)`` waits for the next arrival when the engine is idle; an engine on a
+    clock of its own (not the wall clock) passes one that advances that clock.
     """
     from tqdm import tqdm
 
@@ -84,7 +87,7 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
                                 issued.append(nxt_req)
                                 bar.total += 1
             elif nxt < len(pending):
-                time.sleep(max(0.0, pending[nxt].arrival_s - (clock() - t0)))
+                sleep(max(0.0, pending[nxt].arrival_s - (clock() - t0)))
     finally:
         bar.close()
     duration = clock() - t0
