@@ -95,20 +95,22 @@ def _run(args: argparse.Namespace) -> int:
     print(f"target: {_target_line(args, sim)}")
     print(f"cost model: {cost.describe()}")
     extra: dict[str, Any] = {}
+    result = None
     if args.find_capacity:
         found = _find_capacity(args, engine_args, cost, requests)
         if found is None:
             return 1
-        sim, requests, extra["capacity"] = found
-    cpu0 = time.process_time()
-    result = sim.run(requests)
-    cpu_s = time.process_time() - cpu0
-    # CPU time is the steadier figure on a shared machine (wall time counts waiting).
+        sim, requests, extra["capacity"], result = found
+    if result is None:
+        cpu0 = time.process_time()
+        result = sim.run(requests)
+        # CPU time is the steadier figure on a shared machine (wall time counts waiting).
+        cpu = f" ({time.process_time() - cpu0:.2f}s cpu)"
+    else:
+        cpu = " (the search's run at the answer)"
     print(f"simulator: {result.num_events - result.num_steps} arrivals + {result.num_steps} "
-          f"steps = {result.num_events} events in {result.wall_s:.2f}s wall "
-          f"({cpu_s:.2f}s cpu): {result.events_per_s:,.0f} events/s "
-          f"({result.num_events / max(cpu_s, 1e-9):,.0f} per cpu second); "
-          f"{result.sim_time:,.1f}s simulated")
+          f"steps = {result.num_events} events in {result.wall_s:.2f}s wall{cpu}: "
+          f"{result.events_per_s:,.0f} events/s; {result.sim_time:,.1f}s simulated")
     return _report(args, requests, result, sim, extra)
 
 
@@ -149,8 +151,8 @@ def _report(args: argparse.Namespace, requests: list[BenchRequest], result, sim,
 # ---- capacity -----------------------------------------------------------------------------
 def _find_capacity(args: argparse.Namespace, engine_args: EngineArgs, cost,
                    requests: list[BenchRequest]):
-    """Search, print the trace and the answer; returns (simulator, requests, summary) at
-    the answer, or None if no probe met the SLOs."""
+    """Search, print the trace and the answer; returns (simulator, requests, summary, the
+    search's run) at the answer, or None if no probe met the SLOs."""
     from conveyor.sim.capacity import SLO, at_rate, find_max_rate, find_min_replicas
     from conveyor.sim.simulator import Simulator
 
@@ -198,17 +200,19 @@ def _find_capacity(args: argparse.Namespace, engine_args: EngineArgs, cost,
     summary = {"search": args.find_capacity, "value": found.value, "failing": found.failing,
                "slo_ttft_ms": args.slo_ttft, "slo_tpot_ms": args.slo_tpot,
                "attainment": args.attainment,
-               "probes": [dataclasses.asdict(p) for p in found.probes]}
+               "probes": [{"value": p.value, "attainment": p.attainment, "meets": p.meets,
+                           "stopped_early": p.stopped_early, "wall_s": p.wall_s}
+                          for p in found.probes]}
     if by_replicas:
         sim = Simulator(engine_args, cost, replicas=int(found.value), router=args.router)
         print(f"\nthe workload on {show(found.value)}:")
-        return sim, requests, summary
+        return sim, requests, summary, found.result
     times = {r.request_id: r.arrival_s
              for r in at_rate(requests, found.value * args.replicas)}
     requests = [dataclasses.replace(r, arrival_s=times[r.request_id]) for r in requests]
     print(f"\nthe workload at {show(found.value)}: {describe(requests)}")
     sim = Simulator(engine_args, cost, replicas=args.replicas, router=args.router)
-    return sim, requests, summary
+    return sim, requests, summary, found.result
 
 
 # ---- helpers ------------------------------------------------------------------------------
