@@ -54,6 +54,7 @@ import os
 import random
 import shlex
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=None,
                    help="save each workload's real and sim summaries here (bench JSON)")
     p.add_argument("--workdir", default=None,
-                   help="where the model's config.json is written (default: a temp dir)")
+                   help="where the model's config.json and the profile are written (default: "
+                        "a temporary folder, removed at the end)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                    help="wall: time as `conveyor bench` does; cpu: this process's CPU time "
@@ -130,7 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
 
-    model_dir = _write_model(args.workdir)
+    if args.workdir is None:
+        with tempfile.TemporaryDirectory(prefix="sim_fidelity_") as tmp:
+            return _run(args, names, tmp)
+    return _run(args, names, args.workdir)
+
+
+def _run(args: argparse.Namespace, names: list[str], workdir: str) -> int:
+    model_dir = _write_model(workdir)
     base = ["--model", model_dir, *ENGINE_ARGV, "--seed", str(args.seed)]
     runnable = []
     for name in names:
@@ -159,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     t0 = time.perf_counter()
-    profile_path = args.profile or _profile(engine_args, args.save_profile, args.clock)
+    profile_path = args.profile or _profile(
+        engine_args, args.save_profile or os.path.join(workdir, "profile.json"), args.clock)
     print(f"profile: {profile_path} ({time.perf_counter() - t0:.0f}s)", flush=True)
     rows = []
     for name in runnable:
@@ -191,10 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _write_model(workdir: str | None) -> str:
-    import tempfile
-
-    folder = os.path.join(workdir or tempfile.mkdtemp(prefix="sim_fidelity_"), "model")
+def _write_model(workdir: str) -> str:
+    folder = os.path.join(workdir, "model")
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(MODEL_CONFIG, f, indent=1)
@@ -214,15 +222,12 @@ def _estimate(argvs: dict[str, list[str]], engine_args: EngineArgs) -> float:
     return total
 
 
-def _profile(engine_args: EngineArgs, save: str | None, clock: str) -> str:
-    import tempfile
-
+def _profile(engine_args: EngineArgs, path: str, clock: str) -> str:
     from conveyor.sim.profiler import ProfileGrid, build_profile
 
     timer = time.process_time if clock == "cpu" else time.perf_counter
     profile, samples = build_profile(engine_args, ProfileGrid(**GRID), log=lambda msg: None,
                                      timer=timer)
-    path = save or os.path.join(tempfile.mkdtemp(prefix="sim_fidelity_"), "profile.json")
     profile.save(path, samples)
     fit = profile.fit
     coef = ", ".join(f"{k}={v:.3g}" for k, v in fit.coefficients.items())
