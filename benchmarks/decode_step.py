@@ -111,18 +111,20 @@ def breakdown(llm: LLM, n: int) -> dict[str, float]:
         llama.paged_attention = real_attention
     gemm = sum(e.self_cpu_time_total for e in prof.key_averages()
                if e.key.startswith(GEMM_OPS)) / 1e6 / n
-    runner = llm.engine.runner.timings.mean_ms()
-    forward = runner.get("forward", 0.0) / 1e3
+    ms = llm.engine.runner.timings.mean_ms()
+    forward, logits, sample, prep = (ms.get(k, 0.0) / 1e3
+                                     for k in ("forward", "logits", "sample", "prepare"))
     attention, kv_write = spent["attention"] / n, spent["kv_write"] / n
+    layer_gemm = max(0.0, gemm - logits)  # the LM head is the logits phase's one GEMM
     return {
-        "gemm": gemm,
+        "gemm (layers)": layer_gemm,
+        "gemm (LM head)": logits,
         "attention": attention,
         "kv_write": kv_write,
-        "other_tensor_ops": max(0.0, forward - gemm - attention - kv_write),
-        "logits+sampling": runner.get("logits+sample", 0.0) / 1e3,
-        "input_prep": runner.get("prepare", 0.0) / 1e3,
-        "python_and_scheduling": max(0.0, wall - forward - runner.get("logits+sample", 0.0)
-                                     / 1e3 - runner.get("prepare", 0.0) / 1e3),
+        "other_tensor_ops": max(0.0, forward - layer_gemm - attention - kv_write),
+        "sampling": sample,
+        "input_prep": prep,
+        "python_and_scheduling": max(0.0, wall - forward - logits - sample - prep),
         "(step wall)": wall,
     }
 

@@ -1,4 +1,4 @@
-"""The fused decode-attention kernel: same math as SDPA, and no compile while serving."""
+"""Decode-attention kernels: the native C kernel equals gather + SDPA on paged layouts."""
 
 from __future__ import annotations
 
@@ -8,58 +8,121 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor import LLM, SamplingParams
-from conveyor.model import decode_attention
+from conveyor.model import kernels
+from conveyor.model.attention import AttentionMetadata
+from conveyor.model.decode_attention import NativeDecode, pick_decode_kernel, sdpa_decode
+
+needs_native = pytest.mark.skipif(kernels.load() is None, reason="no C compiler")
 
 
 def paged_case(batch: int, hq: int, hkv: int, d: int, block: int, dtype: torch.dtype,
-               seed: int = 0):
+               window: int | None = None, seed: int = 0):
+    """Random contexts scattered over shuffled blocks, padded to the longest."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     lens = [rng.randint(1, 90) for _ in range(batch)]
     num_blocks = sum(-(-n // block) for n in lens) + 3
-    k_cache = torch.randn(num_blocks * block, hkv, d, dtype=dtype)
-    v_cache = torch.randn(num_blocks * block, hkv, d, dtype=dtype)
-    free = list(range(num_blocks))
+    k_cache = torch.randn(num_blocks * block, hkv, d).to(dtype)
+    v_cache = torch.randn(num_blocks * block, hkv, d).to(dtype)
+    free = list(range(1, num_blocks))
     rng.shuffle(free)
     max_len = max(lens)
     cols = torch.arange(max_len)
     slots = torch.zeros(batch, max_len, dtype=torch.long)
     for b, n in enumerate(lens):
         table = torch.tensor([free.pop() for _ in range(-(-n // block))])
-        slots[b] = table[(cols // block).clamp(max=len(table) - 1)] * block + cols % block
-    mask = cols[None, :] < torch.tensor(lens)[:, None]
-    slots = torch.where(mask, slots, torch.zeros_like(slots))  # padding reads slot 0
-    q = torch.randn(batch, hq, d, dtype=dtype)
-    return q, k_cache, v_cache, slots, mask
+        real = table[(cols // block).clamp(max=len(table) - 1)] * block + cols % block
+        slots[b] = torch.where(cols < n, real, torch.zeros_like(real))  # padding: slot 0
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    starts = (lens_t - window).clamp(min=0).to(torch.int32) if window else torch.zeros_like(
+        lens_t)
+    mask = (cols[None, :] < lens_t[:, None]) & (cols[None, :] >= starts[:, None])
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=batch,
+                             decode_slots=slots, decode_lens=lens_t, decode_starts=starts,
+                             decode_mask=mask)
+    q = torch.randn(batch, hq, d).to(dtype)
+    return q, k_cache, v_cache, meta
 
 
-def sdpa_reference(q, k_cache, v_cache, slots, mask, scale):
-    k = k_cache[slots].transpose(1, 2).float()
-    v = v_cache[slots].transpose(1, 2).float()
-    out = F.scaled_dot_product_attention(q.float().unsqueeze(2), k, v, scale=scale,
-                                         attn_mask=mask[:, None, None, :], enable_gqa=True)
-    return out.squeeze(2)
+def reference(q, k_cache, v_cache, meta, scale):
+    """Per sequence, attention over exactly its attended positions, in float64."""
+    out = []
+    for b in range(q.shape[0]):
+        idx = meta.decode_slots[b][meta.decode_mask[b]]
+        k = k_cache[idx].double().transpose(0, 1)  # [Hkv, n, D]
+        v = v_cache[idx].double().transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[b].double().unsqueeze(1), k, v, scale=scale,
+                                           enable_gqa=True)
+        out.append(o.squeeze(1))
+    return torch.stack(out)
 
 
-@pytest.mark.parametrize("batch, hq, hkv, d, block", [
-    (1, 4, 4, 16, 16), (5, 8, 2, 32, 4), (9, 9, 3, 64, 16), (2, 6, 1, 8, 1)])
-def test_compiled_kernel_matches_sdpa(batch, hq, hkv, d, block) -> None:
-    case = paged_case(batch, hq, hkv, d, block, torch.float32, seed=batch)
-    want = sdpa_reference(*case, d ** -0.5)
-    got = decode_attention.compiled_decode_attention()(*case, d ** -0.5)
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
-    eager = decode_attention.decode_attention_reference(*case, d ** -0.5)
-    torch.testing.assert_close(eager, want, atol=2e-6, rtol=1e-5)
+@needs_native
+@pytest.mark.parametrize("batch, hq, hkv, d, block, window", [
+    (1, 4, 4, 16, 16, None), (5, 8, 2, 32, 4, None), (9, 9, 3, 64, 16, None),
+    (2, 6, 1, 8, 1, None), (7, 8, 2, 64, 16, 5), (3, 16, 8, 128, 16, None)])
+def test_native_kernel_matches_reference_fp32(batch, hq, hkv, d, block, window) -> None:
+    q, k, v, meta = paged_case(batch, hq, hkv, d, block, torch.float32, window, seed=batch)
+    want = reference(q, k, v, meta, d ** -0.5)
+    got = NativeDecode(kernels.load())(q, k, v, meta, d ** -0.5)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(sdpa_decode(q, k, v, meta, d ** -0.5).double(), want,
+                               atol=2e-6, rtol=1e-5)
 
 
-def test_serving_never_compiles_after_warm_up() -> None:
-    import torch._dynamo.utils as dynamo_utils
+@needs_native
+def test_native_kernel_reads_bf16_caches() -> None:
+    q, k, v, meta = paged_case(6, 9, 3, 64, 16, torch.bfloat16, seed=4)
+    want = reference(q, k, v, meta, 0.125)
+    got = NativeDecode(kernels.load())(q, k, v, meta, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
 
-    llm = LLM("tiny", attention_backend="compiled")
-    before = dynamo_utils.counters["stats"]["unique_graphs"]
-    prompts = [[5 + i] * (1 + 7 * i) for i in range(9)]
-    llm.generate([{"prompt_token_ids": p} for p in prompts],
-                 [SamplingParams(max_tokens=3 + i, ignore_eos=True) for i in range(9)])
-    llm.generate([{"prompt_token_ids": [9, 9]}], SamplingParams(max_tokens=5, ignore_eos=True))
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == before
+
+def test_backend_choice_and_errors() -> None:
+    cpu = torch.device("cpu")
+    assert pick_decode_kernel("sdpa", cpu, torch.float32, 8, 2) is sdpa_decode
+    # float16 and huge query groups have no native kernel: auto falls back, native refuses.
+    assert pick_decode_kernel("auto", cpu, torch.float16, 8, 2) is sdpa_decode
+    assert pick_decode_kernel("auto", cpu, torch.float32, 130, 2) is sdpa_decode
+    with pytest.raises(ValueError, match="native"):
+        pick_decode_kernel("native", cpu, torch.float16, 8, 2)
+    with pytest.raises(ValueError, match="auto, native or sdpa"):
+        pick_decode_kernel("fast", cpu, torch.float32, 8, 2)
+
+
+@needs_native
+def test_native_layer_ops_match_torch_ops() -> None:
+    from conveyor.model.layer_ops import NativeOps, TorchOps
+    from conveyor.model.llama import RMSNorm, RotaryEmbedding
+
+    torch.manual_seed(0)
+    native, ref = NativeOps(kernels.load()), TorchOps()
+    norm = RMSNorm(48, 1e-5)
+    norm.weight.data.normal_()
+    x, residual = torch.randn(13, 48), torch.randn(13, 48)
+    torch.testing.assert_close(native.rms_norm(x, norm), ref.rms_norm(x, norm))
+    want_out, want_res = ref.add_rms_norm(x, residual.clone(), norm)
+    got_out, got_res = native.add_rms_norm(x, residual.clone(), norm)
+    torch.testing.assert_close(got_out, want_out)
+    torch.testing.assert_close(got_res, want_res)
+    gate_up = torch.randn(5, 2 * 40)
+    torch.testing.assert_close(native.silu_mul(gate_up, 40), ref.silu_mul(gate_up, 40))
+    rope = RotaryEmbedding({"rope_theta": 10000.0}, 16, 64)
+    qkv = torch.randn(7, (4 + 2 * 2) * 16)
+    positions = torch.tensor([0, 3, 9, 63, 1, 2, 40])
+    want = ref.rope_(rope, positions, qkv.clone(), 4, 2, 16)
+    got = native.rope_(rope, positions, qkv.clone(), 4, 2, 16)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@needs_native
+def test_loading_kernels_keeps_subnormals() -> None:
+    """Linking with -ffast-math would flush denormals to zero process-wide."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom conveyor.model import kernels\nassert kernels.load()\n"
+            "x = torch.tensor([1e-40])\nassert (x * 1.0).item() != 0.0, 'flush-to-zero is on'")
+    subprocess.run([sys.executable, "-c", code], check=True)

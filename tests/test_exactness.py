@@ -41,6 +41,7 @@ CONFIGS = {
     "tiny_blocks": dict(block_size=1, num_kv_blocks=600, max_num_batched_tokens=37),
     "no_prefix_cache": dict(enable_prefix_caching=False, max_num_seqs=3),
     "sdpa_attention": dict(attention_backend="sdpa", max_num_batched_tokens=40),
+    "native_attention": dict(attention_backend="native", max_num_batched_tokens=40),
 }
 
 

@@ -158,10 +158,11 @@ class EngineArgs:
         g.add_argument("--device", default="auto", help="auto | cpu | cuda")
         g.add_argument("--num-threads", type=int, default=None,
                        help="torch intra-op threads (default: all cores)")
-        g.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "compiled"),
-                       help="decode attention: compiled = fused inductor kernel reading the "
-                            "paged cache in place (CPU); sdpa = gather + SDPA; auto = compiled "
-                            "on CPU when it compiles")
+        g.add_argument("--attention-backend", default="auto", choices=("auto", "native", "sdpa"),
+                       help="decode attention: native = C kernel reading the paged cache in "
+                            "place (CPU, float32/bfloat16; built with the system C compiler on "
+                            "first use); sdpa = gather + SDPA (any device); auto = native where "
+                            "it applies")
         g.add_argument("--block-size", type=int, default=16)
         g.add_argument("--num-kv-blocks", type=int, default=None)
         g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,

@@ -38,8 +38,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each token's K/V is written
     num_decodes: int = 0
     decode_slots: torch.Tensor | None = None  # [num_decodes, max_ctx] int64, padded
-    decode_mask: torch.Tensor | None = None  # [num_decodes, max_ctx] bool, True = attend
-    # The fused kernel of decode_attention.py (CPU); None: gather + SDPA.
+    decode_lens: torch.Tensor | None = None  # [num_decodes] int32 context lengths
+    decode_starts: torch.Tensor | None = None  # [num_decodes] int32 first attended position
+    decode_mask: torch.Tensor | None = None  # [num_decodes, max_ctx] bool (SDPA only)
+    # One of decode_attention.py's kernels: (q, k_cache, v_cache, meta, scale) -> out.
     decode_kernel: Callable | None = None
     prefills: list[PrefillSegment] = field(default_factory=list)
 
@@ -53,10 +55,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gqa = q.shape[1] != k.shape[1]
     nd = meta.num_decodes
     if nd and not meta.prefills:
-        return _decode(q, k_cache, v_cache, meta, scale, gqa)
+        return meta.decode_kernel(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale, gqa)
+        out[:nd] = meta.decode_kernel(q[:nd], k_cache, v_cache, meta, scale)
     for seg in meta.prefills:
         s, e = seg.start, seg.start + seg.length
         qs = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, len, D]
@@ -71,18 +73,3 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             enable_gqa=gqa)
         out[s:e] = o[0].transpose(0, 1)
     return out
-
-
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            meta: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
-    nd = meta.num_decodes
-    if meta.decode_kernel is not None:
-        return meta.decode_kernel(q[:nd], k_cache, v_cache, meta.decode_slots,
-                                  meta.decode_mask, scale)
-    qd = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
-    kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, max_ctx, D]
-    vd = v_cache[meta.decode_slots].transpose(1, 2)
-    mask = meta.decode_mask.view(nd, 1, 1, -1)
-    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale,
-                                       enable_gqa=gqa)
-    return o.squeeze(2)  # [B, Hq, D]

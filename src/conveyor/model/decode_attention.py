@@ -1,90 +1,84 @@
-"""Decode attention that reads the paged KV cache in place (CPU, compiled by inductor).
+"""Decode attention (one query token per sequence) over the paged KV cache.
 
-The eager path gathers every decode request's context into a padded
-``[B, max_ctx, Hkv, D]`` copy per layer and hands it to SDPA: three passes over
-the KV bytes plus the padding. Written as broadcast-multiply-and-reduce, the
-same math lets inductor fuse the gather into the reductions: each K/V row is
-loaded once, straight from its slot, and padded positions all point at slot 0
-(one cached row) before the mask drops them.
+Two implementations behind one signature ``(q, k_cache, v_cache, meta, scale)``:
 
-    scores[b, t, h, g] = sum_d q[b, h, g, d] * K[slots[b, t], h, d]   (h: KV head,
-    p = softmax over t (masked)                                         g: query head
-    out[b, h, g, d]    = sum_t p[b, t, h, g] * V[slots[b, t], h, d]     in its group)
+- ``native`` (CPU): the C kernel of ``kernels/decode_attention.c`` reads each context
+  K/V row once, straight from its slot; nothing is gathered or padded.
+- ``sdpa`` (any device): gathers every sequence's context into a padded
+  ``[B, max_ctx, Hkv, D]`` copy and calls ``scaled_dot_product_attention`` with a mask.
+  Three passes over the KV bytes plus the padding, but it runs anywhere (CUDA included).
 """
 
 from __future__ import annotations
 
-import logging
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from conveyor.model import kernels
 
+if TYPE_CHECKING:
+    from conveyor.model.attention import AttentionMetadata
 
-def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               slots: torch.Tensor, mask: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """q: [B, Hq, D]; caches: [num_slots, Hkv, D]; slots, mask: [B, L]. Returns [B, Hq, D]."""
-    b, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    length = slots.shape[1]
-    qg = q.float().view(b, 1, hkv, hq // hkv, d)
-    k = k_cache[slots].float().unsqueeze(3)  # [B, L, Hkv, 1, D]
-    scores = (qg * k).sum(-1) * scale  # [B, L, Hkv, G]
-    scores = scores.masked_fill(~mask.view(b, length, 1, 1), float("-inf"))
-    p = torch.softmax(scores, dim=1)
-    v = v_cache[slots].float().unsqueeze(3)  # [B, L, Hkv, 1, D]
-    out = (p.unsqueeze(-1) * v).sum(1)  # [B, Hkv, G, D]
-    return out.reshape(b, hq, d).to(q.dtype)
+# The C kernel keeps per-group accumulators on the stack.
+MAX_NATIVE_GROUP = 64
 
 
-_compiled = None
+def sdpa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D]; caches: [num_slots, Hkv, D]. Returns [B, Hq, D]."""
+    b = q.shape[0]
+    k = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, max_ctx, D]
+    v = v_cache[meta.decode_slots].transpose(1, 2)
+    mask = meta.decode_mask.view(b, 1, 1, -1)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.squeeze(2)
 
 
-def compiled_decode_attention():
-    """The inductor-compiled kernel, one graph for every batch size and context length.
+class NativeDecode:
+    """The C kernel through ctypes (float32 and bfloat16 caches)."""
 
-    Batch, context and pool sizes are marked unbacked, so the graph is never
-    specialized on them (no recompile for a batch of 1, a 1-token context or a
-    context past inductor's long-reduction threshold): one compile per head layout
-    and dtype, done at warm-up.
-    """
-    global _compiled
-    if _compiled is None:
-        import torch._dynamo
+    needs_mask = False
 
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _compiled = torch.compile(decode_attention_reference, dynamic=True, fullgraph=True)
-    return _call_unbacked
+    def __init__(self, lib) -> None:
+        self.lib = lib
+        self._fns = {torch.float32: lib.decode_attention_f32,
+                     torch.bfloat16: lib.decode_attention_bf16}
 
-
-def _call_unbacked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slots: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    from torch._dynamo.decorators import mark_unbacked
-
-    for t in (q, k_cache, v_cache):
-        mark_unbacked(t, 0)
-    for t in (slots, mask):
-        mark_unbacked(t, 0)
-        mark_unbacked(t, 1)
-    return _compiled(q, k_cache, v_cache, slots, mask, scale)
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        b, hq, d = q.shape
+        q32 = q.float().contiguous()
+        out = torch.empty((b, hq, d), dtype=torch.float32)
+        slots = meta.decode_slots
+        self._fns[k_cache.dtype](
+            q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+            meta.decode_lens.data_ptr(), meta.decode_starts.data_ptr(), out.data_ptr(),
+            b, hq, k_cache.shape[1], d, slots.shape[1], scale)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-            device: torch.device) -> bool:
-    """Compile for this model's head layout and dtype; False if compiling fails."""
-    fn = compiled_decode_attention()
-    try:
-        # Compiled guards check grad mode and tensor kinds: mimic the runner, whose KV
-        # cache is an ordinary tensor and whose per-step inputs come from inference mode.
-        k_cache, v_cache = (torch.randn(64, num_kv_heads, head_dim, dtype=dtype, device=device)
-                            for _ in range(2))
-        with torch.inference_mode():
-            q = torch.randn(3, num_heads, head_dim, dtype=dtype, device=device)
-            slots = torch.arange(33, device=device).repeat(3, 1)
-            mask = torch.ones(3, 33, dtype=torch.bool, device=device)
-            fn(q, k_cache, v_cache, slots, mask, head_dim ** -0.5)
-    except Exception as e:  # no C++ compiler, unsupported platform, ...
-        logger.warning("compiled decode attention unavailable (%s); using SDPA", e)
-        return False
-    return True
+sdpa_decode.needs_mask = True  # type: ignore[attr-defined]
+
+
+def pick_decode_kernel(backend: str, device: torch.device, dtype: torch.dtype,
+                       num_heads: int, num_kv_heads: int):
+    """``native`` (C kernel, CPU), ``sdpa``, or ``auto``: native where it applies."""
+    if backend not in ("auto", "sdpa", "native"):
+        raise ValueError(f"attention_backend must be auto, native or sdpa, got {backend!r}")
+    applies = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+               and num_heads // num_kv_heads <= MAX_NATIVE_GROUP)
+    if backend == "sdpa" or (backend == "auto" and not applies):
+        return sdpa_decode
+    if not applies:
+        raise ValueError("attention_backend='native' needs a CPU device and a float32 or "
+                         "bfloat16 model")
+    lib = kernels.load()
+    if lib is None:
+        if backend == "native":
+            raise RuntimeError("attention_backend='native': the C kernel could not be built "
+                               "(is a C compiler installed?)")
+        return sdpa_decode
+    return NativeDecode(lib)

@@ -17,6 +17,7 @@ from torch import nn
 
 from conveyor.config import ModelConfig
 from conveyor.model.attention import AttentionMetadata, paged_attention
+from conveyor.model.layer_ops import TorchOps
 
 
 class RMSNorm(nn.Module):
@@ -100,17 +101,19 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
-                ) -> torch.Tensor:
+                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                ops: TorchOps) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q + 2 kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        if self.qk_norm:  # per-head norms come before the rotation (reference ops)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+            q, k = rope(positions, q, k)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = ops.rope_(rope, positions, qkv, self.num_heads, self.num_kv_heads,
+                                self.head_dim)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -124,9 +127,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x), self.intermediate))
 
 
 class DecoderLayer(nn.Module):
@@ -139,11 +141,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
-                ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rope, meta, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope: RotaryEmbedding, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], ops: TorchOps
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm layer with the residual stream carried separately (as transformers adds
+        it: residual + sublayer output), so each add fuses with the next norm."""
+        if residual is None:
+            residual = h
+            x = ops.rms_norm(h, self.input_layernorm)
+        else:
+            x, residual = ops.add_rms_norm(h, residual, self.input_layernorm)
+        a = self.self_attn(x, positions, rope, meta, kv_cache, ops)
+        x, residual = ops.add_rms_norm(a, residual, self.post_attention_layernorm)
+        return self.mlp(x, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -161,6 +172,8 @@ class LlamaForCausalLM(nn.Module):
         window = hf.get("sliding_window")
         use_window = hf.get("use_sliding_window", cfg.architecture == "MistralForCausalLM")
         self.sliding_window: int | None = int(window) if window and use_window else None
+        # Elementwise steps: reference PyTorch ops unless the runner installs native ones.
+        self.ops: TorchOps = TorchOps()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -171,9 +184,12 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, positions, self.rope, meta, kv)
-        return self.norm(h)
+            h, residual = layer(h, residual, positions, self.rope, meta, kv, self.ops)
+        if residual is None:
+            return self.ops.rms_norm(h, self.norm)
+        return self.ops.add_rms_norm(h, residual, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight)

@@ -15,8 +15,9 @@ import torch
 
 from conveyor.config import CacheConfig, ModelConfig, kv_blocks_for
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from conveyor.model import decode_attention
 from conveyor.model.attention import AttentionMetadata, PrefillSegment
+from conveyor.model.decode_attention import NativeDecode, pick_decode_kernel
+from conveyor.model.layer_ops import NativeOps
 from conveyor.model.loader import DTYPES, load_model
 from conveyor.runner.sampler import Sampler, SamplingRow
 from conveyor.sampling_params import SamplingParams
@@ -68,25 +69,15 @@ class ModelRunner:
         self.sampler = Sampler(model_cfg.vocab_size, device, seed=model_cfg.seed)
         self.requests: dict[str, RequestState] = {}
         self.sliding_window = self.model.sliding_window
-        self.decode_kernel = self._pick_decode_kernel(attention_backend)
+        self.decode_kernel = pick_decode_kernel(attention_backend, device,
+                                                DTYPES[model_cfg.dtype], model_cfg.num_heads,
+                                                model_cfg.num_kv_heads)
+        if isinstance(self.decode_kernel, NativeDecode) and model_cfg.dtype == "float32":
+            self.model.ops = NativeOps(self.decode_kernel.lib)
         # Tests set this to read each sampling request's float32 logits of the last step.
         self.timings = PhaseTimings()
         self.record_logits = False
         self.last_logits: dict[str, torch.Tensor] = {}
-
-    def _pick_decode_kernel(self, backend: str):
-        """``compiled`` (fused, CPU) or ``sdpa`` (gather + SDPA); ``auto``: compiled on CPU."""
-        if backend not in ("auto", "sdpa", "compiled"):
-            raise ValueError(f"attention_backend must be auto, sdpa or compiled, got {backend!r}")
-        if backend == "sdpa" or (backend == "auto" and self.device.type != "cpu"):
-            return None
-        cfg = self.cfg
-        if not decode_attention.warm_up(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                        DTYPES[cfg.dtype], self.device):
-            if backend == "compiled":
-                raise RuntimeError("attention_backend='compiled' failed to compile")
-            return None
-        return decode_attention.compiled_decode_attention()
 
     def allocate_kv_cache(self, num_blocks: int | None = None, max_num_seqs: int = 1) -> int:
         """Allocate the KV pool (sized from free memory unless given); returns its blocks."""
@@ -139,6 +130,8 @@ class ModelRunner:
             return result
         idx = torch.tensor([row for row, _ in logits_rows], device=self.device)
         logits = self.model.compute_logits(hidden[idx])  # [N, vocab]
+        t3 = time.perf_counter()
+        self.timings.add("logits", t3 - t2)
         states = [self.requests[rid] for _, rid in logits_rows]
         if self.record_logits:
             self.last_logits = {s.req_id: logits[i].float().cpu() for i, s in enumerate(states)}
@@ -150,7 +143,7 @@ class ModelRunner:
             result.sampled_token_ids[state.req_id] = [token]
             if lp is not None:
                 result.logprobs[state.req_id] = [lp]
-        self.timings.add("logits+sample", time.perf_counter() - t2)
+        self.timings.add("sample", time.perf_counter() - t3)
         return result
 
     def _prepare(self, order: list[str], out: SchedulerOutput
@@ -186,14 +179,18 @@ class ModelRunner:
                                  num_decodes=len(decode_ctx), prefills=prefills,
                                  decode_kernel=self.decode_kernel)
         if decode_ctx:
-            meta.decode_slots, meta.decode_mask = self._decode_layout(decode_tables, decode_ctx)
+            self._decode_layout(meta, decode_tables, decode_ctx)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = self._to_device(np.concatenate(pos_chunks))
         return input_ids, positions, meta, logits_rows
 
-    def _decode_layout(self, tables: list[list[int]], ctx_lens: list[int]
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded context slots [B, max_ctx] and the mask of real (and in-window) ones."""
+    def _decode_layout(self, meta: AttentionMetadata, tables: list[list[int]],
+                       ctx_lens: list[int]) -> None:
+        """Padded context slots [B, max_ctx], lengths and window starts (and a mask for SDPA).
+
+        Padding slots point at slot 0 (block 0 is always allocated memory); they are
+        never attended.
+        """
         bs = self.block_size
         max_ctx = max(ctx_lens)
         max_blocks = -(-max_ctx // bs)
@@ -202,11 +199,15 @@ class ModelRunner:
             bt[i, :len(t[:max_blocks])] = t[:max_blocks]
         cols = np.arange(max_ctx, dtype=np.int64)
         slots = np.ascontiguousarray(bt[:, cols // bs] * bs + cols % bs)
-        lens = np.asarray(ctx_lens, dtype=np.int64)[:, None]
-        mask = cols[None, :] < lens
-        if self.sliding_window is not None:
-            mask &= cols[None, :] > lens - 1 - self.sliding_window
-        return self._to_device(slots), torch.from_numpy(mask).to(self.device)
+        lens = np.asarray(ctx_lens, dtype=np.int32)
+        starts = (np.maximum(lens - self.sliding_window, 0).astype(np.int32)
+                  if self.sliding_window is not None else np.zeros_like(lens))
+        meta.decode_slots = self._to_device(slots)
+        meta.decode_lens = self._to_device(lens)
+        meta.decode_starts = self._to_device(starts)
+        if self.decode_kernel.needs_mask:
+            mask = (cols[None, :] < lens[:, None]) & (cols[None, :] >= starts[:, None])
+            meta.decode_mask = torch.from_numpy(mask).to(self.device)
 
     def _prefill_segment(self, cursor: int, n: int, start: int,
                          table: np.ndarray) -> PrefillSegment:

@@ -1,0 +1,318 @@
+"""Peers, side by side on this machine: conveyor, vLLM (CPU), HF generate, transformers
+serve and llama.cpp on the same checkpoint, the same workload file and the same client.
+
+    python benchmarks/peers/run.py                      # the full table (bf16 and fp32)
+    python benchmarks/peers/run.py --setup              # only install the peers, then exit
+    python benchmarks/peers/run.py --smoke              # 4 short requests, 1 run: a pipeline check
+    python benchmarks/peers/run.py --peers conveyor,vllm --dtypes bf16 --runs 1
+
+Every server is started once per dtype on a free loopback port, waited for, warmed up
+with a few short requests, driven --runs times by `conveyor bench --backend openai`
+(all requests at t=0, token-id prompts, ignore_eos), and stopped, even on error; one
+engine at a time. The table shows the median of the runs and each peer's ratio to
+conveyor. Peers live in their own venvs under ~/.cache/conveyor/peers (or
+$CONVEYOR_CACHE/peers); the first run installs them (vLLM's wheel, transformers,
+a llama.cpp build), later runs skip what is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "src"))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from peers import install  # noqa: E402
+from peers.checkpoint import ensure_checkpoint, ensure_gguf  # noqa: E402
+from peers.checks import record_mismatches, text_prompt_failures  # noqa: E402
+from peers.servers import Server, ServerError, tail  # noqa: E402
+from peers.systems import GGUF_TYPE, SERVED_NAME, SYSTEMS, Context, System  # noqa: E402
+from peers.table import RunFigures, SystemResult, format_table  # noqa: E402
+from peers.workload_file import (  # noqa: E402
+    WorkloadSpec,
+    bench_workload_argv,
+    load_requests,
+    write_requests_json,
+    write_workload,
+)
+
+# The issue's figures on this machine (tokens/s bf16, fp32; startup s), for the wall-time
+# estimate only; conveyor's own is a guess.
+REFERENCE = {"conveyor": (200, 120, 20), "vllm": (391, 197, 90), "hf-generate": (131, 75, 10),
+             "transformers-serve": (121, 78, 20), "llamacpp": (91, 89, 5)}
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--peers", type=_csv(SYSTEMS), default=list(SYSTEMS),
+                   help=f"systems to run, in order (default: {','.join(SYSTEMS)})")
+    p.add_argument("--dtypes", type=_csv(("bf16", "fp32")), default=["bf16", "fp32"])
+    p.add_argument("--runs", type=int, default=3, help="measured runs per system and dtype "
+                                                      "(the table shows their median)")
+    p.add_argument("--setup", action="store_true",
+                   help="install the selected peers (skipping what is there) and exit")
+    p.add_argument("--smoke", action="store_true",
+                   help="pipeline check: 4 requests, outputs 8-16 tokens, 1 run")
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--prompt-len", default=None, help="uniform LO-HI (default 32-256)")
+    p.add_argument("--output-len", default=None, help="uniform LO-HI (default 16-256)")
+    p.add_argument("--seed", type=int, default=1234,
+                   help="workload seed (1234: the issue's 4,138 output tokens)")
+    p.add_argument("--checkpoint-seed", type=int, default=0, help="random weights' seed")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2,
+                   help="threads per engine (default: all cores)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="4 short requests before the measured runs of each server")
+    p.add_argument("--conveyor-args", default=None,
+                   help="replace conveyor serve's engine options (default: "
+                        "'--max-num-seqs 32 --max-num-batched-tokens 2048 "
+                        "--no-enable-prefix-caching')")
+    p.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="seconds a server may take to become ready")
+    p.add_argument("--cache-dir", default=install.default_root(),
+                   help="peers' venvs, builds, checkpoints and runs (default: %(default)s)")
+    p.add_argument("--out-dir", default=None,
+                   help="this run's files (default: CACHE/runs/<timestamp>)")
+    args = p.parse_args(argv)
+    if args.runs < 1:
+        p.error("--runs must be >= 1")
+    if args.smoke:
+        args.num_requests = args.num_requests or 4
+        args.output_len = args.output_len or "8-16"
+        args.runs = 1
+    return args
+
+
+def _csv(valid):
+    def parse(text: str) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x not in valid]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"unknown {bad or text!r}; valid: "
+                                             f"{', '.join(valid)}")
+        return items
+    return parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # A SIGTERM unwinds like Ctrl-C, so the running server is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = time.perf_counter()
+    paths = install.PeerPaths(args.cache_dir)
+    install.setup([SYSTEMS[name].setup for name in args.peers if SYSTEMS[name].setup], paths)
+    if args.setup:
+        print(f"setup done in {time.perf_counter() - started:.0f}s")
+        return 0
+
+    spec = WorkloadSpec(args.num_requests or 32, args.prompt_len or "32-256",
+                        args.output_len or "16-256", args.seed)
+    out_dir = args.out_dir or os.path.join(paths.root, "runs",
+                                           datetime.now().strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out_dir, exist_ok=True)
+    checkpoint = ensure_checkpoint(paths.root, args.checkpoint_seed)
+    workload = os.path.join(out_dir, "workload.jsonl")
+    rows = write_workload(workload, spec)
+    warmup = os.path.join(out_dir, "warmup.jsonl")
+    write_workload(warmup, WorkloadSpec(4, "16-32", "4-8", args.seed + 1))
+    prompt_tokens = sum(r.input_len for r in rows)
+    output_tokens = sum(r.output_len for r in rows)
+
+    gguf = {}
+    if "llamacpp" in args.peers:
+        for dtype in args.dtypes:
+            gguf[dtype] = ensure_gguf(checkpoint, GGUF_TYPE[dtype], paths.python("llamacpp"),
+                                      paths.llama_src, paths.log("llamacpp", "convert"))
+    # llama.cpp's unified KV holds every request's prompt and output at once.
+    llama_ctx = max(4096, math.ceil((prompt_tokens + output_tokens + 64 * len(rows)) / 1024)
+                    * 1024)
+    conveyor_args = tuple(shlex.split(args.conveyor_args)) if args.conveyor_args else None
+    ctx = Context(paths, REPO, checkpoint, args.threads, gguf, llama_ctx,
+                  **({"conveyor_args": conveyor_args} if conveyor_args else {}),
+                  startup_timeout_s=args.startup_timeout)
+
+    print(f"checkpoint: {checkpoint}")
+    print(f"workload:   {workload}: {spec.describe()}; {prompt_tokens:,} prompt tokens, "
+          f"{output_tokens:,} output tokens")
+    print(f"systems:    {', '.join(args.peers)}; dtypes {', '.join(args.dtypes)}; "
+          f"{args.runs} run(s) each (median), {args.threads} threads per engine")
+    print(f"client:     conveyor bench --backend openai "
+          f"{shlex.join(bench_workload_argv(workload, spec.seed))} --openai-model "
+          f"{SERVED_NAME} --model {checkpoint}")
+    print(f"estimated wall time: ~{estimate_s(args, output_tokens) / 60:.0f} min "
+          f"(from the issue's figures)")
+    print(f"files:      {out_dir}", flush=True)
+
+    results: dict[str, list[SystemResult]] = {}
+    for dtype in args.dtypes:
+        results[dtype] = []
+        for name in args.peers:
+            system = SYSTEMS[name]
+            t = time.perf_counter()
+            print(f"\n== {name} {dtype}", flush=True)
+            if system.server is None:
+                res = run_hf_generate(system, dtype, ctx, args, workload, spec, out_dir)
+            else:
+                res = run_server(system, dtype, ctx, args, workload, warmup, spec, rows, out_dir)
+            status = res.error or ", ".join(f"{r.tokens_per_s:.1f}" for r in res.runs) + \
+                " tokens/s"
+            print(f"   {name} {dtype}: {status} ({time.perf_counter() - t:.0f}s)", flush=True)
+            results[dtype].append(res)
+        print()
+        print(format_table(results[dtype], f"{dtype}: {spec.describe()}"), flush=True)
+
+    wall = time.perf_counter() - started
+    save(out_dir, results, args, spec, checkpoint, wall)
+    print()
+    for dtype, res in results.items():
+        print(format_table(res, f"{dtype}, median of {args.runs} run(s)"))
+        print()
+    print(f"wall time: {wall / 60:.1f} min; results: {os.path.join(out_dir, 'table.md')}")
+    return 0 if all(r.runs for res in results.values() for r in res) else 1
+
+
+def estimate_s(args: argparse.Namespace, output_tokens: int) -> float:
+    total = 0.0
+    for name in args.peers:
+        bf16, fp32, startup = REFERENCE[name]
+        for dtype in args.dtypes:
+            rate = bf16 if dtype == "bf16" else fp32
+            total += startup + 5 + args.runs * output_tokens / rate
+    return total
+
+
+# ---- one system -------------------------------------------------------------------------------
+def run_server(system: System, dtype: str, ctx: Context, args: argparse.Namespace,
+               workload: str, warmup: str, spec: WorkloadSpec, rows: list, out_dir: str
+               ) -> SystemResult:
+    from peers.servers import free_port
+
+    res = SystemResult(system.name, dtype, note=system.note)
+    if "text" in system.bench_args:
+        # Text prompts must reach the server as the very token ids the others get.
+        with open(os.path.join(ctx.checkpoint, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        prompts = [r.prompt_token_ids for r in load_requests(workload, spec.seed, vocab)]
+        bad = text_prompt_failures(ctx.checkpoint, prompts)
+        if bad:
+            res.error = f"{len(bad)} prompt(s) do not survive decode + encode (e.g. #{bad[0]})"
+            return res
+        print(f"   text prompts: all {len(prompts)} re-tokenize to their token ids", flush=True)
+    server_spec = system.server(ctx, dtype, free_port())
+    log = os.path.join(out_dir, f"{system.name}-{dtype}.server.log")
+    try:
+        with Server(server_spec, log) as server:
+            res.startup_s = server.startup_s
+            print(f"   ready after {server.startup_s:.0f}s at {server_spec.base_url}",
+                  flush=True)
+            if args.warmup:
+                bench(system, server_spec.base_url, ctx, warmup, spec.seed + 1,
+                      os.path.join(out_dir, f"{system.name}-{dtype}-warmup.json"))
+            for i in range(args.runs):
+                out = os.path.join(out_dir, f"{system.name}-{dtype}-run{i + 1}.json")
+                summary = bench(system, server_spec.base_url, ctx, workload, spec.seed, out)
+                res.runs.append(RunFigures.from_summary(summary))
+                found = record_mismatches(out.replace(".json", ".records.jsonl"), rows)
+                if found:
+                    print(f"   warning: run {i + 1}: {found.describe()}", flush=True)
+                    res.note += f"; run {i + 1}: {found.describe()}"
+    except (ServerError, BenchError, OSError) as e:
+        res.error = str(e).splitlines()[0]
+        print(f"   error: {e}", flush=True)
+    return res
+
+
+def bench(system: System, base_url: str, ctx: Context, workload: str, seed: int,
+          out: str) -> dict:
+    """One `conveyor bench --backend openai` run; its summary (as saved with --out)."""
+    cmd = [sys.executable, "-m", "conveyor.entrypoints.cli", "bench", "--backend", "openai",
+           "--base-url", base_url, "--openai-model", SERVED_NAME, "--model", ctx.checkpoint,
+           *bench_workload_argv(workload, seed), "--out", out, "--no-progress",
+           *system.bench_args]
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src")}
+    log = out.replace(".json", ".log")
+    with open(log, "w") as f:
+        f.write("$ " + shlex.join(cmd) + "\n")
+        f.flush()
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if rc != 0:
+        raise BenchError(f"conveyor bench exited {rc}; see {log}:\n{tail(log)}")
+    with open(out) as f:
+        summary = json.load(f)["runs"][0]["summary"]
+    if summary["num_failed"]:
+        print(f"   warning: {summary['num_failed']} request(s) failed; see {log}", flush=True)
+    return summary
+
+
+def run_hf_generate(system: System, dtype: str, ctx: Context, args: argparse.Namespace,
+                    workload: str, spec: WorkloadSpec, out_dir: str) -> SystemResult:
+    from conveyor.bench.metrics import RequestRecord, summarize
+
+    res = SystemResult(system.name, dtype, note=system.note)
+    with open(os.path.join(ctx.checkpoint, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    reqs_path = os.path.join(out_dir, "requests.json")
+    write_requests_json(reqs_path, load_requests(workload, spec.seed, vocab))
+    out = os.path.join(out_dir, f"{system.name}-{dtype}.json")
+    log = os.path.join(out_dir, f"{system.name}-{dtype}.log")
+    cmd = [ctx.paths.python("transformers"), os.path.join(HERE, "hf_generate.py"),
+           "--model", ctx.checkpoint, "--dtype", dtype, "--requests", reqs_path, "--out", out,
+           "--runs", str(args.runs), "--threads", str(ctx.threads),
+           "--warmup" if args.warmup else "--no-warmup"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    with open(log, "w") as f:
+        f.write("$ " + shlex.join(cmd) + "\n")
+        f.flush()
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if rc != 0:
+        res.error = f"hf_generate.py exited {rc}; see {log}"
+        print(f"   error: {res.error}\n{tail(log)}", flush=True)
+        return res
+    with open(out) as f:
+        doc = json.load(f)
+    res.startup_s = doc["load_s"]
+    for i, run in enumerate(doc["runs"]):
+        records = [RequestRecord.from_dict(r) for r in run["records"]]
+        summary = summarize(records, run["duration_s"], extra={"backend": "hf-generate"})
+        with open(os.path.join(out_dir, f"{system.name}-{dtype}-run{i + 1}.json"), "w") as f:
+            json.dump({"runs": [{"label": system.name, "summary": summary.to_dict()}]}, f,
+                      indent=1, default=str)
+        res.runs.append(RunFigures.from_summary(summary.to_dict()))
+    return res
+
+
+def save(out_dir: str, results: dict[str, list[SystemResult]], args: argparse.Namespace,
+         spec: WorkloadSpec, checkpoint: str, wall_s: float) -> None:
+    doc = {"argv": sys.argv, "workload": spec.describe(), "checkpoint": checkpoint,
+           "threads": args.threads, "runs": args.runs, "wall_s": wall_s,
+           "results": {d: [r.to_dict() for r in res] for d, res in results.items()}}
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "table.md"), "w") as f:
+        f.write(f"`python benchmarks/peers/run.py {shlex.join(sys.argv[1:])}`: "
+                f"{spec.describe()}, median of {args.runs} run(s), {args.threads} threads, "
+                f"wall time {wall_s / 60:.1f} min\n\n")
+        for dtype, res in results.items():
+            f.write(format_table(res, dtype) + "\n\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Native CPU kernels, compiled on first use with the system C compiler and loaded by ctypes.
+
+Only plain C with OpenMP (no torch headers), so a build takes well under a second. The
+shared object is cached under ``~/.cache/conveyor/kernels/<key>/`` where the key covers
+the source, the flags and this CPU's instruction set (it is built with -march=native).
+OpenMP resolves to the libgomp that torch has already loaded, so the kernels and torch
+share one thread pool and ``torch.set_num_threads`` governs both.
+
+Without a compiler ``load()`` returns None and callers fall back to PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+from conveyor.model.presets import cache_root
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [os.path.join(os.path.dirname(__file__), name)
+            for name in ("decode_attention.c", "elementwise.c")]
+# -ffast-math only while compiling: linking with it would add crtfastmath, whose
+# constructor turns on flush-to-zero for the whole process (torch included).
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+_LIBS = ["-lmvec", "-lm"]
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_key() -> str:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def _build(compiler: str, out_path: str) -> None:
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    workdir = tempfile.mkdtemp(dir=os.path.dirname(out_path))
+    try:
+        objects = []
+        for source in _SOURCES:
+            obj = os.path.join(workdir, os.path.basename(source) + ".o")
+            subprocess.run([compiler, *_FLAGS, "-c", source, "-o", obj], check=True,
+                           capture_output=True, text=True)
+            objects.append(obj)
+        tmp = os.path.join(workdir, "lib.so")
+        link = [compiler, "-shared", "-fopenmp", *objects, "-o", tmp]
+        try:
+            subprocess.run([*link, *_LIBS], check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError:
+            # No libmvec (non-glibc): the exponentials stay scalar.
+            subprocess.run([*link, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, out_path)  # atomic: concurrent builders never see half a file
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it if needed; None if it cannot be built."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if platform.system() != "Linux":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: native CPU kernels disabled")
+        return None
+    key = hashlib.sha256(" ".join(_FLAGS).encode() + _cpu_key().encode())
+    for source in _SOURCES:
+        with open(source, "rb") as f:
+            key.update(f.read())
+    path = os.path.join(cache_root(), "kernels", key.hexdigest()[:16], "libconveyor_cpu.so")
+    try:
+        if not os.path.isfile(path):
+            _build(compiler, path)
+        import torch  # noqa: F401  (load torch's libgomp first so the kernels share it)
+
+        lib = ctypes.CDLL(path)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning("native CPU kernels disabled: %s", detail.strip()[:500])
+        return None
+    ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    signatures = {
+        "decode_attention_f32": [ptr] * 7 + [i32] * 5 + [f32],
+        "decode_attention_bf16": [ptr] * 7 + [i32] * 5 + [f32],
+        "rms_norm_f32": [ptr] * 3 + [i32] * 2 + [f32],
+        "add_rms_norm_f32": [ptr] * 4 + [i32] * 2 + [f32],
+        "silu_mul_f32": [ptr] * 2 + [i32] * 2,
+        "rope_f32": [ptr] * 4 + [i32] * 4,
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = argtypes
+    _lib = lib
+    return lib
