@@ -7,9 +7,10 @@
 1. Profile: ``conveyor profile``'s grid and fit, in this process, on the model below
    (``--profile FILE`` reuses one; ``--save-profile`` keeps the new one).
 2. For each workload: the simulator runs it first (seconds), which gives the real run's
-   expected wall time; then a fresh engine is warmed up (the decode kernel is compiled
-   when the runner is built, and a few requests touch every path once, so no measured
-   step pays a first-time cost) and replays it on the wall clock, as ``conveyor bench``.
+   expected wall time; then a fresh engine is warmed up (a few requests touch every path
+   once: prefill chunks, decode batches, the native kernels built at first use, so no
+   measured step pays a first-time cost) and replays it on the wall clock, as
+   ``conveyor bench``.
 3. Prints real and simulated output throughput, TTFT and TPOT p50/p90 and the relative
    error (sim / real - 1), twice: ``sim`` with the profile, ``sim*`` with the same fit
    made to the real run's own step times (in-sample). ``sim*`` isolates the simulator
@@ -30,7 +31,7 @@ trace skips its workload.
 The model is smollm2-135m's layer (hidden 576, MLP 1536, 9 query and 3 KV heads of 64)
 four times, with an 8k vocabulary, dummy weights, float32: 23M parameters. A step then
 costs 10-500 ms and grows with the batch (tokens, rows, attention), so the profile's fit
-is exercised; the ``tiny`` preset's steps are a nearly flat ~4 ms of Python overhead
+is exercised; the ``tiny`` preset's steps are a nearly flat 1-4 ms of Python overhead
 (too easy), and the whole smollm2-135m takes over a second per 256-token prefill on one
 core (too slow for a few minutes). One torch thread for the profile and the real runs
 alike: both then see the same per-op costs, and on a shared two-core machine a second
@@ -268,7 +269,8 @@ def _compare(name: str, argv: list[str], profile_path: str,
           f"{measured:.1f}s ({clock} clock), the profile predicts {predicted:.1f}s for the "
           f"same batches ({predicted / measured - 1:+.1%}; per step, median "
           f"{ratios[len(ratios) // 2] - 1:+.1%})", flush=True)
-    own = ProfileCostModel(fit_step_times([s for s, _ in steps], [t for _, t in steps]),
+    own = ProfileCostModel(fit_step_times([s for s, _ in steps], [t for _, t in steps],
+                                          cost.fit.decode_layout),
                            model=cost.model, device=cost.device,
                            kv_cache_memory=cost.kv_cache_memory(model))
     self_sim = Simulator(engine_args, own, model=model)

@@ -47,7 +47,7 @@ def grid_shapes() -> list[BatchShape]:
 
 def test_the_fit_recovers_a_known_piecewise_model():
     shapes = grid_shapes()
-    fit = fit_step_times(shapes, [true_time(s) for s in shapes])
+    fit = fit_step_times(shapes, [true_time(s) for s in shapes], "padded")
     assert fit.knee == KNEE
     for name in FEATURES:
         assert fit.coefficients[name] == pytest.approx(TRUE[name], rel=1e-6, abs=1e-12)
@@ -86,6 +86,38 @@ def test_the_fit_predicts_the_typical_step_not_the_luckiest():
     assert abs(bias) < 0.025
 
 
+def test_the_decode_term_follows_the_runners_layout():
+    """Decode batches of unequal contexts: a paged kernel costs the sum of the contexts,
+    a padded one the batch times the longest; each fit recovers its own kind exactly."""
+    shapes = [BatchShape(num_decodes=b, decode_context=b * c // 2 + c // 2,
+                         max_decode_context=c, num_sampled=b)
+              for b in (1, 2, 4, 8, 16) for c in (64, 256, 1024)]
+    shapes += [BatchShape(num_prefill_tokens=p, num_prefills=1,
+                          prefill_attention=p * (p + 1) // 2, prefill_context=p, num_sampled=1)
+               for p in (16, 64, 256)]
+
+    def paged_time(s: BatchShape) -> float:
+        return 2e-3 + 1e-5 * (s.num_prefill_tokens + s.num_decodes) + 1e-6 * s.decode_context
+
+    times = [paged_time(s) for s in shapes]
+    paged = fit_step_times(shapes, times, "paged")
+    padded = fit_step_times(shapes, times, "padded")
+    assert paged.median_rel_error < 1e-9
+    assert paged.coefficients["decode_attention"] == pytest.approx(1e-6)
+    # A batch of one long context among short ones: only the right layout predicts it.
+    skewed = BatchShape(num_decodes=16, decode_context=1024 + 15 * 16,
+                        max_decode_context=1024, num_sampled=16)
+
+    def predict(fit):
+        return ProfileCostModel(fit, model={}, device="cpu", kv_cache_memory=1
+                                ).step_time(skewed)
+
+    assert predict(paged) == pytest.approx(paged_time(skewed))
+    assert predict(padded) > 1.5 * paged_time(skewed)
+    with pytest.raises(ValueError, match="decode_layout"):
+        fit_step_times(shapes, times, "ragged")
+
+
 def test_too_few_shapes_is_a_clear_error():
     with pytest.raises(ValueError, match="distinct batch shapes"):
         fit_step_times([BatchShape(num_decodes=1)] * 10, [0.01] * 10)
@@ -109,7 +141,7 @@ def test_nnls_satisfies_its_optimality_conditions(m_extra, n, seed):
 def test_a_profile_file_round_trips_and_guards_its_model(tmp_path):
     shapes = grid_shapes()
     model = resolve_sim_model(tiny_args())
-    profile = ProfileCostModel(fit_step_times(shapes, [true_time(s) for s in shapes]),
+    profile = ProfileCostModel(fit_step_times(shapes, [true_time(s) for s in shapes], "padded"),
                                model=ProfileCostModel.model_fields(model, "tiny"),
                                device="cpu", kv_cache_memory=1 << 20)
     path = tmp_path / "p.json"

@@ -9,7 +9,7 @@ a step, with non-negative coefficients (a cost cannot make a step faster):
            + c_token  * T                      linear layers, per token
            + c_knee   * max(0, T - knee)       ... piecewise: the slope after the knee
            + c_pair   * P                      prefill attention, per query-key pair
-           + c_decode * B * max_ctx            decode attention over the padded batch
+           + c_decode * C                      decode attention: C = KV tokens read
            + c_sample * S                      LM head and sampler, per sampled row
 
 The matrix term is a step up between one token and two: a one-token step multiplies
@@ -19,9 +19,10 @@ more tokens go through a GEMM kernel that packs the weights first. On one CPU co
 the fit splits the difference and errs by ~30% on both sides of it (a median error
 of 10% and p90 of 28% over a 23M-parameter model's grid, against 6% and 13% with it).
 
-The decode term is the runner's layout: conveyor's torch runner gathers every decode
-row's context padded to the longest one (a paged-attention GPU kernel would cost
-the sum of the contexts instead; the roofline model counts that).
+The decode term follows the runner's decode kernel (``decode_layout``, recorded by
+``conveyor profile``): ``paged`` (the native CPU kernel, like a paged-attention GPU
+kernel) reads each row's own context, C = the sum of the contexts; ``padded`` (the
+SDPA path) gathers every row padded to the longest, C = B * max_ctx.
 
 The hinge ``max(0, T - knee)`` makes the token cost piecewise linear: below the
 knee a step is bound by reading the weights (flat-ish in T), above it by compute.
@@ -58,12 +59,15 @@ _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head
                  "intermediate_size", "vocab_size", "dtype")
 
 
-def features(b: BatchShape, knee: float) -> list[float]:
+DECODE_LAYOUTS = ("paged", "padded")
+
+
+def features(b: BatchShape, knee: float, paged: bool = True) -> list[float]:
     tokens = b.num_prefill_tokens + b.num_decodes
     return [1.0, 1.0 if tokens >= 2 else 0.0, float(b.num_prefills + b.num_decodes),
-            float(tokens),
-            max(0.0, tokens - knee), float(b.prefill_attention),
-            float(b.num_decodes * b.max_decode_context), float(b.num_sampled)]
+            float(tokens), max(0.0, tokens - knee), float(b.prefill_attention),
+            float(b.decode_context if paged else b.num_decodes * b.max_decode_context),
+            float(b.num_sampled)]
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
@@ -100,11 +104,12 @@ class StepFit:
     p90_rel_error: float
     num_samples: int
     num_dropped: int  # distinct shapes left out of the final fit as outliers
+    decode_layout: str = "paged"  # what the decode term counts (DECODE_LAYOUTS)
 
 
-def _solve(shapes: list[BatchShape], times: np.ndarray, knee: float
+def _solve(shapes: list[BatchShape], times: np.ndarray, knee: float, paged: bool
            ) -> tuple[np.ndarray, np.ndarray]:
-    x = np.array([features(s, knee) for s in shapes])
+    x = np.array([features(s, knee, paged) for s in shapes])
     w = 1.0 / times  # relative residuals
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
@@ -113,8 +118,16 @@ def _solve(shapes: list[BatchShape], times: np.ndarray, knee: float
     return coef, rel
 
 
-def fit_step_times(shapes: list[BatchShape], times: list[float]) -> StepFit:
-    """Fit the step-time model; samples of one shape (repeats) count once, at their median."""
+def fit_step_times(shapes: list[BatchShape], times: list[float],
+                   decode_layout: str = "paged") -> StepFit:
+    """Fit the step-time model; samples of one shape (repeats) count once, at their median.
+
+    ``decode_layout``: ``paged`` if the runner's decode attention reads each row's own
+    context, ``padded`` if it pads every row to the longest.
+    """
+    if decode_layout not in DECODE_LAYOUTS:
+        raise ValueError(f"decode_layout must be one of {DECODE_LAYOUTS}, got {decode_layout!r}")
+    paged = decode_layout == "paged"
     if len(shapes) != len(times):
         raise ValueError(f"{len(shapes)} shapes but {len(times)} times")
     if any(t <= 0 for t in times):
@@ -133,7 +146,7 @@ def fit_step_times(shapes: list[BatchShape], times: list[float]) -> StepFit:
         kept = [s for s, k in zip(shapes, keep) if k]
         options = []
         for knee in [0.0, *tokens[:-1]]:
-            coef, rel = _solve(kept, y[keep], knee)
+            coef, rel = _solve(kept, y[keep], knee, paged)
             options.append((float(np.mean(rel ** 2)), knee, coef, rel))
         _, knee, coef, rel = min(options, key=lambda o: o[0])
         return knee, coef, rel
@@ -150,7 +163,8 @@ def fit_step_times(shapes: list[BatchShape], times: list[float]) -> StepFit:
     return StepFit(knee=knee, coefficients=dict(zip(FEATURES, map(float, coef))),
                    median_rel_error=float(np.median(abs_rel)),
                    p90_rel_error=float(np.percentile(abs_rel, 90)),
-                   num_samples=len(times), num_dropped=int((~keep).sum()))
+                   num_samples=len(times), num_dropped=int((~keep).sum()),
+                   decode_layout=decode_layout)
 
 
 class ProfileCostModel:
@@ -166,13 +180,15 @@ class ProfileCostModel:
         self.meta = meta or {}
         self._coef = [fit.coefficients[name] for name in FEATURES]
         self._knee = fit.knee
+        self._paged = fit.decode_layout == "paged"
 
     def step_time(self, b: BatchShape) -> float:
         c = self._coef
         tokens = b.num_prefill_tokens + b.num_decodes
         return (c[0] + (c[1] if tokens >= 2 else 0.0) + c[2] * (b.num_prefills + b.num_decodes)
                 + c[3] * tokens + c[4] * max(0.0, tokens - self._knee)
-                + c[5] * b.prefill_attention + c[6] * b.num_decodes * b.max_decode_context
+                + c[5] * b.prefill_attention
+                + c[6] * (b.decode_context if self._paged else b.num_decodes * b.max_decode_context)
                 + c[7] * b.num_sampled)
 
     def kv_cache_memory(self, model: ModelConfig) -> int:
@@ -180,7 +196,8 @@ class ProfileCostModel:
 
     def describe(self) -> str:
         return (f"profile of {self.model.get('name')} on {self.device} "
-                f"(median fit error {self.fit.median_rel_error:.1%})")
+                f"(median fit error {self.fit.median_rel_error:.1%}, "
+                f"{self.fit.decode_layout} decode attention)")
 
     def check_model(self, model: ModelConfig) -> None:
         """ValueError if ``model`` differs in shape from the profiled one."""

@@ -133,16 +133,22 @@ def build_profile(args: EngineArgs, grid: ProfileGrid,
 
     import torch
 
+    from conveyor.model.decode_attention import NativeDecode
     from conveyor.runner.model_runner import default_kv_cache_memory
 
     samples, engine = profile_steps(args, grid, log, timer)
-    fit = fit_step_times([s for s, _ in samples], [t for _, t in samples])
+    # The native CPU kernel reads each decode row's own context; SDPA pads to the longest.
+    kernel = engine.runner.decode_kernel
+    layout = "paged" if isinstance(kernel, NativeDecode) else "padded"
+    fit = fit_step_times([s for s, _ in samples], [t for _, t in samples], layout)
     cfg = engine.config
     device = torch.device(cfg.device)
     meta = {"machine": platform.machine(), "processor": platform.processor(),
             "cpu_count": __import__("os").cpu_count(), "torch": torch.__version__,
             "num_threads": torch.get_num_threads(),
-            "timer": getattr(timer, "__name__", str(timer)), "block_size": cfg.cache.block_size,
+            "timer": getattr(timer, "__name__", str(timer)),
+            "decode_kernel": type(kernel).__name__ if isinstance(kernel, NativeDecode)
+            else getattr(kernel, "__name__", str(kernel)), "block_size": cfg.cache.block_size,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
             "grid": dataclasses.asdict(grid)}
