@@ -91,3 +91,16 @@ def test_a_probe_stops_once_the_target_is_lost():
     sim = Simulator(ARGS, COST)
     probe = run_probe(sim, workload(), SLO(ttft_s=0.001, attainment=0.9), 1)
     assert probe.stopped_early and not probe.meets
+
+
+def test_the_search_keeps_the_run_at_its_answer_only():
+    w = workload()
+    found = find_min_replicas(w, ARGS, COST, SLO_, max_replicas=16)
+    assert found.result is not None and not found.result.stopped_early
+    again = Simulator(ARGS, COST, replicas=found.value, router="least_loaded").run(w)
+    assert found.result.finished == again.finished
+    assert [p.value for p in found.probes if p.result is not None] == [found.value]
+    rated = find_max_rate(w, ARGS, COST, SLO_, rel_tol=0.05)
+    assert [p.value for p in rated.probes if p.result is not None] == [rated.value]
+    scaled = Simulator(ARGS, COST).run(at_rate(w, rated.value))
+    assert rated.result.finished == scaled.finished

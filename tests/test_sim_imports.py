@@ -53,6 +53,41 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+# `conveyor sim` through the command line (roofline with replicas and a capacity search,
+# then a profile cost model, the bench report, records and plots).
+CLI_SCRIPT = textwrap.dedent("""
+    import sys
+
+    from conveyor.config import EngineArgs
+    from conveyor.entrypoints.cli import main
+    from conveyor.sim import BatchShape, ProfileCostModel, resolve_sim_model
+    from conveyor.sim.profile_model import fit_step_times
+
+    out = sys.argv[1]
+    work = ["--workload", "conversation", "--num-requests", "30", "--request-rate", "20",
+            "--input-scale", "0.2", "--output-scale", "0.2"]
+    assert main(["sim", "--model", "llama3-8b", "--hardware", "h100", "--tp", "2",
+                 "--replicas", "2", "--router", "prefix_affinity", *work,
+                 "--out", out + "/roofline.json", "--plot", out]) == 0
+    assert main(["sim", "--model", "llama3-8b", *work, "--find-capacity", "--slo-ttft",
+                 "200", "--max-replicas", "4"]) in (0, 1)
+    shapes = [BatchShape(num_decodes=b, decode_context=b * c, max_decode_context=c,
+                         num_sampled=b)
+              for b in (1, 2, 4, 8) for c in (64, 256)]
+    fit = fit_step_times(shapes, [0.001 + 1e-5 * s.decode_context + 1e-4 * s.num_decodes
+                                  for s in shapes])
+    model = resolve_sim_model(EngineArgs(model="tiny"))
+    ProfileCostModel(fit, model=ProfileCostModel.model_fields(model, "tiny"), device="cpu",
+                     kv_cache_memory=1 << 26).save(out + "/p.json")
+    assert main(["sim", "--model", "tiny", "--cost", out + "/p.json", *work,
+                 "--out", out + "/profile.json"]) == 0
+    banned = [m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")
+              or m in ("conveyor.runner.model_runner", "conveyor.model.llama",
+                       "conveyor.engine.llm_engine", "conveyor.entrypoints.llm")]
+    print("BANNED", banned)
+""")
+
+
 def test_simulating_imports_no_torch(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")])}
@@ -60,6 +95,17 @@ def test_simulating_imports_no_torch(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "BANNED []" in proc.stdout, proc.stdout
+
+
+def test_the_sim_command_imports_no_torch(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", CLI_SCRIPT, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "BANNED []" in proc.stdout, proc.stdout[-2000:]
+    assert (tmp_path / "roofline.records.jsonl").exists()
+    assert (tmp_path / "latency_cdf.png").exists()
 
 
 def test_the_check_can_fail(tmp_path):

@@ -39,12 +39,15 @@ FollowUp = Callable[[BenchRequest, list[int], float], "BenchRequest | None"]
 def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = None, *,
                engine=None, label: str = "engine", progress: bool = True,
                follow_up: FollowUp | None = None,
-               cost_model: StepCostModel | CostModel | None = None) -> RunResult:
+               cost_model: StepCostModel | CostModel | None = None,
+               sleep: Callable[[float], None] = time.sleep) -> RunResult:
     """Run ``requests`` to completion on ``engine`` (built from ``engine_args`` if None);
     with ``cost_model`` (a ``StepCostModel`` or a simulator cost model), in virtual time
     (an engine passed in gets its clock back).
 
     The result's records follow ``requests``, then follow-ups in the order they were made.
+    ``sleep(seconds)`` waits for the next arrival when the engine is idle; an engine on a
+    clock of its own (not the wall clock) passes one that advances that clock.
     """
     from tqdm import tqdm
 
@@ -102,8 +105,8 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
                                 bar.total += 1
             elif virtual:  # idle: jump to the next arrival
                 clock.advance_to(t0 + pending[nxt].arrival_s)
-            else:
-                time.sleep(max(0.0, pending[nxt].arrival_s - (clock() - t0)))
+            elif nxt < len(pending):
+                sleep(max(0.0, pending[nxt].arrival_s - (clock() - t0)))
         duration = clock() - t0
     finally:
         bar.close()

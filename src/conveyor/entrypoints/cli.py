@@ -21,10 +21,14 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with ``only`` just that subcommand's parser: building
+    one imports its module, and `conveyor sim` must not pay for (or import) torch
+    because `conveyor serve`'s options live next to the server."""
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in SUBCOMMANDS.values():
+    names = [only] if only in SUBCOMMANDS else list(SUBCOMMANDS)
+    for module_name in (SUBCOMMANDS[name] for name in names):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
@@ -37,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    parser = build_parser(argv[0] if argv else None)
     # `conveyor bench` with no arguments is the main job; other commands need a subcommand.
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

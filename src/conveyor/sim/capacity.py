@@ -14,7 +14,7 @@ have missed than the target allows.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from conveyor.config import EngineArgs
 from conveyor.outputs import RequestMetrics
@@ -56,6 +56,8 @@ class Probe:
     meets: bool
     stopped_early: bool
     wall_s: float
+    # The whole run, kept while it is the best one that meets the SLO (it ran to the end).
+    result: SimResult | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -65,6 +67,12 @@ class CapacityResult:
     # rate); None if every probe met the SLO (the capacity is not bracketed).
     failing: float | None
     probes: list[Probe]
+
+    @property
+    def result(self) -> SimResult | None:
+        """The simulated run at ``value`` (the workload as it would be served there)."""
+        return next((p.result for p in self.probes if p.meets and p.value == self.value),
+                    None)
 
 
 def run_probe(sim: Simulator, requests: Sequence[WorkloadRequest], slo: SLO,
@@ -81,8 +89,17 @@ def run_probe(sim: Simulator, requests: Sequence[WorkloadRequest], slo: SLO,
 
     result = sim.run(requests, on_finished=on_finished)
     att = slo_attainment(result, slo, n)
-    return Probe(value, att, att >= slo.attainment and not result.stopped_early,
-                 result.stopped_early, result.wall_s)
+    meets = att >= slo.attainment and not result.stopped_early
+    return Probe(value, att, meets, result.stopped_early, result.wall_s,
+                 result if meets else None)
+
+
+def _keep_best(probes: list[Probe], best: Callable[[Probe, Probe], bool]) -> None:
+    """Drop the run of every meeting probe but the best (runs hold every request)."""
+    meeting = [p for p in probes if p.result is not None]
+    for p in meeting:
+        if any(best(q, p) for q in meeting if q is not p):
+            p.result = None
 
 
 def find_min_replicas(requests: Sequence[WorkloadRequest], engine_args: EngineArgs,
@@ -96,6 +113,7 @@ def find_min_replicas(requests: Sequence[WorkloadRequest], engine_args: EngineAr
         probe = run_probe(Simulator(engine_args, cost, replicas=n, router=router), requests,
                           slo, n)
         probes.append(probe)
+        _keep_best(probes, lambda a, b: a.value < b.value)
         if log:
             log(probe)
         return probe.meets
@@ -162,6 +180,7 @@ def find_max_rate(requests: Sequence[WorkloadRequest], engine_args: EngineArgs,
     def meets(rate: float) -> bool:
         probe = run_probe(sim, at_rate(requests, rate * replicas), slo, rate)
         probes.append(probe)
+        _keep_best(probes, lambda a, b: a.value > b.value)
         if log:
             log(probe)
         return probe.meets

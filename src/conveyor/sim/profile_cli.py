@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-steps", type=int, default=6,
                    help="decode steps timed per (batch size, context length)")
     p.add_argument("--repeats", type=int, default=3,
-                   help="passes over the grid; each shape's time is its fastest (default 3)")
+                   help="passes over the grid; each shape's time is its median (default 3)")
     p.set_defaults(func=run)
 
 

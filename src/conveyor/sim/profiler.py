@@ -67,9 +67,14 @@ def _workloads(grid: ProfileGrid, budget: int) -> list[tuple[str, list[tuple[int
 
 
 def profile_steps(args: EngineArgs, grid: ProfileGrid,
-                  log: Callable[[str], None] | None = None
+                  log: Callable[[str], None] | None = None,
+                  timer: Callable[[], float] = time.perf_counter
                   ) -> tuple[list[tuple[BatchShape, float]], object]:
-    """Run the grid on the real engine; returns ((shape, seconds) per step, the engine)."""
+    """Run the grid on the real engine; returns ((shape, seconds) per step, the engine).
+
+    ``timer`` times each step: wall time by default; ``time.process_time`` counts only
+    this process's CPU time, which other processes on a busy machine do not inflate.
+    """
     from conveyor.engine.llm_engine import LLMEngine
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -93,9 +98,9 @@ def profile_steps(args: EngineArgs, grid: ProfileGrid,
         pending = list(later)
         while engine.has_unfinished_requests():
             before = len(recorder.records)
-            t0 = time.perf_counter()
+            t0 = timer()
             engine.step()
-            elapsed = time.perf_counter() - t0
+            elapsed = timer() - t0
             if keep and len(recorder.records) > before:
                 samples.append((recorder.records[-1].shape, elapsed))
             if pending and engine.scheduler.num_waiting == 0 and all(
@@ -121,21 +126,29 @@ def profile_steps(args: EngineArgs, grid: ProfileGrid,
 
 
 def build_profile(args: EngineArgs, grid: ProfileGrid,
-                  log: Callable[[str], None] | None = None
+                  log: Callable[[str], None] | None = None,
+                  timer: Callable[[], float] = time.perf_counter
                   ) -> tuple[ProfileCostModel, list[tuple[BatchShape, float]]]:
     import platform
 
     import torch
 
+    from conveyor.model.decode_attention import NativeDecode
     from conveyor.runner.model_runner import default_kv_cache_memory
 
-    samples, engine = profile_steps(args, grid, log)
-    fit = fit_step_times([s for s, _ in samples], [t for _, t in samples])
+    samples, engine = profile_steps(args, grid, log, timer)
+    # The native CPU kernel reads each decode row's own context; SDPA pads to the longest.
+    kernel = engine.runner.decode_kernel
+    layout = "paged" if isinstance(kernel, NativeDecode) else "padded"
+    fit = fit_step_times([s for s, _ in samples], [t for _, t in samples], layout)
     cfg = engine.config
     device = torch.device(cfg.device)
     meta = {"machine": platform.machine(), "processor": platform.processor(),
             "cpu_count": __import__("os").cpu_count(), "torch": torch.__version__,
-            "num_threads": torch.get_num_threads(), "block_size": cfg.cache.block_size,
+            "num_threads": torch.get_num_threads(),
+            "timer": getattr(timer, "__name__", str(timer)),
+            "decode_kernel": type(kernel).__name__ if isinstance(kernel, NativeDecode)
+            else getattr(kernel, "__name__", str(kernel)), "block_size": cfg.cache.block_size,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
             "grid": dataclasses.asdict(grid)}

@@ -81,13 +81,16 @@ def default_params(item: WorkloadRequest, eos_token_ids: frozenset[int]) -> Samp
 class SimReplica:
     def __init__(self, index: int, setup: ReplicaSetup, cost: CostModel,
                  make_params: Callable[[WorkloadRequest], SamplingParams],
-                 listeners: list[StepListener]) -> None:
+                 listeners: list[StepListener], pool_blocks: int | None = None) -> None:
         self.index = index
         self.setup = setup
         self.cost = cost
         self.make_params = make_params
         self.listeners = listeners
-        self.kv = KVCacheManager(setup.cache.num_kv_blocks or 0, setup.cache.block_size,
+        # ``pool_blocks``: allocate fewer blocks than the configured pool when the workload
+        # cannot fill it (see ``Simulator.pool_blocks``); the decisions are the same.
+        self.num_kv_blocks = setup.cache.num_kv_blocks or 0
+        self.kv = KVCacheManager(pool_blocks or self.num_kv_blocks, setup.cache.block_size,
                                  setup.cache.enable_prefix_caching, setup.kv_hash_key)
         self.scheduler = Scheduler(setup.scheduler, self.kv, setup.max_model_len)
         self._live: dict[str, tuple[Request, RequestMetrics]] = {}

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from conveyor.config import EngineArgs, ModelConfig, kv_blocks_for
+from conveyor.engine.validation import capped_max_tokens
 from conveyor.outputs import RequestMetrics
 from conveyor.sampling_params import SamplingParams
 from conveyor.sim.cost_model import CostModel
@@ -46,6 +47,7 @@ class ReplicaStats:
     index: int
     num_requests: int
     num_steps: int
+    num_batched_rows: int  # requests summed over steps (mean batch size = this / num_steps)
     busy_time: float  # virtual seconds spent in steps
     num_preemptions: int
     num_rejected: int
@@ -129,6 +131,29 @@ class Simulator:
     def max_model_len(self) -> int:
         return self.setup.max_model_len
 
+    def pool_blocks(self, items: list[WorkloadRequest]) -> int:
+        """KV blocks each replica allocates: the configured pool, or fewer if ``items`` fit.
+
+        A pool that can hold every request of the workload at once, each at its longest,
+        never runs short: the scheduler's only question of it (are there enough free
+        blocks?) is always yes, nothing is preempted or evicted, and a larger pool makes
+        the very same decisions. Allocating only that much keeps a small model on a
+        large GPU (millions of blocks of logical pool) cheap to simulate.
+        """
+        full = self.num_kv_blocks
+        bs = self.setup.cache.block_size
+        max_len = self.max_model_len
+        need = 0
+        for item in items:
+            prompt = len(item.prompt_token_ids)
+            if prompt > max_len:
+                continue  # refused: never takes a block
+            tokens = prompt + capped_max_tokens(self.make_params(item), prompt, max_len)
+            need += -(-min(tokens, max_len) // bs) + 1
+            if need >= full:
+                return full
+        return max(need, 1)
+
     def run(self, requests: Iterable[WorkloadRequest], *,
             on_finished: Callable[[str, RequestMetrics | None], bool] | None = None
             ) -> SimResult:
@@ -141,7 +166,9 @@ class Simulator:
         t0 = time.perf_counter()
         items = sorted(requests, key=lambda r: r.arrival_s)
         _check_unique_ids(items)
-        replicas = [SimReplica(i, self.setup, self.cost, self.make_params, self.step_listeners)
+        pool = self.pool_blocks(items)
+        replicas = [SimReplica(i, self.setup, self.cost, self.make_params, self.step_listeners,
+                               pool_blocks=pool)
                     for i in range(self.num_replicas)]
         router = make_router(self.router_name)
         finished: dict[str, RequestMetrics] = {}
@@ -233,9 +260,8 @@ def _check_unique_ids(items: list[WorkloadRequest]) -> None:
 def _stats(rep: SimReplica, num_requests: int) -> ReplicaStats:
     s = rep.scheduler.stats
     return ReplicaStats(index=rep.index, num_requests=num_requests, num_steps=rep.num_steps,
-                        busy_time=rep.busy_time, num_preemptions=s.num_preemptions,
-                        num_rejected=s.num_rejected, peak_running=s.peak_running,
-                        peak_waiting=s.peak_waiting, num_kv_blocks=rep.kv.num_blocks,
-                        peak_kv_blocks=rep.kv.peak_used_blocks,
+                        num_batched_rows=sum(s.step_batch_sizes), busy_time=rep.busy_time,
+                        num_preemptions=s.num_preemptions, num_rejected=s.num_rejected,
+                        peak_running=s.peak_running, peak_waiting=s.peak_waiting,
+                        num_kv_blocks=rep.num_kv_blocks, peak_kv_blocks=rep.kv.peak_used_blocks,
                         prefix_cache_hit_rate=rep.kv.stats.hit_rate)
-
