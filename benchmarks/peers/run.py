@@ -5,6 +5,7 @@ serve and llama.cpp on the same checkpoint, the same workload file and the same 
     python benchmarks/peers/run.py --setup              # only install the peers, then exit
     python benchmarks/peers/run.py --smoke              # 4 short requests, 1 run: a pipeline check
     python benchmarks/peers/run.py --peers conveyor,vllm --dtypes bf16 --runs 1
+    python benchmarks/peers/run.py --peers conveyor,vllm --trace AZURE_CSV   # the trace sample
 
 Every server is started once per dtype on a free loopback port, waited for, warmed up
 with a few short requests, driven --runs times by `conveyor bench --backend openai`
@@ -40,6 +41,7 @@ from peers.servers import Server, ServerError, tail  # noqa: E402
 from peers.systems import GGUF_TYPE, SERVED_NAME, SYSTEMS, Context, System  # noqa: E402
 from peers.table import RunFigures, SystemResult, format_table  # noqa: E402
 from peers.workload_file import (  # noqa: E402
+    TraceSpec,
     WorkloadSpec,
     bench_workload_argv,
     load_requests,
@@ -51,6 +53,13 @@ from peers.workload_file import (  # noqa: E402
 # estimate only; conveyor's own is a guess.
 REFERENCE = {"conveyor": (200, 120, 20), "vllm": (391, 197, 90), "hf-generate": (131, 75, 10),
              "transformers-serve": (121, 78, 20), "llamacpp": (91, 89, 5)}
+
+
+# Conveyor fp32 completes the default trace sample (64 Azure conversation requests, token
+# counts x0.25) at ~TRACE_CAPACITY req/s when all arrive at once on this 2-core machine;
+# the default arrival rate oversubscribes it 4x.
+TRACE_CAPACITY = 1.0
+TRACE_RATE = 4 * TRACE_CAPACITY
 
 
 class BenchError(RuntimeError):
@@ -73,6 +82,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--prompt-len", default=None, help="uniform LO-HI (default 32-256)")
     p.add_argument("--output-len", default=None, help="uniform LO-HI (default 16-256)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="replay a trace sample at its arrival times instead of the 32 "
+                        "requests at t=0 (Azure CSV or Mooncake JSONL)")
+    p.add_argument("--trace-requests", type=int, default=64, help="the trace's first N rows")
+    p.add_argument("--trace-scale", type=float, default=0.25,
+                   help="multiply the trace's token counts (a CPU-sized sample)")
+    p.add_argument("--trace-max-input", type=int, default=1024, help="cap on prompt tokens")
+    p.add_argument("--trace-rate", type=float, default=TRACE_RATE,
+                   help="arrival rate, requests/s (default: 4x what conveyor fp32 sustains on "
+                        "the default sample: see the README)")
     p.add_argument("--seed", type=int, default=1234,
                    help="workload seed (1234: the issue's 4,138 output tokens)")
     p.add_argument("--checkpoint-seed", type=int, default=0, help="random weights' seed")
@@ -122,8 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"setup done in {time.perf_counter() - started:.0f}s")
         return 0
 
-    spec = WorkloadSpec(args.num_requests or 32, args.prompt_len or "32-256",
-                        args.output_len or "16-256", args.seed)
+    if args.trace:
+        spec = TraceSpec(args.trace, args.trace_requests, args.trace_scale,
+                         args.trace_max_input, args.trace_rate, args.seed)
+    else:
+        spec = WorkloadSpec(args.num_requests or 32, args.prompt_len or "32-256",
+                            args.output_len or "16-256", args.seed)
     out_dir = args.out_dir or os.path.join(paths.root, "runs",
                                            datetime.now().strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
@@ -154,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"systems:    {', '.join(args.peers)}; dtypes {', '.join(args.dtypes)}; "
           f"{args.runs} run(s) each (median), {args.threads} threads per engine")
     print(f"client:     conveyor bench --backend openai "
-          f"{shlex.join(bench_workload_argv(workload, spec.seed))} --openai-model "
+          f"{shlex.join(bench_workload_argv(workload, spec.seed, at_once(spec)))} "
+          f"--openai-model "
           f"{SERVED_NAME} --model {checkpoint}")
     print(f"estimated wall time: ~{estimate_s(args, output_tokens) / 60:.0f} min "
           f"(from the issue's figures)")
@@ -167,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
             system = SYSTEMS[name]
             t = time.perf_counter()
             print(f"\n== {name} {dtype}", flush=True)
-            if system.server is None:
+            if system.server is None and not at_once(spec):
+                res = SystemResult(name, dtype, error="an in-process static batch has no "
+                                   "arrival times: trace workloads are for servers")
+            elif system.server is None:
                 res = run_hf_generate(system, dtype, ctx, args, workload, spec, out_dir)
             else:
                 res = run_server(system, dtype, ctx, args, workload, warmup, spec, rows, out_dir)
@@ -188,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.runs for res in results.values() for r in res) else 1
 
 
+def at_once(spec: WorkloadSpec | TraceSpec) -> bool:
+    return not isinstance(spec, TraceSpec)
+
+
 def estimate_s(args: argparse.Namespace, output_tokens: int) -> float:
     total = 0.0
     for name in args.peers:
@@ -200,7 +231,8 @@ def estimate_s(args: argparse.Namespace, output_tokens: int) -> float:
 
 # ---- one system -------------------------------------------------------------------------------
 def run_server(system: System, dtype: str, ctx: Context, args: argparse.Namespace,
-               workload: str, warmup: str, spec: WorkloadSpec, rows: list, out_dir: str
+               workload: str, warmup: str, spec: WorkloadSpec | TraceSpec, rows: list,
+               out_dir: str
                ) -> SystemResult:
     from peers.servers import free_port
 
@@ -209,7 +241,8 @@ def run_server(system: System, dtype: str, ctx: Context, args: argparse.Namespac
         # Text prompts must reach the server as the very token ids the others get.
         with open(os.path.join(ctx.checkpoint, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
-        prompts = [r.prompt_token_ids for r in load_requests(workload, spec.seed, vocab)]
+        prompts = [r.prompt_token_ids
+                   for r in load_requests(workload, spec.seed, vocab, at_once(spec))]
         bad = text_prompt_failures(ctx.checkpoint, prompts)
         if bad:
             res.error = f"{len(bad)} prompt(s) do not survive decode + encode (e.g. #{bad[0]})"
@@ -223,11 +256,12 @@ def run_server(system: System, dtype: str, ctx: Context, args: argparse.Namespac
             print(f"   ready after {server.startup_s:.0f}s at {server_spec.base_url}",
                   flush=True)
             if args.warmup:
-                bench(system, server_spec.base_url, ctx, warmup, spec.seed + 1,
+                bench(system, server_spec.base_url, ctx, warmup, spec.seed + 1, True,
                       os.path.join(out_dir, f"{system.name}-{dtype}-warmup.json"))
             for i in range(args.runs):
                 out = os.path.join(out_dir, f"{system.name}-{dtype}-run{i + 1}.json")
-                summary = bench(system, server_spec.base_url, ctx, workload, spec.seed, out)
+                summary = bench(system, server_spec.base_url, ctx, workload, spec.seed,
+                                at_once(spec), out)
                 res.runs.append(RunFigures.from_summary(summary))
                 found = record_mismatches(out.replace(".json", ".records.jsonl"), rows)
                 if found:
@@ -240,11 +274,11 @@ def run_server(system: System, dtype: str, ctx: Context, args: argparse.Namespac
 
 
 def bench(system: System, base_url: str, ctx: Context, workload: str, seed: int,
-          out: str) -> dict:
+          all_at_once: bool, out: str) -> dict:
     """One `conveyor bench --backend openai` run; its summary (as saved with --out)."""
     cmd = [sys.executable, "-m", "conveyor.entrypoints.cli", "bench", "--backend", "openai",
            "--base-url", base_url, "--openai-model", SERVED_NAME, "--model", ctx.checkpoint,
-           *bench_workload_argv(workload, seed), "--out", out, "--no-progress",
+           *bench_workload_argv(workload, seed, all_at_once), "--out", out, "--no-progress",
            *system.bench_args]
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src")}
     log = out.replace(".json", ".log")
@@ -300,7 +334,7 @@ def run_hf_generate(system: System, dtype: str, ctx: Context, args: argparse.Nam
 
 
 def save(out_dir: str, results: dict[str, list[SystemResult]], args: argparse.Namespace,
-         spec: WorkloadSpec, checkpoint: str, wall_s: float) -> None:
+         spec: WorkloadSpec | TraceSpec, checkpoint: str, wall_s: float) -> None:
     doc = {"argv": sys.argv, "workload": spec.describe(), "checkpoint": checkpoint,
            "threads": args.threads, "runs": args.runs, "wall_s": wall_s,
            "results": {d: [r.to_dict() for r in res] for d, res in results.items()}}
