@@ -104,6 +104,15 @@ def test_mooncake_fixture_parses_ms_to_seconds():
     assert parse_trace(MOONCAKE) == rows
 
 
+def test_mooncake_row_without_hash_ids_is_a_private_prompt_of_any_length(tmp_path):
+    path = write(tmp_path, "plain.jsonl",
+                 '{"timestamp": 0, "input_length": 5000, "output_length": 2}\n'
+                 '{"timestamp": 12.5, "input_length": 40, "output_length": 3}\n')
+    rows = parse_mooncake_jsonl(path)
+    assert [(r.arrival_s, r.input_len, r.hash_ids) for r in rows] == [
+        (0.0, 5000, ()), (0.0125, 40, ())]
+
+
 @pytest.mark.parametrize("bad_line, message", [
     ('{"timestamp": 5, "input_length": 10', "not valid JSON"),
     ('{"timestamp": 5, "output_length": 3, "hash_ids": [1]}', "missing field 'input_length'"),

@@ -166,8 +166,9 @@ def _mooncake_row(obj: dict, path: str, line: int) -> TraceRow:
             isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids):
         raise WorkloadError(f"{path}:{line}: hash_ids must be a list of non-negative "
                             "integers")
-    if len(hash_ids) * MOONCAKE_BLOCK_TOKENS < input_len - MOONCAKE_BLOCK_TOKENS:
-        # One missing trailing block is tolerated (padded); more means a broken row.
+    if hash_ids and len(hash_ids) * MOONCAKE_BLOCK_TOKENS < input_len - MOONCAKE_BLOCK_TOKENS:
+        # No hash_ids: a prompt that shares nothing. Some: one missing trailing block is
+        # tolerated (padded); more means a broken row.
         raise WorkloadError(f"{path}:{line}: {len(hash_ids)} hash_ids cover "
                             f"{len(hash_ids) * MOONCAKE_BLOCK_TOKENS} tokens, far fewer than "
                             f"input_length {input_len}")
