@@ -58,7 +58,7 @@ REFERENCE = {"conveyor": (200, 120, 20), "vllm": (391, 197, 90), "hf-generate": 
 # Conveyor fp32 completes the default trace sample (64 Azure conversation requests, token
 # counts x0.25) at ~TRACE_CAPACITY req/s when all arrive at once on this 2-core machine;
 # the default arrival rate oversubscribes it 4x.
-TRACE_CAPACITY = 1.0
+TRACE_CAPACITY = 1.2
 TRACE_RATE = 4 * TRACE_CAPACITY
 
 
