@@ -108,13 +108,62 @@ def test_logits_match_transformers_within_1e4() -> None:
 def test_half_precision_runs_and_mostly_agrees(dtype: str) -> None:
     """Half precision cannot be bit-exact; it must run and agree on the first tokens."""
     path = make_checkpoint("llama")
-    llm = LLM(path, dtype=dtype)
+    llm = LLM(path, dtype=dtype, compute_dtype=dtype)  # half-precision arithmetic too
+    assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
     prompts = random_prompts(4, seed=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=4, temperature=0.0))
     agree = sum(o.outputs[0].token_ids[0] == reference(path, tuple(p), 4)[0]
                 for o, p in zip(outs, prompts))
     assert agree >= 3
+
+
+@functools.cache
+def bf16_rounded_copy(path: str) -> str:
+    """The checkpoint with every weight rounded to bfloat16, saved back in float32."""
+    import tempfile
+
+    from conveyor.model.presets import save_synthetic_tokenizer
+
+    model = hf_model(path)
+    rounded = type(model)(model.config)
+    with torch.no_grad():
+        for (_, mine), (_, theirs) in zip(rounded.named_parameters(), model.named_parameters()):
+            mine.copy_(theirs.to(torch.bfloat16).float())
+    out = tempfile.mkdtemp(prefix="conveyor-bf16-rounded-")
+    rounded.save_pretrained(out, safe_serialization=True)
+    save_synthetic_tokenizer(out, model.config.vocab_size)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_weights_with_float32_compute_are_exact(arch: str) -> None:
+    """dtype bfloat16 computed in float32 (the default on a CPU without bf16 instructions)
+    equals transformers in float32 on the bf16-rounded weights, token for token."""
+    path = make_checkpoint(arch)
+    llm = LLM(path, dtype="bfloat16", compute_dtype="float32")
+    cfg = llm.engine.config.model
+    assert (cfg.dtype, cfg.math_dtype, cfg.dtype_label) == (
+        "bfloat16", "float32", "bfloat16 (float32 compute)")
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float32
+    prompts, params = mixed_batch(seed=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    check_exact(bf16_rounded_copy(path), outs, prompts, params)
+
+
+def test_compute_dtype_auto_follows_the_cpu(monkeypatch) -> None:
+    from conveyor.model import dtypes
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: False)
+    assert dtypes.resolve_compute_dtype("auto", "bfloat16", cpu) == "float32"
+    assert dtypes.resolve_compute_dtype("auto", "bfloat16", cuda) == "bfloat16"
+    assert dtypes.resolve_compute_dtype("auto", "float16", cpu) == "float16"
+    assert dtypes.resolve_compute_dtype("bfloat16", "bfloat16", cpu) == "bfloat16"
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: True)
+    assert dtypes.resolve_compute_dtype("auto", "bfloat16", cpu) == "bfloat16"
+    with pytest.raises(ValueError, match="compute_dtype must be one of"):
+        dtypes.resolve_compute_dtype("int8", "bfloat16", cpu)
 
 
 def test_same_step_prefix_sharing_is_exact() -> None:

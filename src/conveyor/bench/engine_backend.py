@@ -123,7 +123,7 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
                "batching": engine.config.scheduler.batching,
                "max_num_seqs": engine.config.scheduler.max_num_seqs,
                "model": engine.config.model.served_model_name,
-               "dtype": engine.config.model.dtype})
+               "dtype": engine.config.model.dtype_label})
     return RunResult(label, ordered, summary, sizes, tracer.trace)
 
 

@@ -27,6 +27,7 @@ from conveyor.engine.validation import (
     validate_prompt,
     validate_scheduling,
 )
+from conveyor.model.dtypes import resolve_compute_dtype
 from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.model_runner import ModelRunner
@@ -54,6 +55,8 @@ class LLMEngine:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         model_cfg = args.resolve_model()
+        model_cfg = dataclasses.replace(model_cfg, compute_dtype=resolve_compute_dtype(
+            args.compute_dtype, model_cfg.dtype, device))
         cache_cfg = args.cache_config()
         self.runner = ModelRunner(model_cfg, cache_cfg, device, args.attention_backend)
         # The pool is sized after the weights are loaded, from what memory is left.
@@ -64,7 +67,7 @@ class LLMEngine:
         self.config = EngineConfig(
             model=model_cfg, cache=dataclasses.replace(cache_cfg, num_kv_blocks=num_blocks),
             scheduler=args.scheduler_config(), device=str(device), num_threads=args.num_threads)
-        extra = f"{model_cfg.path}|{model_cfg.dtype}|{model_cfg.load_format}|{model_cfg.seed}"
+        extra = f"{model_cfg.path}|{model_cfg.math_dtype}|{model_cfg.load_format}|{model_cfg.seed}"
         self.kv = KVCacheManager(num_blocks, cache_cfg.block_size,
                                  cache_cfg.enable_prefix_caching, extra.encode())
         self.scheduler = Scheduler(self.config.scheduler, self.kv, max_len)

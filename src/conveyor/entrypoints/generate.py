@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"{o.prompt!r} -> {c.text!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
     stats = llm.stats()
-    print(f"model {engine_args.model} ({llm.engine.config.model.dtype}, "
+    print(f"model {engine_args.model} ({llm.engine.config.model.dtype_label}, "
           f"{llm.engine.config.device}) loaded in {load_s:.1f}s; {len(outs)} requests, "
           f"{generated} tokens in {elapsed:.2f}s: {generated / elapsed:.1f} generated tokens/s, "
           f"{stats['num_steps']} steps, {stats['num_preemptions']} preemptions")

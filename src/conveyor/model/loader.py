@@ -24,7 +24,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bia
 
 
 def load_model(cfg: ModelConfig, device: torch.device) -> LlamaForCausalLM:
-    dtype = DTYPES[cfg.dtype]
+    dtype = DTYPES[cfg.math_dtype]
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -36,6 +36,12 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LlamaForCausalLM:
         _init_dummy(model, cfg.seed)
     else:
         _load_safetensors(model, cfg.path)
+    if cfg.math_dtype != cfg.dtype:
+        # Computing in another dtype than the weights': keep the weights' values.
+        storage = DTYPES[cfg.dtype]
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.to(storage))
     return model.eval().requires_grad_(False)
 
 

@@ -70,9 +70,9 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.sliding_window = self.model.sliding_window
         self.decode_kernel = pick_decode_kernel(attention_backend, device,
-                                                DTYPES[model_cfg.dtype], model_cfg.num_heads,
+                                                DTYPES[model_cfg.math_dtype], model_cfg.num_heads,
                                                 model_cfg.num_kv_heads)
-        if isinstance(self.decode_kernel, NativeDecode) and model_cfg.dtype == "float32":
+        if isinstance(self.decode_kernel, NativeDecode) and model_cfg.math_dtype == "float32":
             self.model.ops = NativeOps(self.decode_kernel.lib)
         # Tests set this to read each sampling request's float32 logits of the last step.
         self.timings = PhaseTimings()
@@ -83,7 +83,7 @@ class ModelRunner:
         """Allocate the KV pool (sized from free memory unless given); returns its blocks."""
         if num_blocks is None:
             num_blocks = num_blocks_for(self.cache_cfg, self.cfg, self.device, max_num_seqs)
-        dtype = DTYPES[self.cfg.dtype]
+        dtype = DTYPES[self.cfg.math_dtype]
         shape = (num_blocks * self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=self.device),

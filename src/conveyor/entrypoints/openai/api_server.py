@@ -193,7 +193,7 @@ def run_server(args: argparse.Namespace) -> int:
                        request_timeout_s=args.request_timeout, chat_template=args.chat_template)
     cfg = engine.engine.config
     logger.info("serving %r (%s, %s, %d KV blocks of %d tokens, max_model_len %d) on "
-                "http://%s:%d", state.model_name, cfg.model.dtype, cfg.device,
+                "http://%s:%d", state.model_name, cfg.model.dtype_label, cfg.device,
                 cfg.cache.num_kv_blocks, cfg.cache.block_size, state.max_model_len,
                 args.host, args.port)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
