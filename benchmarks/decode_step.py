@@ -23,13 +23,14 @@ import torch.nn.functional as F
 
 from conveyor import LLM, SamplingParams
 
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
 
 
 def build(args) -> LLM:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch,
               max_num_batched_tokens=max(2048, args.batch * args.context),
-              attention_backend=args.attention_backend, load_format="dummy",
+              attention_backend=args.attention_backend, linear_backend=args.linear_backend,
+              load_format="dummy",
               num_kv_blocks=args.batch * (-(-(args.context + args.steps * 40) // 16)) + 8)
     rng = random.Random(0)
     for i in range(args.batch):
@@ -53,21 +54,43 @@ def time_steps(llm: LLM, n: int) -> float:
     return statistics.median(times)
 
 
-def gemm_floor(llm: LLM, batch: int, n: int) -> float:
-    model = llm.engine.runner.model
-    dtype = model.embed_tokens.weight.dtype
-    weights = []
-    for layer in model.layers:
-        weights += [layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                    layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    weights = [(m.weight, m.bias) for m in weights] + [(model.lm_head_weight, None)]
+def floor_weights(llm: LLM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Random weights (and biases) of the model's own GEMM shapes: every layer's packed
+    QKV, O, packed gate/up and down projections, and the LM head."""
+    cfg = llm.engine.config.model
+    dtype = llm.engine.runner.model.embed_tokens.weight.dtype
+    h, q, kv, inter = (cfg.hidden_size, cfg.num_heads * cfg.head_dim,
+                       cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size)
+    qkv_bias = cfg.architecture == "Qwen2ForCausalLM"
+    gen = torch.Generator().manual_seed(0)
+
+    def w(out: int, inp: int, bias: bool = False):
+        return (torch.randn(out, inp, generator=gen).mul_(0.02).to(dtype),
+                torch.zeros(out, dtype=dtype) if bias else None)
+
+    layer = [w(q + 2 * kv, h, qkv_bias), w(h, q), w(2 * inter, h), w(h, inter)]
+    return layer * cfg.num_layers + [w(cfg.vocab_size, h)]
+
+
+def gemm_floor(weights, batch: int, n: int, packed: bool = False) -> float:
+    """Median time of one pass over ``weights`` at ``batch`` rows: through F.linear (the
+    issue's floor) or, ``packed``, through oneDNN with pre-packed weights (the engine's
+    own GEMMs on a float32 CPU)."""
+    from conveyor.model.packed_linear import PackedLinear
+
+    dtype = weights[0][0].dtype
+    if packed:
+        fns = [PackedLinear(w, b) for w, b in weights]
+    else:
+        fns = [lambda x, w=w, b=b: F.linear(x, w, b) for w, b in weights]
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w, _ in weights}
+    shapes = [w.shape[1] for w, _ in weights]
     times = []
     with torch.inference_mode():
         for _ in range(n):
             t = time.perf_counter()
-            for w, b in weights:
-                F.linear(inputs[w.shape[1]], w, b)
+            for fn, k in zip(fns, shapes):
+                fn(inputs[k])
             times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -137,22 +160,35 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=10, help="decode steps timed per round")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "compiled"))
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "native", "sdpa"))
+    p.add_argument("--linear-backend", default="auto", choices=("auto", "torch", "onednn"))
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = build(args)
-    print(f"model {args.model} {args.dtype}, batch {args.batch}, context {args.context}+, "
-          f"attention {args.attention_backend}, {torch.get_num_threads()} threads")
-    ratios = []
+    runner = llm.engine.runner
+    packed = runner.packed_linears
+    print(f"model {args.model} {args.dtype} (compute {llm.engine.config.model.math_dtype}), "
+          f"batch {args.batch}, context {args.context}+, attention {args.attention_backend}, "
+          f"linears {'onednn (packed)' if packed else 'torch F.linear'}, "
+          f"{torch.get_num_threads()} threads")
+    weights = floor_weights(llm)
+    ratios, packed_ratios = [], []
     for r in range(args.rounds):
         step = time_steps(llm, args.steps)
-        floor = gemm_floor(llm, args.batch, args.steps)
+        floor = gemm_floor(weights, args.batch, args.steps)
+        line = (f"round {r}: decode step {step * 1e3:7.1f} ms   GEMM floor (F.linear) "
+                f"{floor * 1e3:7.1f} ms   ratio {step / floor:5.2f}")
         ratios.append(step / floor)
-        print(f"round {r}: decode step {step * 1e3:7.1f} ms   GEMM floor {floor * 1e3:7.1f} ms"
-              f"   ratio {step / floor:5.2f}")
-    print(f"median ratio step / GEMM floor: {statistics.median(ratios):.2f}")
+        if packed:
+            pfloor = gemm_floor(weights, args.batch, args.steps, packed=True)
+            packed_ratios.append(step / pfloor)
+            line += f"   packed floor {pfloor * 1e3:7.1f} ms   ratio {step / pfloor:5.2f}"
+        print(line)
+    print(f"median ratio step / GEMM floor (F.linear): {statistics.median(ratios):.2f}")
+    if packed_ratios:
+        print(f"median ratio step / packed oneDNN floor: {statistics.median(packed_ratios):.2f}")
     print("breakdown of one step (ms):")
     for name, sec in breakdown(llm, args.steps).items():
         print(f"  {name:36s} {sec * 1e3:8.2f}")

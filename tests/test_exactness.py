@@ -42,6 +42,7 @@ CONFIGS = {
     "no_prefix_cache": dict(enable_prefix_caching=False, max_num_seqs=3),
     "sdpa_attention": dict(attention_backend="sdpa", max_num_batched_tokens=40),
     "native_attention": dict(attention_backend="native", max_num_batched_tokens=40),
+    "torch_linears": dict(linear_backend="torch", attention_backend="sdpa"),
 }
 
 

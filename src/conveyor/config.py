@@ -136,6 +136,7 @@ class EngineArgs:
     device: str = "auto"
     num_threads: int | None = None
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
@@ -182,6 +183,10 @@ class EngineArgs:
                        help="decode attention: native = C kernel reading the paged cache in "
                             "place (CPU, float32/bfloat16; built with the system C compiler on "
                             "first use); sdpa = gather + SDPA (any device); auto = native where "
+                            "it applies")
+        g.add_argument("--linear-backend", default="auto", choices=("auto", "torch", "onednn"),
+                       help="projections and LM head: onednn = weights packed once for "
+                            "oneDNN (CPU, float32); torch = F.linear; auto = onednn where "
                             "it applies")
         g.add_argument("--block-size", type=int, default=16)
         g.add_argument("--num-kv-blocks", type=int, default=None)

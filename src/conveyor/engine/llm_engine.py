@@ -58,7 +58,8 @@ class LLMEngine:
         model_cfg = dataclasses.replace(model_cfg, compute_dtype=resolve_compute_dtype(
             args.compute_dtype, model_cfg.dtype, device))
         cache_cfg = args.cache_config()
-        self.runner = ModelRunner(model_cfg, cache_cfg, device, args.attention_backend)
+        self.runner = ModelRunner(model_cfg, cache_cfg, device, args.attention_backend,
+                                  args.linear_backend)
         # The pool is sized after the weights are loaded, from what memory is left.
         num_blocks = self.runner.allocate_kv_cache(cache_cfg.num_kv_blocks, args.max_num_seqs)
         # Derived values are computed once, into a new config (never patched in place).

@@ -18,6 +18,7 @@ from torch import nn
 from conveyor.config import ModelConfig
 from conveyor.model.attention import AttentionMetadata, paged_attention
 from conveyor.model.layer_ops import TorchOps
+from conveyor.model.packed_linear import PackedLinear, pack_linears
 
 
 class RMSNorm(nn.Module):
@@ -174,9 +175,20 @@ class LlamaForCausalLM(nn.Module):
         self.sliding_window: int | None = int(window) if window and use_window else None
         # Elementwise steps: reference PyTorch ops unless the runner installs native ones.
         self.ops: TorchOps = TorchOps()
+        self.packed_lm_head: PackedLinear | None = None
+
+    def pack_linears(self) -> int:
+        """Pre-pack every projection and the LM head for oneDNN (see packed_linear.py);
+        returns how many weights were packed."""
+        self.packed_lm_head = PackedLinear(self.lm_head_weight, None)
+        if not self.tie_word_embeddings:
+            del self.lm_head
+        return pack_linears(self.layers) + 1
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        if self.packed_lm_head is not None:
+            raise RuntimeError("the LM head is packed for oneDNN: no plain weight")
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -192,4 +204,6 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.add_rms_norm(h, residual, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden)
         return F.linear(hidden, self.lm_head_weight)

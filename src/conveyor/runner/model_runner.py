@@ -19,6 +19,7 @@ from conveyor.model.attention import AttentionMetadata, PrefillSegment
 from conveyor.model.decode_attention import NativeDecode, pick_decode_kernel
 from conveyor.model.layer_ops import NativeOps
 from conveyor.model.loader import DTYPES, load_model
+from conveyor.model.packed_linear import use_packed_linears
 from conveyor.runner.sampler import Sampler, SamplingRow
 from conveyor.sampling_params import SamplingParams
 from conveyor.timings import PhaseTimings
@@ -58,7 +59,8 @@ def num_blocks_for(cache: CacheConfig, model: ModelConfig, device: torch.device,
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig,
-                 device: torch.device, attention_backend: str = "auto") -> None:
+                 device: torch.device, attention_backend: str = "auto",
+                 linear_backend: str = "auto") -> None:
         self.cfg = model_cfg
         self.cache_cfg = cache_cfg
         self.device = device
@@ -74,6 +76,10 @@ class ModelRunner:
                                                 model_cfg.num_kv_heads)
         if isinstance(self.decode_kernel, NativeDecode) and model_cfg.math_dtype == "float32":
             self.model.ops = NativeOps(self.decode_kernel.lib)
+        self.packed_linears = use_packed_linears(linear_backend, device,
+                                                 DTYPES[model_cfg.math_dtype])
+        if self.packed_linears:
+            self.model.pack_linears()
         # Tests set this to read each sampling request's float32 logits of the last step.
         self.timings = PhaseTimings()
         self.record_logits = False
