@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="4 short requests before the measured runs of each server")
     p.add_argument("--conveyor-args", default=None,
                    help="replace conveyor serve's engine options (default: "
-                        "'--max-num-seqs 32 --max-num-batched-tokens 2048 "
+                        "'--max-num-seqs 128 --max-num-batched-tokens 2048 "
                         "--no-enable-prefix-caching')")
     p.add_argument("--startup-timeout", type=float, default=900.0,
                    help="seconds a server may take to become ready")
