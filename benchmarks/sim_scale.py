@@ -17,22 +17,10 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
+from conveyor.bench.workload import BenchRequest
 from conveyor.config import EngineArgs
 from conveyor.sim import Simulator, make_cost_model, resolve_sim_model
-
-
-@dataclass(frozen=True, slots=True)
-class SyntheticRequest:
-    request_id: str
-    arrival_s: float
-    prompt_token_ids: list[int]
-    output_len: int
-    tenant: str = "default"
-    priority: int = 0
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
 
 
 def lognormal_params(mean: float, median: float) -> tuple[float, float]:
@@ -41,7 +29,7 @@ def lognormal_params(mean: float, median: float) -> tuple[float, float]:
 
 def synthetic_workload(n: int, duration_s: float, prompt_mean: float, prompt_median: float,
                        output_mean: float, output_median: float, output_max: int,
-                       vocab: int, max_prompt: int, seed: int) -> list[SyntheticRequest]:
+                       vocab: int, max_prompt: int, seed: int) -> list[BenchRequest]:
     rng = random.Random(seed)
     # Prompts are slices of one random token stream at random offsets: distinct prompts
     # (no accidental prefix sharing) whose ints are shared objects, so 19k prompts of
@@ -55,7 +43,7 @@ def synthetic_workload(n: int, duration_s: float, prompt_mean: float, prompt_med
         p = min(max_prompt, max(1, round(rng.lognormvariate(p_mu, p_sigma))))
         o = min(output_max, max(1, round(rng.lognormvariate(o_mu, o_sigma))))
         start = rng.randrange(0, len(stream) - p)
-        out.append(SyntheticRequest(f"r{i}", t, stream[start:start + p], o))
+        out.append(BenchRequest(f"r{i}", t, stream[start:start + p], o))
     return out
 
 

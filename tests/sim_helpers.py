@@ -1,10 +1,10 @@
-"""Shared by the simulator tests: a workload request type and small workload factories."""
+"""Shared by the simulator tests: small workload factories."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
+from conveyor.bench.workload import BenchRequest
 from conveyor.config import EngineArgs
 
 TICK = 2.0 ** -20  # times on this grid make sums of differences exact in floating point
@@ -14,24 +14,10 @@ def on_grid(t: float) -> float:
     return round(t / TICK) * TICK
 
 
-@dataclass(frozen=True)
-class WorkItem:
-    """The fields the simulator reads (the bench workload dataclass has the same)."""
-
-    request_id: str
-    arrival_s: float
-    prompt_token_ids: list[int]
-    output_len: int
-    tenant: str = "default"
-    priority: int = 0
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
-
-
 def make_workload(n: int, *, seed: int = 0, vocab: int = 2048, mean_gap_s: float = 0.003,
                   prompt_range: tuple[int, int] = (8, 120), output_range: tuple[int, int] = (2, 24),
                   shared_prefix: int = 0, start: float = 0.0,
-                  repeat_every: int = 7) -> list[WorkItem]:
+                  repeat_every: int = 7) -> list[BenchRequest]:
     """Poisson arrivals on the TICK grid; with ``shared_prefix`` every third prompt starts
     with one of two common prefixes of that many tokens, and every ``repeat_every``-th
     repeats the previous prompt exactly (0: never)."""
@@ -47,7 +33,7 @@ def make_workload(n: int, *, seed: int = 0, vocab: int = 2048, mean_gap_s: float
         if prev is not None and repeat_every and i % repeat_every == repeat_every - 1:
             prompt = list(prev)
         prev = prompt
-        out.append(WorkItem(f"r{i}", on_grid(t), prompt, rng.randint(*output_range),
+        out.append(BenchRequest(f"r{i}", on_grid(t), prompt, rng.randint(*output_range),
                             tenant=rng.choice(["a", "b"]), priority=rng.randint(0, 2),
                             slo_ttft_ms=rng.choice([None, 50.0, 200.0]),
                             slo_tpot_ms=rng.choice([None, 10.0, 40.0])))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from sim_helpers import LinearCost, WorkItem, make_workload, tiny_args
+from sim_helpers import LinearCost, make_workload, tiny_args
 
+from conveyor.bench.workload import BenchRequest
 from conveyor.sim import Simulator
 
 COST = LinearCost(per_step=0.01, per_token=0.001)  # seconds per step, per token
@@ -22,7 +23,7 @@ def test_a_lone_request_by_hand():
     # 40 prompt tokens in chunks of 16, 16, 8 (the last samples the first token), then
     # one decode step per token: 0.026 + 0.026 + 0.018 = 0.070 s to the first token,
     # 0.011 s per token after it. The engine idles until the arrival at t=1.
-    res = run([WorkItem("a", 1.0, list(range(10, 50)), 5)])
+    res = run([BenchRequest("a", 1.0, list(range(10, 50)), 5)])
     m = res.finished["a"]
     assert m.first_scheduled_time == 1.0
     assert m.ttft == pytest.approx(0.070)
@@ -37,9 +38,9 @@ def test_a_lone_request_by_hand():
 def test_an_arrival_at_a_step_end_joins_the_next_step():
     # a's first step (10 tokens) ends at 0.02; b arriving exactly then is scheduled then,
     # c arriving just after waits for the following step (ending at 0.02 + 0.013).
-    work = [WorkItem("a", 0.0, list(range(10, 20)), 3),
-            WorkItem("b", 0.02, list(range(30, 32)), 2),
-            WorkItem("c", 0.0200001, list(range(40, 42)), 2)]
+    work = [BenchRequest("a", 0.0, list(range(10, 20)), 3),
+            BenchRequest("b", 0.02, list(range(30, 32)), 2),
+            BenchRequest("c", 0.0200001, list(range(40, 42)), 2)]
     res = run(work)
     assert res.finished["b"].first_scheduled_time == pytest.approx(0.02)
     assert res.finished["c"].first_scheduled_time == pytest.approx(0.02 + 0.013)
@@ -60,7 +61,7 @@ def test_every_request_runs_to_its_output_length():
 
 def test_the_model_length_caps_the_output():
     # 4 blocks of 16 tokens: max_model_len 64; a 60-token prompt can only grow by 4.
-    res = run([WorkItem("a", 0.0, list(range(10, 70)), 10)], num_kv_blocks=4,
+    res = run([BenchRequest("a", 0.0, list(range(10, 70)), 10)], num_kv_blocks=4,
               max_num_batched_tokens=64)
     assert res.max_model_len == 64
     assert res.finished["a"].num_generation_tokens == 4
@@ -72,7 +73,7 @@ def test_the_model_length_caps_the_output():
     (list(range(10, 80)), "max_model_len is 64"),
 ])
 def test_requests_the_engine_would_refuse_are_reported_not_run(prompt, message):
-    work = [WorkItem("bad", 0.0, prompt, 3), WorkItem("ok", 0.0, [5, 6, 7], 3)]
+    work = [BenchRequest("bad", 0.0, prompt, 3), BenchRequest("ok", 0.0, [5, 6, 7], 3)]
     res = run(work, num_kv_blocks=4)
     assert set(res.errors) == {"bad"}
     assert res.errors["bad"].startswith("invalid: ")
@@ -81,7 +82,7 @@ def test_requests_the_engine_would_refuse_are_reported_not_run(prompt, message):
 
 
 def test_a_full_queue_refuses_like_the_engine():
-    work = [WorkItem(f"r{i}", 0.0, list(range(10, 40)), 3) for i in range(5)]
+    work = [BenchRequest(f"r{i}", 0.0, list(range(10, 40)), 3) for i in range(5)]
     res = run(work, max_num_seqs=1, max_queue_len=2)
     # All arrive before the first step: two fit the queue, three are refused.
     assert len(res.finished) == 2
@@ -91,8 +92,8 @@ def test_a_full_queue_refuses_like_the_engine():
 
 
 def test_queue_wait_rejection_is_recorded_as_an_abort():
-    work = [WorkItem("long", 0.0, list(range(10, 40)), 30),
-            WorkItem("late", 0.001, list(range(50, 60)), 2)]
+    work = [BenchRequest("long", 0.0, list(range(10, 40)), 30),
+            BenchRequest("late", 0.001, list(range(50, 60)), 2)]
     res = run(work, max_num_seqs=1, max_queue_wait_s=0.05, queue_wait_action="reject")
     late = res.finished["late"]
     assert late.finish_reason == "abort" and late.num_generation_tokens == 0
@@ -101,7 +102,7 @@ def test_queue_wait_rejection_is_recorded_as_an_abort():
 
 
 def test_duplicate_request_ids_are_an_error():
-    work = [WorkItem("x", 0.0, [5, 6], 2), WorkItem("x", 1.0, [5, 6], 2)]
+    work = [BenchRequest("x", 0.0, [5, 6], 2), BenchRequest("x", 1.0, [5, 6], 2)]
     with pytest.raises(ValueError, match="'x' appears twice"):
         run(work)
 
@@ -112,7 +113,7 @@ def test_a_cost_model_must_return_positive_times():
             return 0.0
 
     with pytest.raises(ValueError, match="positive"):
-        Simulator(tiny_args(num_kv_blocks=8), Zero()).run([WorkItem("a", 0.0, [5, 6], 2)])
+        Simulator(tiny_args(num_kv_blocks=8), Zero()).run([BenchRequest("a", 0.0, [5, 6], 2)])
 
 
 def test_the_kv_pool_defaults_to_the_cost_models_memory():
@@ -161,9 +162,9 @@ def test_batch_shape_by_hand():
 
 
 def test_bad_scheduling_fields_are_refused_like_the_engine():
-    work = [WorkItem("neg", 0.0, [5, 6], 2, slo_ttft_ms=-1.0),
-            WorkItem("empty-tenant", 0.0, [5, 6], 2, tenant=""),
-            WorkItem("ok", 0.0, [5, 6], 2, slo_ttft_ms=100.0)]
+    work = [BenchRequest("neg", 0.0, [5, 6], 2, slo_ttft_ms=-1.0),
+            BenchRequest("empty-tenant", 0.0, [5, 6], 2, tenant=""),
+            BenchRequest("ok", 0.0, [5, 6], 2, slo_ttft_ms=100.0)]
     res = run(work)
     assert "slo_ttft_ms must be a number > 0" in res.errors["neg"]
     assert "tenant must be a non-empty string" in res.errors["empty-tenant"]
@@ -185,8 +186,8 @@ def test_a_request_arriving_mid_step_joins_after_the_update(monkeypatch):
 
         monkeypatch.setattr(Scheduler, name, spy)
     # a's first step (10 tokens) runs from 0 to 0.02; b arrives at 0.005, mid-step.
-    res = run([WorkItem("a", 0.0, list(range(10, 20)), 2),
-               WorkItem("b", 0.005, list(range(30, 34)), 2)])
+    res = run([BenchRequest("a", 0.0, list(range(10, 20)), 2),
+               BenchRequest("b", 0.005, list(range(30, 34)), 2)])
     assert log[:5] == ["add a", "schedule", "update", "add b", "schedule"]
     assert res.finished["b"].first_scheduled_time == pytest.approx(0.02)
     assert res.finished["b"].arrival_time == 0.005

@@ -16,8 +16,9 @@ import time
 from collections import deque
 
 import pytest
-from sim_helpers import TICK, WorkItem, make_workload, on_grid, tiny_args
+from sim_helpers import TICK, make_workload, on_grid, tiny_args
 
+from conveyor.bench.workload import BenchRequest
 from conveyor.core.policies import POLICIES
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.outputs import RequestMetrics
@@ -52,7 +53,7 @@ class StepClock:
         self.now = max(self.now, t)
 
 
-def run_real(args, work: list[WorkItem]):
+def run_real(args, work: list[BenchRequest]):
     clock = StepClock()
     engine = LLMEngine(args, clock=clock)
     pending = deque(sorted(work, key=lambda w: w.arrival_s))
@@ -78,7 +79,7 @@ def run_real(args, work: list[WorkItem]):
     return recorder.records, metrics, engine.stats()
 
 
-def run_sim(args, work: list[WorkItem], durations: list[float]):
+def run_sim(args, work: list[BenchRequest], durations: list[float]):
     sim = Simulator(args, ReplayCostModel(durations))
     steps = []
     sim.step_listeners.append(
@@ -86,7 +87,7 @@ def run_sim(args, work: list[WorkItem], durations: list[float]):
     return sim.run(work), steps
 
 
-def _workload() -> list[WorkItem]:
+def _workload() -> list[BenchRequest]:
     # Two waves with an idle gap between them; prompts share prefixes but none repeats
     # whole: the dummy model's greedy tokens can differ between two copies of a prompt
     # computed in different batches (near-tie logits), and a preempted copy would then
@@ -94,7 +95,7 @@ def _workload() -> list[WorkItem]:
     first = make_workload(18, seed=1, shared_prefix=32, repeat_every=0)
     second = make_workload(14, seed=2, shared_prefix=32, start=first[-1].arrival_s + 5.0,
                            repeat_every=0)
-    return first + [WorkItem(f"s{w.request_id}", w.arrival_s, w.prompt_token_ids, w.output_len,
+    return first + [BenchRequest(f"s{w.request_id}", w.arrival_s, w.prompt_token_ids, w.output_len,
                              w.tenant, w.priority, w.slo_ttft_ms, w.slo_tpot_ms)
                     for w in second]
 

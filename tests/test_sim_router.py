@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from sim_helpers import LinearCost, WorkItem, make_workload, tiny_args
+from sim_helpers import LinearCost, make_workload, tiny_args
 
+from conveyor.bench.workload import BenchRequest
 from conveyor.sim import Simulator, make_router
 
 
@@ -91,7 +92,7 @@ def test_prefix_affinity_raises_the_prefix_hit_rate():
     """Two prompt families: affinity keeps each on one replica, round robin mixes them."""
     args = tiny_args(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=512)
     fam = [list(range(10, 266)), list(range(500, 756))]  # 256 shared tokens each
-    work = [WorkItem(f"r{i}", i * 0.05, fam[(i // 2) % 2] + [900 + i] * 5, 4)
+    work = [BenchRequest(f"r{i}", i * 0.05, fam[(i // 2) % 2] + [900 + i] * 5, 4)
             for i in range(24)]
     hit = {}
     for router in ("round_robin", "prefix_affinity"):

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from conveyor.config import EngineArgs
 from conveyor.outputs import RequestMetrics
 from conveyor.sim.cost_model import CostModel
 from conveyor.sim.replica import WorkloadRequest
 from conveyor.sim.simulator import SimResult, Simulator
+
+if TYPE_CHECKING:
+    from conveyor.bench.workload import BenchRequest
 
 
 @dataclass(frozen=True)
@@ -136,22 +140,10 @@ def find_min_replicas(requests: Sequence[WorkloadRequest], engine_args: EngineAr
     return CapacityResult(hi, lo or None, probes)
 
 
-@dataclass(frozen=True, slots=True)
-class RescaledRequest:
-    """A workload request with its arrival moved (the same fields the simulator reads)."""
-
-    request_id: str
-    arrival_s: float
-    prompt_token_ids: list[int]
-    output_len: int
-    tenant: str
-    priority: int
-    slo_ttft_ms: float | None
-    slo_tpot_ms: float | None
-
-
-def at_rate(requests: Sequence[WorkloadRequest], rate: float) -> list[RescaledRequest]:
+def at_rate(requests: Sequence[WorkloadRequest], rate: float) -> list[BenchRequest]:
     """The same requests and order with arrival gaps scaled to a mean of ``rate`` req/s."""
+    from conveyor.bench.workload import BenchRequest  # numpy: only when a rate is searched
+
     if rate <= 0:
         raise ValueError(f"rate must be > 0, got {rate}")
     times = sorted(r.arrival_s for r in requests)
@@ -160,8 +152,8 @@ def at_rate(requests: Sequence[WorkloadRequest], rate: float) -> list[RescaledRe
         raise ValueError("rescaling the rate needs at least two distinct arrival times")
     factor = (len(times) - 1) / span / rate
     t0 = times[0]
-    return [RescaledRequest(r.request_id, t0 + (r.arrival_s - t0) * factor, r.prompt_token_ids,
-                            r.output_len, r.tenant, r.priority, r.slo_ttft_ms, r.slo_tpot_ms)
+    return [BenchRequest(r.request_id, t0 + (r.arrival_s - t0) * factor, r.prompt_token_ids,
+                         r.output_len, r.tenant, r.priority, r.slo_ttft_ms, r.slo_tpot_ms)
             for r in requests]
 
 
