@@ -72,17 +72,19 @@ def floor_weights(llm: LLM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     return layer * cfg.num_layers + [w(cfg.vocab_size, h)]
 
 
-def gemm_floor(weights, batch: int, n: int, packed: bool = False) -> float:
-    """Median time of one pass over ``weights`` at ``batch`` rows: through F.linear (the
-    issue's floor) or, ``packed``, through oneDNN with pre-packed weights (the engine's
-    own GEMMs on a float32 CPU)."""
+def linear_fns(weights, packed: bool = False) -> list:
+    """One callable per weight: F.linear (the issue's floor) or, ``packed``, oneDNN with the
+    weight pre-packed once (the engine's own GEMMs on a float32 CPU)."""
     from conveyor.model.packed_linear import PackedLinear
 
-    dtype = weights[0][0].dtype
     if packed:
-        fns = [PackedLinear(w, b) for w, b in weights]
-    else:
-        fns = [lambda x, w=w, b=b: F.linear(x, w, b) for w, b in weights]
+        return [PackedLinear(w, b) for w, b in weights]
+    return [lambda x, w=w, b=b: F.linear(x, w, b) for w, b in weights]
+
+
+def gemm_floor(fns: list, weights, batch: int, n: int) -> float:
+    """Median time of one pass of ``fns`` (``linear_fns(weights)``) at ``batch`` rows."""
+    dtype = weights[0][0].dtype
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w, _ in weights}
     shapes = [w.shape[1] for w, _ in weights]
     times = []
@@ -174,15 +176,17 @@ def main() -> None:
           f"linears {'onednn (packed)' if packed else 'torch F.linear'}, "
           f"{torch.get_num_threads()} threads")
     weights = floor_weights(llm)
+    plain_fns = linear_fns(weights)
+    packed_fns = linear_fns(weights, packed=True) if packed else None
     ratios, packed_ratios = [], []
     for r in range(args.rounds):
         step = time_steps(llm, args.steps)
-        floor = gemm_floor(weights, args.batch, args.steps)
+        floor = gemm_floor(plain_fns, weights, args.batch, args.steps)
         line = (f"round {r}: decode step {step * 1e3:7.1f} ms   GEMM floor (F.linear) "
                 f"{floor * 1e3:7.1f} ms   ratio {step / floor:5.2f}")
         ratios.append(step / floor)
         if packed:
-            pfloor = gemm_floor(weights, args.batch, args.steps, packed=True)
+            pfloor = gemm_floor(packed_fns, weights, args.batch, args.steps)
             packed_ratios.append(step / pfloor)
             line += f"   packed floor {pfloor * 1e3:7.1f} ms   ratio {step / pfloor:5.2f}"
         print(line)

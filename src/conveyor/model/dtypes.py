@@ -11,22 +11,31 @@ from __future__ import annotations
 
 import functools
 import platform
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @functools.cache
-def cpu_has_native_bf16() -> bool:
-    """True if this CPU multiplies bf16 natively (x86 AVX-512 BF16 or AMX-BF16; Arm BF16)."""
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (x86 ``flags``, Arm ``Features``), or None
+    where there is no /proc."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = set()
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags.update(line.split(":", 1)[1].split())
+            return frozenset(flag for line in f if line.startswith(("flags", "Features"))
+                             for flag in line.split(":", 1)[1].split())
     except OSError:
+        return None
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True if this CPU multiplies bf16 natively (x86 AVX-512 BF16 or AMX-BF16; Arm BF16)."""
+    flags = cpu_flags()
+    if flags is None:
         return platform.machine() == "arm64"  # Apple silicon (M2 on) has BF16; others: no /proc
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 
+from conveyor.model.dtypes import cpu_flags
 from conveyor.model.presets import cache_root
 
 logger = logging.getLogger(__name__)
@@ -35,13 +36,7 @@ _tried = False
 
 
 def _cpu_key() -> str:
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return platform.machine() + flags
+    return platform.machine() + " ".join(sorted(cpu_flags() or ()))
 
 
 def _build(compiler: str, out_path: str) -> None:

@@ -117,5 +117,3 @@ void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,       
 
 DEFINE_DECODE(decode_attention_f32, float, LOAD_F32)
 DEFINE_DECODE(decode_attention_bf16, uint16_t, LOAD_BF16)
-
-int max_group_size(void) { return 64; }
