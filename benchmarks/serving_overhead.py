@@ -1,12 +1,15 @@
 """What serving over HTTP costs: the same requests offline (``LLM.generate``) and through
-``conveyor serve`` with concurrent streaming clients, measured side by side in one run.
+``conveyor serve`` with concurrent streaming clients, the engine loop in a thread of the
+server (``--engine-core thread``) and in its own process (``--engine-core process``, the
+default), measured side by side in one run.
 
     python benchmarks/serving_overhead.py                       # tiny dummy-weight model
-    python benchmarks/serving_overhead.py --model PATH --num-requests 128 --max-tokens 64
+    python benchmarks/serving_overhead.py --model smollm2-135m --load-format dummy \
+        --num-threads 2 --num-requests 64 --max-tokens 64 --rounds 3
 
-Prints the parameters, generated tokens/s of each path and their ratio. The server runs
-in a subprocess; the offline run happens first, while the server sits idle, so the two
-do not share the CPU.
+Prints the parameters, generated tokens/s of each path (median over rounds) and their
+ratios to offline. Both servers run in subprocesses and sit idle while another path is
+measured; the paths take turns within each round, so machine noise hits all of them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import asyncio
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -61,54 +65,73 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--attention-backend", default="sdpa")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     engine_flags = {"max_num_seqs": args.max_num_seqs, "num_threads": args.num_threads,
-                    "attention_backend": args.attention_backend}
+                    "attention_backend": args.attention_backend,
+                    "load_format": args.load_format}
     print(f"parameters: {vars(args)}")
     prompts = prompts_for(args.num_requests)
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "conveyor.serve", "--model", args.model, "--port", str(port),
-           "--log-level", "warning", "--no-access-log"]
-    for key, value in engine_flags.items():
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
-    server = subprocess.Popen(cmd, env=dict(os.environ))
+    servers = {core: start_server(args.model, engine_flags, core)
+               for core in ("thread", "process")}
     try:
         llm = LLM(args.model, **engine_flags)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         llm.generate(prompts[:2], params)  # warm up
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        offline_s = time.perf_counter() - t0
-        offline_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        del llm
-
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.2)
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        asyncio.run(run_clients(url, model, prompts[:2], args.max_tokens))  # warm up
-        t0 = time.perf_counter()
-        http_tokens = asyncio.run(run_clients(url, model, prompts, args.max_tokens))
-        http_s = time.perf_counter() - t0
+        urls = {core: wait_ready(*server) for core, server in servers.items()}
+        models = {}
+        for core, url in urls.items():
+            models[core] = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+            asyncio.run(run_clients(url, models[core], prompts[:2], args.max_tokens))
+        rates: dict[str, list[float]] = {"offline": [], "thread": [], "process": []}
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            rates["offline"].append(tokens / (time.perf_counter() - t0))
+            for core, url in urls.items():
+                t0 = time.perf_counter()
+                tokens = asyncio.run(run_clients(url, models[core], prompts, args.max_tokens))
+                rates[core].append(tokens / (time.perf_counter() - t0))
     finally:
-        server.terminate()
-        server.wait()
-    offline_rate, http_rate = offline_tokens / offline_s, http_tokens / http_s
-    print(f"offline LLM.generate: {offline_tokens} tokens in {offline_s:.2f} s = "
-          f"{offline_rate:.0f} tokens/s")
-    print(f"HTTP, {args.num_requests} concurrent streaming clients: {http_tokens} tokens in "
-          f"{http_s:.2f} s = {http_rate:.0f} tokens/s")
-    print(f"HTTP / offline throughput ratio: {http_rate / offline_rate:.2f}")
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait()
+    offline = statistics.median(rates["offline"])
+    print(f"generated tokens/s, median of {args.rounds} round(s), {args.num_requests} "
+          f"requests x {args.max_tokens} tokens:")
+    print(f"  offline LLM.generate:                 {offline:8.1f}")
+    for core in ("thread", "process"):
+        rate = statistics.median(rates[core])
+        print(f"  HTTP, engine loop in a {core:<7}:      {rate:8.1f}  "
+              f"({rate / offline:.2f}x offline; rounds {[round(r, 1) for r in rates[core]]})")
     return 0
+
+
+def start_server(model: str, engine_flags: dict, engine_core: str
+                 ) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "conveyor.serve", "--model", model, "--port", str(port),
+           "--log-level", "warning", "--no-access-log", "--engine-core", engine_core]
+    for key, value in engine_flags.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    return subprocess.Popen(cmd, env=dict(os.environ)), port
+
+
+def wait_ready(server: subprocess.Popen, port: int) -> str:
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

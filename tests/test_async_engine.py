@@ -260,7 +260,7 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on() -> N
             assert all(isinstance(r, EngineStepError) for r in results), results
             assert "injected fault" in str(results[0])
             await wait_until(lambda: pool_is_back(engine, free_at_start))
-            assert engine.is_alive and engine.num_step_errors == 1
+            assert engine.is_alive and engine.engine.num_step_errors == 1
             # New requests are served as before.
             assert len(await collect(engine, "after", random_prompts(1)[0],
                                      greedy(5, ignore_eos=True))) == 5

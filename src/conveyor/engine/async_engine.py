@@ -1,22 +1,29 @@
-"""The engine loop in its own thread, with one async stream of outputs per request.
+"""The engine loop off the event loop, with one async stream of outputs per request.
 
-    event loop (server)                         engine thread
-    -------------------                         -------------
-    add_request() --- _AddRequest ---------->   engine.add_request()   (validate, queue)
+    event loop (server)                         engine loop (thread, or its own process)
+    -------------------                         ---------------------------------------
+    add_request() --- AddRequest ----------->   engine.add_request()   (validate, queue)
                   <-- accepted | error -------
     async for out in stream  <-- outputs ----   engine.step()  (loops while work remains)
-    stream.close() / timeout --- _Abort ---->   engine.abort_request() (blocks freed now)
-    call(fn)      --- _Call ---------------->   fn(engine)  (stats, pool counters)
+    stream.close() / timeout --- Abort ----->   engine.abort_request() (blocks freed now)
+    call(fn)      --- Call ----------------->   fn(engine)  (stats, pool counters)
 
-``LLMEngine`` is not thread-safe, so every call into it happens on the engine
-thread: the event loop only enqueues typed commands, and the engine thread only
-hands results back through ``loop.call_soon_threadsafe``. The engine thread
-drains commands between steps, so adds and aborts wait at most one step.
+``LLMEngine`` is not thread-safe, so every call into it happens on the engine loop
+(``engine_loop.py``): the event loop only sends typed commands, and results come
+back through ``loop.call_soon_threadsafe``. The loop drains commands between
+steps, so adds and aborts wait at most one step.
+
+Two homes for the loop: a thread of this process (``AsyncEngine(engine)``), or an
+engine-core process of its own (``AsyncEngine.from_engine_args(args, process=True)``,
+what ``conveyor serve`` does, as vLLM's and SGLang's servers do): there the model's
+Python never competes for this process's GIL with HTTP parsing, JSON and streaming,
+and a busy event loop cannot delay a step. Commands and outputs then cross pipes,
+pickled in batches by a sender and a reader thread; ``call(fn)`` needs a picklable
+``fn`` (a module-level function).
 
 Faults stay local: a request whose add raises gets that error alone; a step that
-raises cannot be pinned on one request, so the requests in flight fail (their
-blocks freed) and the loop goes on serving new ones. Only an error while
-recovering stops the loop, and then ``is_alive`` turns false.
+raises fails the requests in flight and the loop goes on. If the loop stops (or
+its process dies), ``is_alive`` turns false and every open stream fails.
 """
 
 from __future__ import annotations
@@ -24,15 +31,27 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from conveyor.config import EngineArgs
+from conveyor.config import EngineArgs, EngineConfig
+from conveyor.engine.engine_loop import (
+    Abort,
+    Accepted,
+    AddRequest,
+    Call,
+    Command,
+    EngineLoop,
+    EngineStepError,
+    Stop,
+    StreamItem,
+)
 from conveyor.engine.llm_engine import LLMEngine, PromptType, QueueFullError
 from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
@@ -42,66 +61,41 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "AsyncEngine",
     "EngineDeadError",
+    "EngineInfo",
     "EngineStepError",
     "QueueFullError",
     "RequestStream",
     "RequestTimeoutError",
 ]
 
-# While requests wait but none could be scheduled, re-check this often (seconds).
-_IDLE_POLL_S = 0.002
-
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (shut down or crashed); no request can be served."""
-
-
-class EngineStepError(RuntimeError):
-    """An engine step raised while this request was in flight; the request was aborted."""
 
 
 class RequestTimeoutError(TimeoutError):
     """The request ran past its timeout and was aborted."""
 
 
-# ---- commands: event loop -> engine thread ------------------------------------------------
 @dataclass
-class _AddRequest:
-    request_id: str
-    prompt: PromptType
-    params: SamplingParams
-    output_kind: str
-    priority: int = 0
-    tenant: str | None = None
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
+class EngineInfo:
+    """What the front end needs to know of the engine without reaching into it."""
+
+    config: EngineConfig
+    tokenizer: Any  # the engine's tokenizer (loaded again on this side for a process)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model.max_model_len
 
 
-@dataclass
-class _Abort:
-    request_ids: list[str]
+class EngineSink(Protocol):
+    """The front end's side of a backend; called from the backend's threads."""
 
-
-@dataclass
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-@dataclass
-class _Stop:
-    pass
-
-
-_Command = _AddRequest | _Abort | _Call | _Stop
-
-
-class _Accepted:
-    """Stream item: the engine validated and queued the request."""
-
-
-_ACCEPTED = _Accepted()
-_StreamItem = RequestOutput | BaseException | _Accepted
+    def items(self, items: list[tuple[str, StreamItem]]) -> None: ...
+    def finished(self, metrics: list[RequestMetrics]) -> None: ...
+    def call_done(self, call_id: int, ok: bool, value: Any) -> None: ...
+    def died(self, error: BaseException | None) -> None: ...
 
 
 def merge_delta_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -139,7 +133,7 @@ class RequestStream:
         self.request_id = request_id
         self.output_kind = output_kind
         self._engine = engine
-        self._items: deque[_StreamItem] = deque()
+        self._items: deque[StreamItem] = deque()
         self._ready = asyncio.Event()
         self._terminal_queued = False  # a finished output or an error is in the queue
         self._engine_done = False  # the engine holds nothing more for this request
@@ -147,7 +141,7 @@ class RequestStream:
         self._timer: asyncio.TimerHandle | None = None
 
     # ---- producer side (event loop thread) -----------------------------------------------
-    def _put(self, item: _StreamItem) -> None:
+    def _put(self, item: StreamItem) -> None:
         if self._terminal_queued or self._closed:
             return
         if isinstance(item, BaseException) or (
@@ -164,7 +158,7 @@ class RequestStream:
         self._engine.abort_nowait(self.request_id)
 
     # ---- consumer side -------------------------------------------------------------------
-    async def _get(self) -> _StreamItem:
+    async def _get(self) -> StreamItem:
         while not self._items:
             self._ready.clear()
             await self._ready.wait()
@@ -175,7 +169,7 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.close()
             raise item
-        assert item is _ACCEPTED, "the engine acknowledges a request before any output"
+        assert isinstance(item, Accepted), "the engine acknowledges a request first"
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -227,41 +221,54 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Runs an ``LLMEngine`` in a background thread, serving asyncio callers."""
+    """Serves asyncio callers from an engine loop in a thread or in its own process."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+    def __init__(self, engine: LLMEngine | None = None, *,
+                 backend: ThreadBackend | Any = None) -> None:
+        if (engine is None) == (backend is None):
+            raise ValueError("pass an LLMEngine (thread) or a backend, not both")
+        self._backend = backend if backend is not None else ThreadBackend(engine)
+        # The in-process engine, or None when it lives in an engine-core process.
+        self.engine: LLMEngine | None = engine
+        self.info: EngineInfo = self._backend.info
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._started = False
+        self._dead = False
         self._error: BaseException | None = None
         self._stopping = False
-        # Engine-thread state: requests the engine holds that a stream waits on.
-        self._inflight: set[str] = set()
-        self.num_step_errors = 0
-        # Called on the engine thread with the metrics of requests that just finished
-        # (after each step, and after aborts) for Prometheus and the like.
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._lock = threading.Lock()  # guards _calls and _dead across threads
+        # Called (on an engine-side thread) with the metrics of requests that just
+        # finished, after each step and after aborts: for Prometheus and the like.
         self.finish_listeners: list[Callable[[list[RequestMetrics]], None]] = []
-        engine.step_listeners.append(self._on_step_finished)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncEngine:
-        return cls(LLMEngine(args))
+    def from_engine_args(cls, args: EngineArgs, *, process: bool = False,
+                         keep_metrics: bool = True) -> AsyncEngine:
+        """An engine from ``args``: in a thread of this process, or (``process``) in an
+        engine-core process; ``keep_metrics=False`` for a long-running server."""
+        if process:
+            from conveyor.engine.core_process import ProcessBackend
+
+            return cls(backend=ProcessBackend(args, keep_metrics=keep_metrics))
+        engine = LLMEngine(args)
+        engine.keep_metrics = keep_metrics
+        return cls(engine)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine thread; call from inside the event loop that will consume."""
-        if self._thread is not None:
+        """Start the engine loop; call from inside the event loop that will consume."""
+        if self._started:
             raise RuntimeError("the engine loop is already started")
+        self._started = True
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
-        self._thread.start()
+        self._backend.start(self)
 
     @property
     def is_alive(self) -> bool:
-        return (self._thread is not None and self._thread.is_alive()
-                and self._error is None and not self._stopping)
+        return self._started and not self._dead and not self._stopping
 
     @property
     def error(self) -> BaseException | None:
@@ -269,11 +276,12 @@ class AsyncEngine:
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the loop after the current step; requests still in flight fail."""
-        if self._thread is None:
+        if not self._started:
+            self._backend.close()
             return
         self._stopping = True
-        self._commands.put(_Stop())
-        await asyncio.to_thread(self._thread.join, timeout_s)
+        self._backend.send(Stop())
+        await asyncio.to_thread(self._backend.join, timeout_s)
 
     # ---- requests ------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
@@ -296,8 +304,8 @@ class AsyncEngine:
         if timeout_s is not None:
             assert self._loop is not None
             stream._timer = self._loop.call_later(timeout_s, stream._on_timeout, timeout_s)
-        self._commands.put(_AddRequest(request_id, prompt, params, output_kind, priority,
-                                       tenant, slo_ttft_ms, slo_tpot_ms))
+        self._backend.send(AddRequest(request_id, prompt, params, output_kind, priority,
+                                      tenant, slo_ttft_ms, slo_tpot_ms))
         try:
             await stream._wait_accepted()
         except BaseException:
@@ -324,26 +332,25 @@ class AsyncEngine:
 
     def abort_nowait(self, request_id: str) -> None:
         """Thread-safe; the engine frees the request's blocks before its next step."""
-        self._commands.put(_Abort([request_id]))
+        if not self._dead:
+            self._backend.send(Abort([request_id]))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread between steps; returns its result."""
+        """Run ``fn(engine)`` on the engine loop between steps; returns its result.
+
+        With an engine-core process ``fn`` must be picklable (a module-level function)."""
         self._check_alive()
-        cmd = _Call(fn)
-        self._commands.put(cmd)
-        assert self._thread is not None
-        if not self._thread.is_alive():  # it died after the check: nobody else will answer
-            self._fail_pending_calls(EngineDeadError("the engine loop is not running"))
-        return await asyncio.wrap_future(cmd.future)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._dead:
+                raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+        self._backend.send(Call(call_id, fn))
+        return await asyncio.wrap_future(future)
 
     async def stats(self) -> dict[str, Any]:
-        def snapshot(engine: LLMEngine) -> dict[str, Any]:
-            stats = engine.stats()
-            stats["num_free_kv_blocks"] = engine.kv.num_free_blocks
-            stats["num_step_errors"] = self.num_step_errors
-            return stats
-
-        return await self.call(snapshot)
+        return await self.call(_stats_snapshot)
 
     def _check_alive(self) -> None:
         if not self.is_alive:
@@ -354,15 +361,48 @@ class AsyncEngine:
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
 
-    # ---- event loop side of the hand-off -------------------------------------------------
-    def _post(self, items: list[tuple[str, _StreamItem]]) -> None:
-        """Engine thread: hand items to their streams on the event loop (one wake-up)."""
-        if not items or self._loop is None:
+    # ---- EngineSink: called from the backend's threads -----------------------------------
+    def items(self, items: list[tuple[str, StreamItem]]) -> None:
+        """Hand items to their streams on the event loop (one wake-up for the batch)."""
+        if self._loop is None:
             return
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
             self._loop.call_soon_threadsafe(self._deliver, items)
 
-    def _deliver(self, items: list[tuple[str, _StreamItem]]) -> None:
+    def finished(self, metrics: list[RequestMetrics]) -> None:
+        for listener in self.finish_listeners:
+            try:
+                listener(metrics)
+            except Exception:  # metrics must never fail a request
+                logger.exception("finish listener %r failed", listener)
+
+    def call_done(self, call_id: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            future = self._calls.pop(call_id, None)
+        if future is None or not future.set_running_or_notify_cancel():
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def died(self, error: BaseException | None) -> None:
+        """The loop ended (shut down, crashed, or its process died)."""
+        with self._lock:
+            self._dead = True
+            self._error = self._error or error
+            calls, self._calls = self._calls, {}
+        reason = self._error or "the engine was shut down"
+        dead = EngineDeadError(f"the engine loop stopped: {reason}")
+        for future in calls.values():
+            if future.set_running_or_notify_cancel():
+                future.set_exception(dead)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._fail_all_streams, dead)
+
+    # ---- event loop side -----------------------------------------------------------------
+    def _deliver(self, items: list[tuple[str, StreamItem]]) -> None:
         for request_id, item in items:
             stream = self._streams.get(request_id)
             if stream is None:
@@ -377,139 +417,74 @@ class AsyncEngine:
             stream._engine_done = True  # the engine is gone: nothing left to abort
             stream._put(error)
 
-    # ---- engine thread -------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        idle = False
-        try:
-            while True:
-                busy = engine.has_unfinished_requests()
-                wait = None if not busy else (_IDLE_POLL_S if idle else 0.0)
-                if self._handle_commands(self._take_commands(wait)):
-                    break
-                if engine.has_unfinished_requests():
-                    idle = not self._step()
-                else:
-                    idle = False
-        except BaseException as e:  # a fault while recovering: the loop cannot go on
-            self._error = e
-            logger.exception("the engine loop died")
-        finally:
-            reason = self._error or "the engine was shut down"
-            dead = EngineDeadError(f"the engine loop stopped: {reason}")
-            self._fail_pending_calls(dead)
-            if self._loop is not None:
-                with contextlib.suppress(RuntimeError):
-                    self._loop.call_soon_threadsafe(self._fail_all_streams, dead)
 
-    def _take_commands(self, wait: float | None) -> list[_Command]:
-        """All queued commands; blocks up to ``wait`` seconds (None: forever) for the first."""
-        cmds: list[_Command] = []
+def _stats_snapshot(engine: LLMEngine) -> dict[str, Any]:
+    stats = engine.stats()
+    stats["num_free_kv_blocks"] = engine.kv.num_free_blocks
+    return stats
+
+
+# ---- the engine loop in a thread of this process ---------------------------------------------
+class _QueueTransport:
+    """Engine-thread side: commands from a queue, results straight to the sink."""
+
+    def __init__(self, commands: queue.SimpleQueue[Command], sink: EngineSink) -> None:
+        self.commands = commands
+        self.sink = sink
+
+    def take(self, wait: float | None) -> list[Command]:
+        cmds: list[Command] = []
         try:
             if wait is None:
-                cmds.append(self._commands.get())
+                cmds.append(self.commands.get())
             elif wait > 0:
-                cmds.append(self._commands.get(timeout=wait))
+                cmds.append(self.commands.get(timeout=wait))
         except queue.Empty:
             return cmds
         while True:
             try:
-                cmds.append(self._commands.get_nowait())
+                cmds.append(self.commands.get_nowait())
             except queue.Empty:
                 return cmds
 
-    def _handle_commands(self, cmds: list[_Command]) -> bool:
-        """Apply commands in order; True when asked to stop."""
-        posts: list[tuple[str, _StreamItem]] = []
-        aborts: list[str] = []
-        stop = False
-        for cmd in cmds:
-            if isinstance(cmd, _AddRequest):
-                if aborts:  # keep order: an abort queued before this add applies first
-                    self._abort(aborts)
-                    aborts = []
-                posts.append((cmd.request_id, self._add(cmd)))
-            elif isinstance(cmd, _Abort):
-                aborts.extend(cmd.request_ids)
-            elif isinstance(cmd, _Call):
-                if aborts:
-                    self._abort(aborts)
-                    aborts = []
-                self._run_call(cmd)
-            else:
-                stop = True
-        if aborts:
-            self._abort(aborts)
-        self._post(posts)
-        return stop
+    def post(self, items: list[tuple[str, StreamItem]]) -> None:
+        self.sink.items(items)
 
-    def _add(self, cmd: _AddRequest) -> _StreamItem:
-        try:
-            self.engine.add_request(
-                cmd.prompt, cmd.params, request_id=cmd.request_id, priority=cmd.priority,
-                tenant=cmd.tenant, slo_ttft_ms=cmd.slo_ttft_ms, slo_tpot_ms=cmd.slo_tpot_ms,
-                output_kind=cmd.output_kind)
-        except Exception as e:  # bad input (ValueError), QueueFullError, or a bug: this one only
-            return e
-        self._inflight.add(cmd.request_id)
-        return _ACCEPTED
+    def finished(self, metrics: list[RequestMetrics]) -> None:
+        self.sink.finished(metrics)
 
-    def _abort(self, request_ids: list[str]) -> None:
-        ids = [rid for rid in dict.fromkeys(request_ids) if rid in self._inflight]
-        if not ids:
-            return
-        self._inflight.difference_update(ids)
-        outputs = self.engine.abort_request(ids)
-        self._notify_finished([o.metrics for o in outputs if o.metrics is not None])
+    def call_done(self, call_id: int, ok: bool, value: Any) -> None:
+        self.sink.call_done(call_id, ok, value)
 
-    def _run_call(self, cmd: _Call) -> None:
-        if not cmd.future.set_running_or_notify_cancel():
-            return
-        try:
-            cmd.future.set_result(cmd.fn(self.engine))
-        except Exception as e:
-            cmd.future.set_exception(e)
 
-    def _fail_pending_calls(self, error: BaseException) -> None:
-        for cmd in self._take_commands(0.0):
-            if isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
-                cmd.future.set_exception(error)
+class ThreadBackend:
+    """Runs the engine loop in a daemon thread of this process."""
 
-    def _step(self) -> bool:
-        """One engine step; False if it scheduled nothing (requests wait for room)."""
-        steps_before = self.engine.scheduler.stats.num_steps
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            self._recover_from_step_error(e)
-            return True
-        posts: list[tuple[str, _StreamItem]] = []
-        for out in outputs:
-            if out.finished:
-                self._inflight.discard(out.request_id)
-            posts.append((out.request_id, out))
-        self._post(posts)
-        return self.engine.scheduler.stats.num_steps != steps_before
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.info = EngineInfo(engine.config, engine.tokenizer)
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
-    def _recover_from_step_error(self, error: Exception) -> None:
-        """A step raised: the requests in flight cannot be trusted, so they fail alone."""
-        self.num_step_errors += 1
-        logger.exception("engine step failed; aborting the %d requests in flight",
-                         len(self._inflight))
-        ids = sorted(self._inflight)
-        self._abort(ids)  # raising here ends the loop (``_run``): the engine is unusable
-        failure = EngineStepError(f"the engine step failed while this request was running: "
-                                  f"{type(error).__name__}: {error}")
-        self._post([(rid, failure) for rid in ids])
+    def start(self, sink: EngineSink) -> None:
+        loop = EngineLoop(self.engine, _QueueTransport(self._commands, sink))
 
-    def _on_step_finished(self, engine: LLMEngine, finished: list[RequestMetrics]) -> None:
-        self._notify_finished(finished)
-
-    def _notify_finished(self, finished: list[RequestMetrics]) -> None:
-        if not finished:
-            return
-        for listener in self.finish_listeners:
+        def run() -> None:
+            error = None
             try:
-                listener(finished)
-            except Exception:  # metrics must never fail a request
-                logger.exception("finish listener %r failed", listener)
+                error = loop.run()
+            finally:
+                sink.died(error)
+
+        self._thread = threading.Thread(target=run, name="conveyor-engine", daemon=True)
+        self._thread.start()
+
+    def send(self, cmd: Command) -> None:
+        self._commands.put(cmd)
+
+    def join(self, timeout_s: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def close(self) -> None:
+        pass

@@ -79,6 +79,7 @@ class LLMEngine:
         self.finished_metrics: list[RequestMetrics] = []
         self.keep_metrics = True
         self.num_finished = 0
+        self.num_step_errors = 0  # steps that raised (the async loop failed their requests)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.timings = PhaseTimings()
@@ -244,6 +245,7 @@ class LLMEngine:
             "cached_blocks": self.kv.pool.num_cached_blocks,
             "evictable_blocks": self.kv.pool.num_evictable_blocks,
             "num_finished": self.num_finished,
+            "num_step_errors": self.num_step_errors,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             "scheduled_tokens": s.total_scheduled_tokens,

@@ -141,15 +141,15 @@ def make_state(engine: AsyncEngine, *, api_key: str | None = None,
     import prometheus_client
 
     prometheus_client.disable_created_metrics()  # the *_created series are noise here
-    cfg = engine.engine.config.model
-    tokenizer = engine.engine.tokenizer
+    cfg = engine.info.config.model
+    tokenizer = engine.info.tokenizer
     source = find_chat_template(cfg.tokenizer, chat_template)
     template = ChatTemplate(source, special_tokens_of(tokenizer)) if source else None
     if request_timeout_s is not None and request_timeout_s <= 0:
         raise ValueError(f"--request-timeout must be > 0, got {request_timeout_s}")
     return ServerState(engine=engine, model_name=cfg.served_model_name, model_root=cfg.path,
-                       max_model_len=engine.engine.max_model_len,
-                       metrics=EngineMetrics(engine.engine.max_model_len),
+                       max_model_len=engine.info.max_model_len,
+                       metrics=EngineMetrics(engine.info.max_model_len),
                        chat_template=template, request_timeout_s=request_timeout_s,
                        api_key=api_key)
 
@@ -173,6 +173,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    g.add_argument("--engine-core", default="process", choices=("process", "thread"),
+                   help="where the engine loop runs: its own process (default; the model "
+                        "never competes with HTTP for the GIL) or a thread of the server")
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -185,17 +188,17 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs.from_cli_args(args)
-    engine = AsyncEngine.from_engine_args(engine_args)
     # A server runs for days: per-request figures go to Prometheus as requests finish
-    # (finish_listeners) instead of piling up in engine.finished_metrics.
-    engine.engine.keep_metrics = False
+    # (finish_listeners) instead of piling up in the engine's finished_metrics.
+    engine = AsyncEngine.from_engine_args(engine_args, process=args.engine_core == "process",
+                                          keep_metrics=False)
     state = make_state(engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                        request_timeout_s=args.request_timeout, chat_template=args.chat_template)
-    cfg = engine.engine.config
-    logger.info("serving %r (%s, %s, %d KV blocks of %d tokens, max_model_len %d) on "
-                "http://%s:%d", state.model_name, cfg.model.dtype_label, cfg.device,
-                cfg.cache.num_kv_blocks, cfg.cache.block_size, state.max_model_len,
-                args.host, args.port)
+    cfg = engine.info.config
+    logger.info("serving %r (%s, %s, %d KV blocks of %d tokens, max_model_len %d, engine "
+                "loop in a %s) on http://%s:%d", state.model_name, cfg.model.dtype_label,
+                cfg.device, cfg.cache.num_kv_blocks, cfg.cache.block_size, state.max_model_len,
+                args.engine_core, args.host, args.port)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
                             log_level=args.log_level, access_log=not args.no_access_log,
                             timeout_graceful_shutdown=None)

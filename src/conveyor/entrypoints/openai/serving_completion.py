@@ -107,10 +107,9 @@ async def _echo_texts(state: ServerState, req: CompletionRequest,
     for out in outputs:
         if out.prompt is not None:
             texts.append(out.prompt)
-        else:  # token ids: decode on the engine thread (the tokenizer is the engine's)
-            ids = out.prompt_token_ids
-            texts.append(await state.engine.call(
-                lambda e, ids=ids: e.tokenizer.decode(ids) if e.tokenizer else ""))
+        else:  # token ids: decode them here, with the engine's tokenizer
+            tokenizer = state.engine.info.tokenizer
+            texts.append(tokenizer.decode(out.prompt_token_ids) if tokenizer else "")
     return texts
 
 

@@ -1,0 +1,128 @@
+"""The engine loop in its own process: same tokens, same per-request faults, and a dead
+engine core fails every open stream instead of hanging it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conveyor import LLM
+from conveyor.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+)
+from conveyor.engine.core_process import EngineCoreStartError
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.outputs import RequestMetrics
+
+from helpers import cpu_threads, random_prompts
+from server_helpers import ATTENTION_BACKEND
+from test_async_engine import collect, engine_args, greedy, wait_until
+
+
+# Calls cross a process boundary: module-level functions only.
+def free_blocks(engine: LLMEngine) -> int:
+    return engine.kv.num_free_blocks
+
+
+def idle_with_pool_back(engine: LLMEngine) -> tuple[bool, int]:
+    engine.scheduler.check_invariants()
+    return not engine.has_unfinished_requests(), engine.kv.num_free_blocks
+
+
+def num_running(engine: LLMEngine) -> int:
+    return engine.scheduler.num_running
+
+
+def test_process_engine_serves_like_the_thread_engine_and_faults_stay_local() -> None:
+    prompts = random_prompts(6, lo=3, hi=40, seed=1)
+    lengths = [5, 9, 1, 14, 7, 11]
+    offline = LLM(engine_args().model, dtype="float32", num_threads=cpu_threads(),
+                  attention_backend=ATTENTION_BACKEND)
+    want = [o.outputs[0].token_ids for o in offline.generate(
+        [{"prompt_token_ids": p} for p in prompts], [greedy(n) for n in lengths])]
+
+    async def main() -> None:
+        engine = AsyncEngine.from_engine_args(
+            engine_args(max_num_seqs=2, max_queue_len=2), process=True)
+        assert engine.engine is None and engine.info.tokenizer is not None
+        assert engine.info.max_model_len == engine.info.config.model.max_model_len
+        seen: list[RequestMetrics] = []
+        engine.finish_listeners.append(seen.extend)
+        engine.start()
+        try:
+            free_at_start = await engine.call(free_blocks)
+            # Greedy tokens equal the offline engine's, under concurrency.
+            got = []
+            for i in range(0, 6, 2):  # two at a time: the queue holds 2
+                got += await asyncio.gather(*(
+                    collect(engine, f"r{j}", prompts[j], greedy(lengths[j]))
+                    for j in (i, i + 1)))
+            assert got == want
+            # Bad input fails alone, with its own error type and message.
+            too_long = collect(engine, "long", [5] * 600, greedy(4))
+            good = collect(engine, "good", prompts[0], greedy(8, ignore_eos=True))
+            results = await asyncio.gather(too_long, good, return_exceptions=True)
+            assert isinstance(results[0], ValueError) and "max_model_len" in str(results[0])
+            assert len(results[1]) == 8
+            # A call that cannot cross the process boundary fails alone, clearly.
+            with pytest.raises(TypeError, match="engine-core process"):
+                await engine.call(lambda e: 1)
+            # Admission control crosses too.
+            a = await engine.add_request("a", prompts[1], greedy(300, ignore_eos=True))
+            b = await engine.add_request("b", prompts[2], greedy(300, ignore_eos=True))
+            c = await engine.add_request("c", prompts[3], greedy(300, ignore_eos=True))
+            d = await engine.add_request("d", prompts[4], greedy(300, ignore_eos=True))
+
+            async def two_running() -> bool:
+                return await engine.call(num_running) == 2
+
+            await wait_until(two_running)
+            with pytest.raises(QueueFullError, match="full"):
+                await engine.add_request("e", prompts[5], greedy(4))
+            for stream in (a, b, c, d):
+                stream.close()
+
+            async def pool_back() -> bool:
+                return await engine.call(idle_with_pool_back) == (True, free_at_start)
+
+            await wait_until(pool_back)
+            stats = await engine.stats()
+            assert stats["num_rejected"] == 1 and stats["num_free_kv_blocks"] == free_at_start
+            # Finished and aborted requests reached the listeners of this process.
+            reasons = sorted(m.finish_reason for m in seen)
+            assert reasons.count("abort") == 4 and reasons.count("length") >= 7
+        finally:
+            await engine.shutdown()
+        assert not engine.is_alive
+        assert engine._backend.process.exitcode == 0
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("late", [5, 6], greedy(2))
+
+    asyncio.run(main())
+
+
+def test_a_dead_engine_core_fails_open_streams_and_calls() -> None:
+    async def main() -> None:
+        engine = AsyncEngine.from_engine_args(engine_args(), process=True)
+        engine.start()
+        stream = await engine.add_request("r", random_prompts(1)[0],
+                                          greedy(400, ignore_eos=True))
+        await stream.__anext__()
+        engine._backend.process.kill()  # what an out-of-memory kill looks like
+        with pytest.raises(EngineDeadError, match="died"):
+            async for _ in stream:
+                pass
+        assert not engine.is_alive
+        with pytest.raises(EngineDeadError):
+            await engine.call(free_blocks)
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_an_engine_core_that_cannot_start_says_why() -> None:
+    with pytest.raises(EngineCoreStartError, match="could not start"):
+        AsyncEngine.from_engine_args(engine_args(model="/nonexistent/model"), process=True)
