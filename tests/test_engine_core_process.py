@@ -61,6 +61,11 @@ def test_process_engine_serves_like_the_thread_engine_and_faults_stay_local() ->
                     collect(engine, f"r{j}", prompts[j], greedy(lengths[j]))
                     for j in (i, i + 1)))
             assert got == want
+            # Every output carries its prompt, though the core sends it only once.
+            outs = [o async for o in engine.generate("p", prompts[0], greedy(6))]
+            assert len(outs) == 6
+            assert all(o.prompt_token_ids == prompts[0] for o in outs)
+            assert outs[-1].metrics.num_generation_tokens == 6
             # Bad input fails alone, with its own error type and message.
             too_long = collect(engine, "long", [5] * 600, greedy(4))
             good = collect(engine, "good", prompts[0], greedy(8, ignore_eos=True))

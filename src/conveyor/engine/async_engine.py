@@ -139,11 +139,22 @@ class RequestStream:
         self._engine_done = False  # the engine holds nothing more for this request
         self._closed = False
         self._timer: asyncio.TimerHandle | None = None
+        # From the first output: an engine-core process sends prompt, prompt ids and
+        # metrics once, then outputs with prompt_token_ids=None (see core_process.py).
+        self._first: RequestOutput | None = None
 
     # ---- producer side (event loop thread) -----------------------------------------------
     def _put(self, item: StreamItem) -> None:
         if self._terminal_queued or self._closed:
             return
+        if isinstance(item, RequestOutput):
+            if item.prompt_token_ids is None and self._first is not None:
+                item.prompt = self._first.prompt
+                item.prompt_token_ids = self._first.prompt_token_ids
+                if item.metrics is None:
+                    item.metrics = self._first.metrics
+            elif self._first is None:
+                self._first = item
         if isinstance(item, BaseException) or (
                 isinstance(item, RequestOutput) and item.finished):
             self._terminal_queued = True
@@ -455,6 +466,9 @@ class _QueueTransport:
 
     def call_done(self, call_id: int, ok: bool, value: Any) -> None:
         self.sink.call_done(call_id, ok, value)
+
+    def released(self, request_ids: list[str]) -> None:
+        pass
 
 
 class ThreadBackend:

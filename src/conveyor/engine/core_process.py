@@ -18,6 +18,7 @@ exits when its command pipe closes, so it never outlives the server.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import pickle
@@ -37,7 +38,7 @@ from conveyor.engine.engine_loop import (
     Stop,
     StreamItem,
 )
-from conveyor.outputs import RequestMetrics
+from conveyor.outputs import RequestMetrics, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,10 @@ class _PipeTransport:
     def __init__(self, commands: Connection, results: Connection) -> None:
         self.commands = commands
         self.results = results
+        # Requests whose prompt the front end already has (its stream keeps it): later
+        # outputs leave out prompt, prompt ids and metrics, so a step's message grows
+        # with the new tokens only, not with every running request's prompt.
+        self._prompt_sent: set[str] = set()
 
     def take(self, wait: float | None) -> list[Command]:
         try:
@@ -79,7 +84,26 @@ class _PipeTransport:
         return cmds
 
     def post(self, items: list[tuple[str, StreamItem]]) -> None:
-        self.results.send(("items", [(rid, _portable(item)) for rid, item in items]))
+        wire = []
+        for rid, item in items:
+            if isinstance(item, RequestOutput):
+                item = self._slim(rid, item)
+            wire.append((rid, _portable(item)))
+        self.results.send(("items", wire))
+
+    def _slim(self, rid: str, out: RequestOutput) -> RequestOutput:
+        if rid not in self._prompt_sent:
+            if not out.finished:
+                self._prompt_sent.add(rid)
+            return out
+        if out.finished:
+            self._prompt_sent.discard(rid)
+        # prompt_token_ids=None marks the omission (RequestStream fills them back in).
+        return dataclasses.replace(out, prompt=None, prompt_token_ids=None,
+                                   metrics=out.metrics if out.finished else None)
+
+    def released(self, request_ids: list[str]) -> None:
+        self._prompt_sent.difference_update(request_ids)
 
     def finished(self, metrics: list[RequestMetrics]) -> None:
         self.results.send(("finished", metrics))

@@ -82,6 +82,9 @@ class LoopTransport(Protocol):
     def call_done(self, call_id: int, ok: bool, value: Any) -> None:
         """A ``Call``'s result (``ok``) or exception."""
 
+    def released(self, request_ids: list[str]) -> None:
+        """These requests left the engine without a finished output (aborted)."""
+
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, transport: LoopTransport,
@@ -153,6 +156,7 @@ class EngineLoop:
         if not ids:
             return
         self.inflight.difference_update(ids)
+        self.transport.released(ids)
         outputs = self.engine.abort_request(ids)
         self._notify_finished([o.metrics for o in outputs if o.metrics is not None])
 
