@@ -120,6 +120,9 @@ def policy_runs(aging_s: float, prompt_weight: float) -> list[PolicyRun]:
         PolicyRun("sjf-noout", "sjf", weighted, {"sjf_predictor": "no-output"}),
         PolicyRun("priority", "priority"),
         PolicyRun("fair", "fair"),
+        # fair as plain VTC: no admission preemption, no rejoin credit (the cost of both).
+        PolicyRun("fair-vtc", "fair", ["--fair-preempt-gap", "off",
+                                       "--fair-rejoin-credit", "0"]),
         PolicyRun("edf", "edf"),
         PolicyRun("lpm", "lpm"),
     ]
@@ -259,7 +262,7 @@ def priority_breakdown(st: TraceStudy) -> tuple[str, dict]:
 
 
 def fairness_breakdown(st: TraceStudy, bin_s: float) -> tuple[str, dict]:
-    cols = {"alone": st.lights_alone, **{k: st.runs[k] for k in ("fcfs", "fair")
+    cols = {"alone": st.lights_alone, **{k: st.runs[k] for k in ("fcfs", "fair-vtc", "fair")
                                           if k in st.runs}}
     lights = {label: [r for r in res.records if r.tenant != HEAVY]
               for label, res in cols.items()}
@@ -289,6 +292,27 @@ def fairness_breakdown(st: TraceStudy, bin_s: float) -> tuple[str, dict]:
                             ("mean", "p99")]
               + [f"{label} share" for label in shares] + ["requests"])
     return table(header, rows), data
+
+
+def fair_cost(st: TraceStudy) -> str:
+    """What fair's admission preemption and rejoin credit cost the heavy tenant and the
+    engine, next to plain VTC (fair-vtc) and fcfs."""
+    alone = latency_by([r for r in st.lights_alone.records if r.tenant != HEAVY],
+                       lambda r: 0)[0].mean
+    rows = []
+    for label in ("fcfs", "fair-vtc", "fair"):
+        if label not in st.runs:
+            continue
+        res = st.runs[label]
+        heavy = [r for r in res.records if r.tenant == HEAVY]
+        light = latency_by([r for r in res.records if r.tenant != HEAVY], lambda r: 0)[0]
+        e2e = latency_by(heavy, lambda r: 0, "e2e")[0]
+        rows.append([label, fmt(light.mean), f"{light.mean / alone:.2f}x",
+                     fmt(latency_by(heavy, lambda r: 0)[0].mean), fmt(e2e.mean),
+                     fmt(e2e.p99), fmt(res.summary.num_preemptions),
+                     fmt(res.summary.output_throughput)])
+    return table(["policy", "lights TTFT mean", "vs alone", "heavy TTFT mean",
+                  "heavy E2E mean", "heavy E2E p99", "preempt", "out tok/s"], rows)
 
 
 # ---- expectations -----------------------------------------------------------------------
@@ -330,11 +354,16 @@ def checks(st: TraceStudy) -> list[tuple[str, str]]:
         alone = lights_mean(st.lights_alone)
         fair, fcfs = lights_mean(runs["fair"]), lights_mean(runs["fcfs"])
         out.append((verdict(fair <= 2 * alone),
-                    f"fair: light tenants' mean TTFT within 2x unloaded: {fair:.0f} vs "
-                    f"{alone:.0f} ms ({fair / alone:.2f}x)"))
+                    f"fair: light tenants' mean TTFT within 2x unloaded: {fair:.1f} vs "
+                    f"{alone:.1f} ms ({fair / alone:.2f}x)"))
         out.append((verdict(fcfs > 2 * alone),
                     f"fcfs: heavy tenant starves the light ones (> 2x unloaded): {fcfs:.0f} "
                     f"vs {alone:.0f} ms ({fcfs / alone:.0f}x)"))
+        if "fair-vtc" in runs:
+            vtc = lights_mean(runs["fair-vtc"])
+            out.append(("INFO", f"fair-vtc (no admission preemption, no rejoin credit): "
+                                f"light tenants' mean TTFT {vtc:.1f} vs {alone:.1f} ms "
+                                f"({vtc / alone:.2f}x)"))
         out.append(("INFO", f"fair removes {100 * (fcfs - fair) / (fcfs - alone):.1f}% of the "
                             "TTFT the heavy tenant adds to the light ones under fcfs"))
     return out
@@ -431,6 +460,10 @@ def report(studies: list[TraceStudy], args: argparse.Namespace) -> None:
             print(f"\nfairness ({TENANT_MIX}): TTFT by tenant, ms; alone = the light tenants "
                   "replayed without heavy; share = of weighted service while requests arrive")
             print(text)
+            print("\nfair's cost: light tenants' mean TTFT (ms, and vs alone), the heavy "
+                  "tenant's latency (ms), preemptions and output tokens/s; fair-vtc = fair "
+                  "--fair-preempt-gap off --fair-rejoin-credit 0 (plain VTC)")
+            print(fair_cost(st))
         if "fair" in st.runs and "fcfs" in st.runs:
             reqs = st.runs["fcfs"].records
             demand = {t: sum(r.tenant == t for r in reqs) / len(reqs) for t in (HEAVY, *LIGHTS)}

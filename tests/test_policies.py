@@ -4,6 +4,7 @@ and the per-request plumbing from ``LLM.generate`` to the policies and metrics."
 from __future__ import annotations
 
 import heapq
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -72,6 +73,9 @@ def test_a_registered_policy_is_accepted_by_name() -> None:
     (dict(sjf_predictor="oracle"), "sjf_predictor"),
     (dict(fair_input_weight=-1.0), "fair_input_weight"),
     (dict(fair_input_weight=0.0, fair_output_weight=0.0), "fair_input_weight"),
+    (dict(fair_preempt_gap=-1.0), "fair_preempt_gap"),
+    (dict(fair_rejoin_credit=-1.0), "fair_rejoin_credit"),
+    (dict(fair_rejoin_credit=math.inf), "fair_rejoin_credit"),
     (dict(tenant_weights=(("a", 0.0),)), "tenant_weights"),
     (dict(default_slo_ttft_s=0.0), "default_slo_ttft_s"),
     (dict(lpm_window=0), "lpm_window"),
@@ -100,17 +104,23 @@ def test_cli_flags_reach_the_policy_config() -> None:
         "--fair-input-weight", "0.5", "--fair-output-weight", "3", "--tenant-weights", "a=2,b=1",
         "--default-slo-ttft-ms", "250", "--default-slo-tpot-ms", "40", "--lpm-window", "8",
         "--max-queue-len", "100", "--max-queue-wait-s", "9", "--queue-wait-action", "reject",
-        "--max-preemptions-per-request", "2"])
+        "--max-preemptions-per-request", "2", "--fair-preempt-gap", "off",
+        "--fair-rejoin-credit", "100"])
     cfg = EngineArgs.from_cli_args(args).scheduler_config()
     assert cfg.scheduling_policy == "fair" and cfg.max_queue_len == 100
     assert cfg.max_queue_wait_s == 9 and cfg.queue_wait_action == "reject"
     assert cfg.max_preemptions_per_request == 2
     assert cfg.policy == PolicyConfig(
         sjf_aging_s=4.0, sjf_predictor="max_tokens", fair_input_weight=0.5,
-        fair_output_weight=3.0, tenant_weights=(("a", 2.0), ("b", 1.0)),
-        default_slo_ttft_s=0.25, default_slo_tpot_s=0.04, lpm_window=8)
+        fair_output_weight=3.0, fair_preempt_gap=None, fair_rejoin_credit=100.0,
+        tenant_weights=(("a", 2.0), ("b", 1.0)), default_slo_ttft_s=0.25,
+        default_slo_tpot_s=0.04, lpm_window=8)
     with pytest.raises(SystemExit):
         parser.parse_args(["--tenant-weights", "a:2"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--fair-preempt-gap", "never"])
+    defaults = EngineArgs.from_cli_args(parser.parse_args([])).scheduler_config().policy
+    assert defaults == PolicyConfig()  # the CLI and the dataclass agree
 
 
 # ---- queue structures --------------------------------------------------------------------
@@ -236,7 +246,8 @@ def test_priority_class_then_arrival_and_strictly_less_urgent_victims() -> None:
 
 
 def test_fair_serves_the_least_served_tenant_and_lifts_newcomers() -> None:
-    p = make_policy("fair", PolicyConfig(fair_input_weight=1.0, fair_output_weight=2.0))
+    p = make_policy("fair", PolicyConfig(fair_input_weight=1.0, fair_output_weight=2.0,
+                                         fair_rejoin_credit=0.0))  # plain VTC lift
     for i in range(3):
         p.add(make_req(f"a{i}", 10, 5, tenant="a", arrival=float(i)), float(i))
     p.add(make_req("b0", 4, 5, tenant="b", arrival=3.0), 3.0)
@@ -269,7 +280,7 @@ def test_fair_weights_divide_the_charge() -> None:
 
 
 def test_fair_floor_keeps_an_idle_tenant_from_banking_credit() -> None:
-    p = make_policy("fair")
+    p = make_policy("fair", PolicyConfig(fair_rejoin_credit=0.0))
     a = make_req("a", 100, 1, tenant="a")
     p.add(a, 0.0)
     p.pop(a)
@@ -283,6 +294,42 @@ def test_fair_floor_keeps_an_idle_tenant_from_banking_credit() -> None:
     late = make_req("z", 1, 1, tenant="z")
     p.add(late, 2.0)
     assert p.counters["z"] == 103.0
+
+
+def test_fair_rejoin_credit_is_bounded_and_never_compounds() -> None:
+    p = make_policy("fair", PolicyConfig(fair_rejoin_credit=50.0))
+    a = make_req("a", 100, 1, tenant="a")
+    p.add(a, 0.0)
+    p.pop(a)
+    p.on_admitted(a, 0.0)
+    p.on_tokens_generated(a, 1)  # a: 102, and a left the backlog last
+    b = make_req("b", 1, 1, tenant="b")
+    p.add(b, 1.0)  # b starts 50 below a's counter, not at 0
+    assert p.counters["b"] == 52.0
+    p.pop(b)
+    p.on_admitted(b, 1.0)  # b: 53, now b left last
+    # The lift level stays at 102: z gets the same 50 of credit, not 50 below b's 53.
+    p.add(make_req("z", 1, 1, tenant="z"), 2.0)
+    assert p.counters["z"] == 52.0
+
+
+def test_fair_admission_preemption_names_the_most_served_tenant_with_a_slot_surplus() -> None:
+    p = make_policy("fair", PolicyConfig(fair_preempt_gap=10.0))
+    p.counters.update({"heavy": 100.0, "mid": 60.0, "light": 85.0})
+    heavy = [make_req(f"h{i}", 4, 4, tenant="heavy") for i in range(3)]
+    for i, r in enumerate(heavy):
+        r.admitted_seq = i
+    light = make_req("l", 4, 4, tenant="light")
+    assert p.victim_for_waiting(heavy, light) is heavy[2]  # youngest of the most served
+    p.counters["light"] = 90.0  # gap of exactly 10: not more than fair_preempt_gap
+    assert p.victim_for_waiting(heavy, light) is None
+    # mid is 40 behind, but heavy's 2 slots would drop below mid's 1 + 1 after a swap.
+    mid = make_req("m", 4, 4, tenant="mid")
+    assert p.victim_for_waiting(heavy[:1], mid) is None
+    assert p.victim_for_waiting(heavy[:2], mid) is heavy[1]
+    off = make_policy("fair", PolicyConfig(fair_preempt_gap=None))
+    off.counters.update(p.counters)
+    assert off.victim_for_waiting(heavy, mid) is None
 
 
 def test_edf_on_time_first_then_late_then_best_effort() -> None:

@@ -233,11 +233,12 @@ def worst_service_gap(sim: Sim, x: str, y: str) -> float:
                           st.integers(0, 20)), min_size=2, max_size=60),
        st.integers(1, 4), st.integers(8, 48), st.sampled_from([12, 24, 64]),
        st.sampled_from([(), (("g", 2.0),), (("f", 0.5), ("h", 3.0))]),
-       st.sampled_from([(1.0, 2.0), (1.0, 1.0), (0.5, 4.0)]))
+       st.sampled_from([(1.0, 2.0), (1.0, 1.0), (0.5, 4.0)]),
+       st.sampled_from([None, 0.0, 8.0]), st.sampled_from([0.0, 6.0, 40.0]))
 def test_fair_keeps_backlogged_tenants_within_the_stated_bound(
-        spec, max_seqs, budget, num_blocks, weights, io_weights) -> None:
+        spec, max_seqs, budget, num_blocks, weights, io_weights, gap, credit) -> None:
     cfg = PolicyConfig(fair_input_weight=io_weights[0], fair_output_weight=io_weights[1],
-                       tenant_weights=weights)
+                       tenant_weights=weights, fair_preempt_gap=gap, fair_rejoin_credit=credit)
     sched = sched_for("fair", cfg, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                       num_blocks=num_blocks)
     reqs = [make_req(f"{t}{i}", p, o, arrival=float(a), tenant=t)
@@ -251,7 +252,7 @@ def test_fair_keeps_backlogged_tenants_within_the_stated_bound(
     for i, x in enumerate(tenants):
         for y in tenants[i + 1:]:
             bound = (fair_bound(cfg, x, longest, most, max_seqs)
-                     + fair_bound(cfg, y, longest, most, max_seqs))
+                     + fair_bound(cfg, y, longest, most, max_seqs) + 2 * credit)
             assert worst_service_gap(sim, x, y) <= bound + 1e-9, (x, y, bound)
     assert_exact_outputs(sim)
 
@@ -541,18 +542,87 @@ def test_lpm_uses_cached_prefixes_before_they_are_evicted() -> None:
     assert_exact_outputs(lpm)
 
 
-def test_fair_lifts_a_newcomer_so_it_cannot_starve_the_incumbent() -> None:
-    """f has been served alone for 40 steps when g floods in: g starts at f's counter, so
-    the two alternate at once instead of g taking everything until it catches up."""
-    sched = sched_for("fair", max_num_seqs=2, max_num_batched_tokens=32, num_blocks=64)
+def newcomer_flood(credit: float) -> tuple[Sim, int]:
+    """f has been served alone for 40 steps when g floods in; returns the sim and the
+    first step after t=40 that admits one of f's requests."""
+    cfg = PolicyConfig(fair_rejoin_credit=credit)
+    sched = sched_for("fair", cfg, max_num_seqs=2, max_num_batched_tokens=32, num_blocks=64)
     reqs = [make_req(f"f{i}", 6, 4, tenant="f") for i in range(60)]
     reqs += [make_req(f"g{i}", 6, 4, tenant="g", arrival=40.0) for i in range(30)]
     sim = Sim(sched, reqs)
     sim.run()
-    assert worst_service_gap(sim, "f", "g") <= 2 * fair_bound(PolicyConfig(), "f", 6, 4, 2)
     f_after = [sim.admission_step(f"f{i}") for i in range(60)
                if sim.steps[sim.admission_step(f"f{i}")].start >= 40.0]
-    assert f_after and min(f_after) <= 40 + 2 * 4, "f keeps being served after g arrives"
+    return sim, min(f_after)
+
+
+def test_fair_lifts_a_newcomer_so_it_cannot_starve_the_incumbent() -> None:
+    """Plain VTC lift: g starts at f's counter, so the two alternate at once instead of g
+    taking everything until it catches up. With a rejoin credit g goes first for about
+    that much service, and the bound grows by twice the credit, no more."""
+    bound = 2 * fair_bound(PolicyConfig(), "f", 6, 4, 2)
+    sim, f_next = newcomer_flood(0.0)
+    assert worst_service_gap(sim, "f", "g") <= bound
+    assert f_next <= 40 + 2 * 4, "f keeps being served after g arrives"
+    sim, f_next = newcomer_flood(60.0)
+    assert worst_service_gap(sim, "f", "g") <= bound + 2 * 60.0
+    # g's requests cost 6 + 2 * 4 = 14 each: the credit of 60 buys it 4 admissions (two
+    # rounds of 2 slots, 4 steps each) before f's next one, instead of none.
+    assert f_next == 40 + 2 * 4
+
+
+# ---- fair: admission preemption ------------------------------------------------------------
+def light_arrival(gap: float | None, cap: int | None = None) -> Sim:
+    """heavy fills both slots with long requests (and keeps 20 more waiting) when the
+    light tenant's one request arrives at t=10."""
+    sched = sched_for("fair", PolicyConfig(fair_preempt_gap=gap), max_num_seqs=2,
+                      max_num_batched_tokens=32, num_blocks=64,
+                      max_preemptions_per_request=cap)
+    reqs = [make_req(f"h{i}", 6, 30, tenant="heavy") for i in range(22)]
+    reqs.append(make_req("light", 6, 4, tenant="light", arrival=10.0))
+    sim = Sim(sched, reqs)
+    sim.run()
+    return sim
+
+
+def test_fair_preempts_to_admit_a_light_tenant_within_its_first_step() -> None:
+    on = light_arrival(0.0)
+    step = on.steps[on.admission_step("light")]
+    assert step.start == 10.0, "admitted in the step it arrived"
+    assert step.admission_preemptions == 1 and step.out.preempted_req_ids == {"h1"}
+    assert on.sched.stats.num_admission_preemptions == 1
+    assert_exact_outputs(on)
+    # Without admission preemption it waits for a heavy request to finish (t=30).
+    off = light_arrival(None)
+    assert off.steps[off.admission_step("light")].start >= 30.0
+    assert off.sched.stats.num_preemptions == 0
+    # A gap larger than the light tenant's lead keeps it waiting too.
+    wide = light_arrival(1e6)
+    assert wide.steps[wide.admission_step("light")].start >= 30.0
+
+
+def test_fair_admission_preemption_honours_the_preemption_cap() -> None:
+    capped = light_arrival(0.0, cap=0)
+    assert capped.sched.stats.num_preemptions == 0
+    assert capped.steps[capped.admission_step("light")].start >= 30.0
+    assert_exact_outputs(capped)
+
+
+def test_fair_admission_preemption_does_not_ping_pong_between_tenants() -> None:
+    """Two tenants flood the same requests: their counters cross back and forth all the
+    time, but a swap must leave the victim's tenant no fewer slots than the candidate's,
+    so neither preempts the other more than to even out the slots once."""
+    sched = sched_for("fair", PolicyConfig(fair_preempt_gap=0.0), max_num_seqs=4,
+                      max_num_batched_tokens=64, num_blocks=128)
+    reqs = [make_req(f"{t}{i}", 6, 8, tenant=t, arrival=0.5 * i) for t in "fg"
+            for i in range(30)]
+    reqs += [make_req(f"f-early{i}", 6, 8, tenant="f") for i in range(4)]
+    sim = Sim(sched, reqs)
+    sim.run()
+    assert sched.stats.num_admission_preemptions <= 2
+    assert worst_service_gap(sim, "f", "g") <= (2 * fair_bound(PolicyConfig(), "f", 6, 8, 4)
+                                                + 2 * PolicyConfig().fair_rejoin_credit)
+    assert_exact_outputs(sim)
 
 
 def test_lpm_bounds_how_often_a_cold_request_is_overtaken() -> None:

@@ -155,6 +155,8 @@ class EngineArgs:
     sjf_prompt_weight: float = 1.0
     fair_input_weight: float = 1.0
     fair_output_weight: float = 2.0
+    fair_preempt_gap: float | None = 0.0
+    fair_rejoin_credit: float = 2048.0
     tenant_weights: dict[str, float] | None = None
     default_slo_ttft_ms: float | None = None
     default_slo_tpot_ms: float | None = None
@@ -221,6 +223,13 @@ class EngineArgs:
                             "output token (prefill is batched: below 1 fits engine time)")
         g.add_argument("--fair-input-weight", type=float, default=1.0)
         g.add_argument("--fair-output-weight", type=float, default=2.0)
+        g.add_argument("--fair-preempt-gap", type=_parse_gap, default=0.0, metavar="TOKENS",
+                       help="fair: preempt a running request to admit a waiting one whose "
+                            "tenant has been served more than TOKENS (weighted) less; "
+                            "'off' never preempts to admit")
+        g.add_argument("--fair-rejoin-credit", type=float, default=2048.0, metavar="TOKENS",
+                       help="fair: a tenant joining the backlog starts up to TOKENS "
+                            "(weighted) below the least served backlogged one (0: VTC)")
         g.add_argument("--tenant-weights", type=_parse_weights, default=None,
                        help="per-tenant weights for the fair policy, e.g. a=2,b=1")
         g.add_argument("--default-slo-ttft-ms", type=float, default=None,
@@ -256,6 +265,8 @@ class EngineArgs:
                 sjf_prompt_weight=self.sjf_prompt_weight,
                 fair_input_weight=self.fair_input_weight,
                 fair_output_weight=self.fair_output_weight,
+                fair_preempt_gap=self.fair_preempt_gap,
+                fair_rejoin_credit=self.fair_rejoin_credit,
                 tenant_weights=tuple(sorted((self.tenant_weights or {}).items())),
                 default_slo_ttft_s=(self.default_slo_ttft_ms * ms
                                     if self.default_slo_ttft_ms is not None else None),
@@ -391,3 +402,14 @@ def _parse_weights(text: str) -> dict[str, float]:
             raise argparse.ArgumentTypeError(
                 f"expected tenant=weight pairs separated by commas, got {part!r}") from None
     return out
+
+
+def _parse_gap(text: str) -> float | None:
+    """``--fair-preempt-gap``: a token count, or ``off`` (never preempt to admit)."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of tokens or 'off', got {text!r}") from None

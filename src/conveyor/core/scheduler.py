@@ -11,7 +11,7 @@ chunk), then waiting ones in the policy's order. When the KV pool runs dry a
 running request is preempted by recompute: its blocks are freed and it rejoins
 the waiting queue with ``num_computed_tokens = 0``. A waiting request that does
 not fit may have running requests preempted for it when the policy names
-victims (``priority``); nobody is preempted unless that makes room.
+victims (``priority``, ``fair``); nobody is preempted unless that makes room.
 
 Shared controls, the same for every policy: ``max_num_seqs`` and
 ``max_num_batched_tokens`` caps; ``max_queue_len`` (the engine refuses new

@@ -3,7 +3,8 @@
     fcfs      arrival order
     sjf       least remaining work (prompt to prefill + predicted output), with aging
     priority  lower ``priority`` first, FCFS within a class, preempts less urgent work
-    fair      weighted fair queuing across tenants by served tokens (VTC)
+    fair      weighted fair queuing across tenants by served tokens (VTC), preempts the
+              most served tenant to admit a less served one
     edf       earliest TTFT / TPOT deadline first, on-time requests before late ones
     lpm       longest cached prefix first within a bounded window of the queue
 

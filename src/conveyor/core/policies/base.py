@@ -38,6 +38,12 @@ class PolicyConfig:
     # fair: service counted as input_weight * prompt tokens + output_weight * output tokens.
     fair_input_weight: float = 1.0
     fair_output_weight: float = 2.0
+    # fair: preempt to admit a waiting request when the running request's tenant has been
+    # served more than this many weighted tokens beyond the waiting one's (None: never).
+    fair_preempt_gap: float | None = 0.0
+    # fair: a tenant joining the backlog may start this many weighted tokens below the
+    # backlogged minimum (0: plain VTC lift), so a tenant that was idle goes first.
+    fair_rejoin_credit: float = 2048.0
     # fair: (tenant, weight) pairs; a tenant of weight 2 gets twice the service of weight 1.
     tenant_weights: tuple[tuple[str, float], ...] = ()
     # edf: targets for requests that carry none.
@@ -60,6 +66,13 @@ class PolicyConfig:
                f"must be >= 0, got {self.fair_output_weight}")
         _check(self.fair_input_weight + self.fair_output_weight > 0, "fair_input_weight",
                "and fair_output_weight may not both be 0")
+        if self.fair_preempt_gap is not None:
+            _check(self.fair_preempt_gap >= 0 and math.isfinite(self.fair_preempt_gap),
+                   "fair_preempt_gap", f"must be a finite number >= 0 or None, got "
+                   f"{self.fair_preempt_gap}")
+        _check(self.fair_rejoin_credit >= 0 and math.isfinite(self.fair_rejoin_credit),
+               "fair_rejoin_credit", f"must be a finite number >= 0, got "
+               f"{self.fair_rejoin_credit}")
         for tenant, weight in self.tenant_weights:
             _check(weight > 0 and math.isfinite(weight), "tenant_weights",
                    f"must be finite and > 0, got {weight} for tenant {tenant!r}")
