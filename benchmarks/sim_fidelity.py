@@ -232,7 +232,8 @@ def _profile(engine_args: EngineArgs, path: str, clock: str) -> str:
     profile.save(path, samples)
     fit = profile.fit
     coef = ", ".join(f"{k}={v:.3g}" for k, v in fit.coefficients.items())
-    print(f"profile fit: {fit.num_samples} steps, knee {fit.knee:g} tokens; {coef}; fit "
+    print(f"profile fit: {fit.num_samples} steps, knees {fit.small_knee:g} and {fit.knee:g} "
+          f"tokens; {coef}; fit "
           f"error median {fit.median_rel_error:.1%}, p90 {fit.p90_rel_error:.1%}")
     return path
 

@@ -34,8 +34,8 @@ steps. The hinge ``min(T, small_knee)`` bends the token cost the other way from
 LM head takes, and those prefills come out right. Each prefill chunk runs its own
 attention call per layer (~1-4 ms a chunk on that CPU), and a chunk that continues a
 prompt (chunked prefill, a prefix-cache hit) gathers its prior context's K/V from
-the cache and masks it: 16 tokens after a cached 752-token prefix took 35 ms against
-28 ms without it, far more than their query-key pairs explain. ``conveyor profile``
+the cache and masks it: 2 tokens after a cached 752-token prefix took 24.5 ms against
+17.7 ms without it, far more than their 1,500 query-key pairs explain. ``conveyor profile``
 times such continuations (a prompt after its own cached prefix) so the term has data.
 
 The decode term follows the runner's decode kernel (``decode_layout``, recorded by
