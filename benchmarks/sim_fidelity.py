@@ -232,7 +232,8 @@ def _profile(engine_args: EngineArgs, path: str, clock: str) -> str:
     profile.save(path, samples)
     fit = profile.fit
     coef = ", ".join(f"{k}={v:.3g}" for k, v in fit.coefficients.items())
-    print(f"profile fit: {fit.num_samples} steps, knee {fit.knee:g} tokens; {coef}; fit "
+    print(f"profile fit: {fit.num_samples} steps, knees {fit.small_knee:g} and {fit.knee:g} "
+          f"tokens; {coef}; fit "
           f"error median {fit.median_rel_error:.1%}, p90 {fit.p90_rel_error:.1%}")
     return path
 
@@ -264,11 +265,20 @@ def _compare(name: str, argv: list[str], profile_path: str,
                       **({"sleep": busy.advance} if busy else {}))
     predicted = sum(cost.step_time(shape) for shape, _ in steps)
     measured = sum(seconds for _, seconds in steps)
-    ratios = sorted(cost.step_time(shape) / seconds for shape, seconds in steps)
+
+    def median_error(kind: list) -> str:
+        ratios = sorted(cost.step_time(shape) / seconds for shape, seconds in kind)
+        return f"{ratios[len(ratios) // 2] - 1:+.1%}" if ratios else "-"
+
+    # By kind too: a bias on the steps holding a prefill (a request's first token) moves
+    # TTFT while the total hardly shows it.
+    prefill = [(s, t) for s, t in steps if s.num_prefills]
+    decode = [(s, t) for s, t in steps if not s.num_prefills]
     print(f"  real: {time.perf_counter() - t0:.1f}s wall; its {len(steps)} steps took "
           f"{measured:.1f}s ({clock} clock), the profile predicts {predicted:.1f}s for the "
           f"same batches ({predicted / measured - 1:+.1%}; per step, median "
-          f"{ratios[len(ratios) // 2] - 1:+.1%})", flush=True)
+          f"{median_error(steps)}: {median_error(prefill)} on the {len(prefill)} holding a "
+          f"prefill, {median_error(decode)} on the {len(decode)} decode-only)", flush=True)
     own = ProfileCostModel(fit_step_times([s for s, _ in steps], [t for _, t in steps],
                                           cost.fit.decode_layout),
                            model=cost.model, device=cost.device,

@@ -13,11 +13,13 @@ from sim_helpers import make_workload, tiny_args
 from conveyor.config import EngineArgs
 from conveyor.sim import BatchShape, ProfileCostModel, Simulator, make_cost_model
 from conveyor.sim.model import resolve_sim_model
-from conveyor.sim.profile_model import FEATURES, fit_step_times, nnls
+from conveyor.sim.profile_model import FEATURES, StepFit, fit_step_times, nnls
 
 TRUE = dict(step=2e-3, matrix=1e-3, rows=5e-5, tokens=1e-5, tokens_over_knee=3e-5,
-            prefill_attention=2e-8, decode_attention=4e-8, sampled=1e-4)
+            prefill_attention=2e-8, decode_attention=4e-8, sampled=1e-4,
+            tokens_under_small_knee=4e-5, prefill_rows=3e-4, prefill_prior=2e-6)
 KNEE = 128
+SMALL_KNEE = 8
 
 
 def true_time(s: BatchShape) -> float:
@@ -27,7 +29,17 @@ def true_time(s: BatchShape) -> float:
             + TRUE["tokens_over_knee"] * max(0, t - KNEE)
             + TRUE["prefill_attention"] * s.prefill_attention
             + TRUE["decode_attention"] * s.num_decodes * s.max_decode_context
-            + TRUE["sampled"] * s.num_sampled)
+            + TRUE["sampled"] * s.num_sampled
+            + TRUE["tokens_under_small_knee"] * min(t, SMALL_KNEE)
+            + TRUE["prefill_rows"] * s.num_prefills
+            + TRUE["prefill_prior"] * (s.prefill_context - s.num_prefill_tokens))
+
+
+def prefill(p: int, prior: int = 0, rows: int = 1) -> BatchShape:
+    """``rows`` chunks of ``p`` tokens, each after ``prior`` computed ones."""
+    return BatchShape(num_prefill_tokens=rows * p, num_prefills=rows,
+                      prefill_attention=rows * (p * prior + p * (p + 1) // 2),
+                      prefill_context=rows * (prior + p), num_sampled=rows)
 
 
 def grid_shapes() -> list[BatchShape]:
@@ -42,16 +54,74 @@ def grid_shapes() -> list[BatchShape]:
                           num_decodes=b, decode_context=b * 100, max_decode_context=100,
                           num_sampled=b)
                for p in (64, 256) for b in (4, 16)]
+    # Continued chunks (after a cached prefix) and several prompts in one step.
+    shapes += [prefill(p, prior) for p in (4, 16, 64) for prior in (32, 128, 512)]
+    shapes += [prefill(p, rows=r) for p in (4, 32) for r in (2, 4)]
     return shapes
 
 
 def test_the_fit_recovers_a_known_piecewise_model():
     shapes = grid_shapes()
     fit = fit_step_times(shapes, [true_time(s) for s in shapes], "padded")
-    assert fit.knee == KNEE
+    assert (fit.knee, fit.small_knee) == (KNEE, SMALL_KNEE)
     for name in FEATURES:
         assert fit.coefficients[name] == pytest.approx(TRUE[name], rel=1e-6, abs=1e-12)
     assert fit.median_rel_error < 1e-9
+
+
+def test_a_step_costs_each_term_by_hand():
+    coef = dict(step=0.01, matrix=0.002, rows=1e-4, tokens=1e-3, tokens_over_knee=2e-3,
+                prefill_attention=1e-7, decode_attention=1e-6, sampled=5e-4,
+                tokens_under_small_knee=4e-3, prefill_rows=3e-3, prefill_prior=1e-5)
+    fit = StepFit(knee=20, coefficients=coef, median_rel_error=0, p90_rel_error=0,
+                  num_samples=0, num_dropped=0, decode_layout="paged", small_knee=8)
+    model = ProfileCostModel(fit, model={}, device="cpu", kv_cache_memory=1)
+    # 16 tokens continuing a prompt after 100 computed ones, beside 3 decodes (ctx 150).
+    shape = BatchShape(num_prefill_tokens=16, num_prefills=1,
+                       prefill_attention=16 * 100 + 16 * 17 // 2, prefill_context=116,
+                       num_decodes=3, decode_context=150, max_decode_context=60,
+                       num_sampled=4)
+    # T = 19: under the knee (20), over the small knee (8).
+    expected = (0.01 + 0.002 + 1e-4 * 4 + 1e-3 * 19 + 0.0 + 1e-7 * 1736 + 1e-6 * 150
+                + 5e-4 * 4 + 4e-3 * 8 + 3e-3 * 1 + 1e-5 * 100)
+    assert model.step_time(shape) == pytest.approx(expected, rel=1e-12)
+    # One decode row: no step up, its one token under the small knee.
+    one = BatchShape(num_decodes=1, decode_context=10, max_decode_context=10, num_sampled=1)
+    assert model.step_time(one) == pytest.approx(
+        0.01 + 1e-4 + 1e-3 + 1e-6 * 10 + 5e-4 + 4e-3, rel=1e-12)
+
+
+def test_a_format_1_profile_still_loads_and_predicts_what_it_did(tmp_path):
+    """Profiles from before the prefill terms: those terms at zero, the old formula."""
+    old = dict(zip(FEATURES[:8], (0.017, 0.0013, 0.0, 0.0, 4.7e-4, 4e-7, 1.5e-6, 4.8e-4)))
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps({
+        "format": "conveyor-profile/1", "model": {"name": "m"}, "device": "cpu",
+        "kv_cache_memory": 1 << 20, "features": list(FEATURES[:8]),
+        "fit": {"knee": 2.0, "coefficients": old, "median_rel_error": 0.04,
+                "p90_rel_error": 0.11, "num_samples": 10, "num_dropped": 0,
+                "decode_layout": "paged"}, "meta": {}, "samples": []}))
+    model = ProfileCostModel.load(str(path))
+    shape = BatchShape(num_prefill_tokens=16, num_prefills=1, prefill_attention=12168,
+                       prefill_context=768, num_decodes=1, decode_context=81,
+                       max_decode_context=81, num_sampled=2)
+    assert model.step_time(shape) == pytest.approx(
+        0.017 + 0.0013 + 4.7e-4 * 15 + 4e-7 * 12168 + 1.5e-6 * 81 + 4.8e-4 * 2, rel=1e-12)
+    bad = json.loads(path.read_text())
+    bad["features"] = list(FEATURES)
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="profile again"):
+        ProfileCostModel.load(str(path))
+
+
+def test_a_fit_to_a_runs_many_token_counts_stays_close():
+    """A real run's steps have hundreds of distinct token counts; the knees are searched
+    over a geometric few of them, and the fit still lands within a percent or two."""
+    shapes = [BatchShape(num_decodes=b, decode_context=b * c, max_decode_context=c,
+                         num_sampled=b) for b in range(1, 33) for c in (40, 300)]
+    shapes += [prefill(p, prior) for p in range(2, 500, 3) for prior in (0, 200)]
+    fit = fit_step_times(shapes, [true_time(s) for s in shapes], "padded")
+    assert fit.median_rel_error < 0.01 and fit.p90_rel_error < 0.03
 
 
 def test_the_fit_shrugs_off_a_shared_machines_noise():
@@ -176,6 +246,8 @@ def test_conveyor_profile_measures_the_real_engine(tmp_path, capsys):
               for s in data["samples"]]
     assert any(s.num_decodes == 4 and s.num_prefills == 0 for s in shapes)
     assert any(s.num_prefill_tokens == 64 for s in shapes)
+    # A prompt continued after its cached prefix: 16 tokens gathering 16 prior ones.
+    assert any(s.num_prefill_tokens == 16 and s.prefill_context == 32 for s in shapes)
     assert all(s["seconds"] > 0 for s in data["samples"])
     # The simulator runs on it (the tiny shape matches), with the machine's KV default.
     args = tiny_args(max_num_seqs=4)

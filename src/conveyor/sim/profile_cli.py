@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     fit = profile.fit
     coef = ", ".join(f"{k}={v:.3g}" for k, v in fit.coefficients.items())
     print(f"profiled {engine_args.model} on {profile.device}: {fit.num_samples} steps "
-          f"({fit.num_dropped} outliers dropped); knee at {fit.knee:g} tokens; {coef}")
+          f"({fit.num_dropped} outliers dropped); knees at {fit.small_knee:g} and "
+          f"{fit.knee:g} tokens; {coef}")
     print(f"fit error: median {fit.median_rel_error:.1%}, p90 {fit.p90_rel_error:.1%}; "
           f"wrote {args.out}")
     return 0

@@ -7,7 +7,10 @@ synthetic workloads chosen to produce the shapes of the grid:
   context length ``c``: their prefill chunks (with the first ones already decoding
   alongside), then ``decode_steps`` decode steps of batch ``b`` at context ~``c``;
 - prefill: one request of ``p`` prompt tokens for every ``p`` (one prefill step);
-- mixed: a prefill of ``p`` tokens arriving while ``b`` requests decode.
+- mixed: a prefill of ``p`` tokens arriving while ``b`` requests decode;
+- continued: a prompt of ``c + p`` tokens after one of its first ``c`` (for every ``c``
+  and the two smallest ``p``): with prefix caching its prefill computes ``p`` tokens
+  that gather ``c`` cached ones, as a prefix-cache hit or a prompt's later chunk does.
 
 Each ``engine.step()`` is timed whole (schedule, forward, sampling, update, output
 processing): that is the step period the simulator advances its clock by. A
@@ -47,8 +50,13 @@ class ProfileGrid:
             raise ValueError("decode_steps and repeats must be >= 1")
 
 
-def _workloads(grid: ProfileGrid, budget: int) -> list[tuple[str, list[tuple[int, int]], list]]:
-    """(label, [(prompt_len, output_len)] at once, [(prompt_len, output_len)] added later)."""
+Item = tuple[int, int] | tuple[int, int, int]
+
+
+def _workloads(grid: ProfileGrid, budget: int) -> list[tuple[str, list[Item], list[Item]]]:
+    """(label, requests at once, requests added later); a request is (prompt_len,
+    output_len) or (prompt_len, output_len, leading tokens shared with the workload's
+    other requests)."""
     out = []
     for c in grid.context_lens:
         for b in grid.batch_sizes:
@@ -63,6 +71,10 @@ def _workloads(grid: ProfileGrid, budget: int) -> list[tuple[str, list[tuple[int
     for b in (grid.batch_sizes[len(grid.batch_sizes) // 2], max(grid.batch_sizes)):
         for p in grid.prefill_tokens[1::2]:
             out.append((f"mixed b={b} p={p}", [(min(grid.context_lens), 8)] * b, [(p, 2)]))
+    for c in grid.context_lens:
+        for p in sorted(grid.prefill_tokens)[:2]:
+            if p <= budget:
+                out.append((f"continued c={c} p={p}", [(c, 1, c)], [(c + p, 1, c)]))
     return out
 
 
@@ -87,14 +99,16 @@ def profile_steps(args: EngineArgs, grid: ProfileGrid,
     recorder = StepRecorder(engine.scheduler)
     samples: list[tuple[BatchShape, float]] = []
 
-    def add(prompt_len: int, output_len: int) -> None:
-        prompt = [rng.randrange(4, vocab) for _ in range(prompt_len)]
+    def add(prompt_len: int, output_len: int, shared: int, prefix: list[int]) -> None:
+        prompt = prefix[:shared] + [rng.randrange(4, vocab) for _ in range(prompt_len - shared)]
         engine.add_request(prompt, SamplingParams(max_tokens=output_len, temperature=0.0,
                                                   ignore_eos=True))
 
-    def run(label: str, first: list, later: list, keep: bool) -> None:
-        for p, o in first:
-            add(p, o)
+    def run(label: str, first: list[Item], later: list[Item], keep: bool) -> None:
+        # Fresh for every run: a repeat must not hit an earlier repeat's cached prefix.
+        prefix = [rng.randrange(4, vocab) for _ in range(max(i[0] for i in first + later))]
+        for p, o, *shared in first:
+            add(p, o, sum(shared), prefix)
         pending = list(later)
         while engine.has_unfinished_requests():
             before = len(recorder.records)
@@ -106,8 +120,8 @@ def profile_steps(args: EngineArgs, grid: ProfileGrid,
             if pending and engine.scheduler.num_waiting == 0 and all(
                     r.num_computed_tokens >= r.num_prompt_tokens
                     for r in engine.scheduler.running):
-                for p, o in pending:  # arrive once every request is decoding
-                    add(p, o)
+                for p, o, *shared in pending:  # arrive once every request is decoding
+                    add(p, o, sum(shared), prefix)
                 pending = []
 
     workloads = _workloads(grid, budget)
