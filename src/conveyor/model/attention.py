@@ -9,8 +9,9 @@ prefill chunks after:
 The cache of one layer is ``[num_slots, num_kv_heads, head_dim]`` with
 ``slot = block_id * block_size + offset``. New K/V are written at the step's slots
 first, then every query reads its whole context through its slots: the decode
-group in one padded ``scaled_dot_product_attention`` call, each prefill segment in
-its own call (a fresh prompt attends to its own K/V without touching the cache).
+group in one padded ``scaled_dot_product_attention`` call (or the native decode kernel),
+each prefill segment in its own call (a fresh prompt attends to its own K/V without
+touching the cache, through the native prefill kernel on CPU where it applies).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class AttentionMetadata:
     # One of decode_attention.py's kernels: (q, k_cache, v_cache, meta, scale) -> out.
     decode_kernel: Callable | None = None
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # For a fresh prompt's causal attention: (q, k, v, out, scale) -> True if it wrote
+    # ``out`` (the native kernel), False to leave the segment to SDPA; None: SDPA always.
+    prefill_kernel: Callable | None = None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -61,6 +65,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[:nd] = meta.decode_kernel(q[:nd], k_cache, v_cache, meta, scale)
     for seg in meta.prefills:
         s, e = seg.start, seg.start + seg.length
+        if (seg.ctx_slots is None and seg.mask is None and meta.prefill_kernel is not None
+                and meta.prefill_kernel(q[s:e], k[s:e], v[s:e], out[s:e], scale)):
+            continue
         qs = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, len, D]
         if seg.ctx_slots is None:
             ks, vs = k[s:e], v[s:e]  # [len, Hkv, D]

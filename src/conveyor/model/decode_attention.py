@@ -63,6 +63,28 @@ class NativeDecode:
 sdpa_decode.needs_mask = True  # type: ignore[attr-defined]
 
 
+class NativePrefill:
+    """Causal attention of a fresh prompt through ``kernels/prefill_attention.c``.
+
+    Reads q, k, v where the QKV projection left them (rows of a strided view) and writes
+    ``out`` in place; declines (returns False) what it was not compiled for, and the
+    segment then goes to SDPA.
+    """
+
+    def __init__(self, lib) -> None:
+        self.fn = lib.prefill_attention_f32
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 scale: float) -> bool:
+        t, hq, d = q.shape
+        if (q.dtype != torch.float32 or k.dtype != torch.float32 or out.dtype != torch.float32
+                or any(x.stride(2) != 1 or x.stride(1) != d for x in (q, k, v, out))
+                or k.stride(0) != v.stride(0)):
+            return False
+        return self.fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t, hq,
+                       k.shape[1], d, q.stride(0), k.stride(0), out.stride(0), scale) == 0
+
+
 def pick_decode_kernel(backend: str, device: torch.device, dtype: torch.dtype,
                        num_heads: int, num_kv_heads: int):
     """``native`` (C kernel, CPU), ``sdpa``, or ``auto``: native where it applies."""

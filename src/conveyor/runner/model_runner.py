@@ -16,7 +16,7 @@ import torch
 from conveyor.config import CacheConfig, ModelConfig, kv_blocks_for
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from conveyor.model.attention import AttentionMetadata, PrefillSegment
-from conveyor.model.decode_attention import NativeDecode, pick_decode_kernel
+from conveyor.model.decode_attention import NativeDecode, NativePrefill, pick_decode_kernel
 from conveyor.model.layer_ops import NativeOps
 from conveyor.model.loader import DTYPES, load_model
 from conveyor.model.packed_linear import use_packed_linears
@@ -74,8 +74,10 @@ class ModelRunner:
         self.decode_kernel = pick_decode_kernel(attention_backend, device,
                                                 DTYPES[model_cfg.math_dtype], model_cfg.num_heads,
                                                 model_cfg.num_kv_heads)
+        self.prefill_kernel: NativePrefill | None = None
         if isinstance(self.decode_kernel, NativeDecode) and model_cfg.math_dtype == "float32":
             self.model.ops = NativeOps(self.decode_kernel.lib)
+            self.prefill_kernel = NativePrefill(self.decode_kernel.lib)
         self.packed_linears = use_packed_linears(linear_backend, device,
                                                  DTYPES[model_cfg.math_dtype])
         if self.packed_linears:
@@ -183,7 +185,8 @@ class ModelRunner:
             cursor += n
         meta = AttentionMetadata(slot_mapping=self._to_device(np.concatenate(slot_chunks)),
                                  num_decodes=len(decode_ctx), prefills=prefills,
-                                 decode_kernel=self.decode_kernel)
+                                 decode_kernel=self.decode_kernel,
+                                 prefill_kernel=self.prefill_kernel)
         if decode_ctx:
             self._decode_layout(meta, decode_tables, decode_ctx)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)

@@ -26,7 +26,8 @@ from conveyor.model.presets import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), name)
-            for name in ("decode_attention.c", "elementwise.c")]
+            for name in ("decode_attention.c", "prefill_attention.c", "elementwise.c")]
+_HEADERS = [os.path.join(os.path.dirname(__file__), "prefill_attention_body.h")]
 # -ffast-math only while compiling: linking with it would add crtfastmath, whose
 # constructor turns on flush-to-zero for the whole process (torch included).
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -74,7 +75,7 @@ def load() -> ctypes.CDLL | None:
         logger.warning("no C compiler found: native CPU kernels disabled")
         return None
     key = hashlib.sha256(" ".join(_FLAGS).encode() + _cpu_key().encode())
-    for source in _SOURCES:
+    for source in [*_SOURCES, *_HEADERS]:
         with open(source, "rb") as f:
             key.update(f.read())
     path = os.path.join(cache_root(), "kernels", key.hexdigest()[:16], "libconveyor_cpu.so")
@@ -96,10 +97,11 @@ def load() -> ctypes.CDLL | None:
         "add_rms_norm_f32": [ptr] * 4 + [i32] * 2 + [f32],
         "silu_mul_f32": [ptr] * 2 + [i32] * 2,
         "rope_f32": [ptr] * 4 + [i32] * 4,
+        "prefill_attention_f32": [ptr] * 4 + [i32] * 7 + [f32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.restype = None
+        fn.restype = ctypes.c_int if name == "prefill_attention_f32" else None
         fn.argtypes = argtypes
     _lib = lib
     return lib

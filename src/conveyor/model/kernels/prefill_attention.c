@@ -1,0 +1,63 @@
+/*
+ * Causal self-attention of a fresh prompt (no cached prefix), float32, GQA; head dims
+ * 16, 32, 64 and 128 (each a copy compiled with its dimension fixed, so that a query's
+ * accumulator fits in registers).
+ *
+ * One task per (KV head, block of QB query rows): the block's rows times the G query
+ * heads sharing that KV head walk the keys up to the block's last row in chunks of KC.
+ * Each K chunk is transposed once into a [D][KC] tile, so a query's KC scores are D
+ * vector FMAs across keys (no horizontal sums), four queries sharing each tile load; the
+ * chunk is folded into a running (online) softmax, and the chunk's V rows are added into
+ * each query's accumulator, held in registers. K and V are read straight from the
+ * packed QKV projection (row strides given), once per task.
+ *
+ *   q    row t, head h at q + t * q_stride + h * D       (t < L, h < Hq)
+ *   k, v row t, head h at k + t * kv_stride + h * D      (h < Hkv)
+ *   out  row t, head h at out + t * out_stride + h * D
+ *
+ * Query row t attends to keys 0..t. Compiled with the other kernels (-O3 -march=native
+ * -ffast-math -fopenmp); masked scores are a large negative number, not -inf, because
+ * fast-math assumes finite values.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QB 16
+#define KC 16
+#define NEG (-1e30f)
+
+#define D 16
+#define NAME prefill_d16
+#include "prefill_attention_body.h"
+#undef D
+#undef NAME
+#define D 32
+#define NAME prefill_d32
+#include "prefill_attention_body.h"
+#undef D
+#undef NAME
+#define D 64
+#define NAME prefill_d64
+#include "prefill_attention_body.h"
+#undef D
+#undef NAME
+#define D 128
+#define NAME prefill_d128
+#include "prefill_attention_body.h"
+#undef D
+#undef NAME
+
+/* Returns 0, or -1 for a head dim without a compiled copy (the caller falls back). */
+int prefill_attention_f32(const float* q, const float* k, const float* v, float* out, int L,
+                          int Hq, int Hkv, int head_dim, int q_stride, int kv_stride,
+                          int out_stride, float scale) {
+    switch (head_dim) {
+        case 16: prefill_d16(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride, out_stride, scale); return 0;
+        case 32: prefill_d32(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride, out_stride, scale); return 0;
+        case 64: prefill_d64(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride, out_stride, scale); return 0;
+        case 128: prefill_d128(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride, out_stride, scale); return 0;
+        default: return -1;
+    }
+}

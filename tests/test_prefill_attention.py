@@ -1,0 +1,62 @@
+"""The native prefill-attention kernel equals causal SDPA on a fresh prompt, reading q, k
+and v where the packed QKV projection leaves them, and declines what it cannot do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conveyor.model import kernels
+from conveyor.model.decode_attention import NativePrefill
+
+needs_native = pytest.mark.skipif(kernels.load() is None, reason="no C compiler")
+
+
+def qkv_views(length: int, hq: int, hkv: int, d: int, seed: int = 0):
+    """q, k, v as strided views into one packed [T, (Hq + 2 Hkv) * D] buffer."""
+    torch.manual_seed(seed)
+    qkv = torch.randn(length, (hq + 2 * hkv) * d)
+    q = qkv[:, :hq * d].view(length, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(length, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(length, hkv, d)
+    return q, k, v
+
+
+def reference(q, k, v, scale):
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])
+    return o[0].transpose(0, 1)
+
+
+@needs_native
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2), (6, 1)])
+@pytest.mark.parametrize("length", [2, 15, 16, 17, 33, 130])
+def test_native_prefill_equals_causal_sdpa(d: int, hq: int, hkv: int, length: int) -> None:
+    q, k, v = qkv_views(length, hq, hkv, d, seed=length * d + hq)
+    out = torch.full((length, hq, d), float("nan"))
+    assert NativePrefill(kernels.load())(q, k, v, out, d ** -0.5)
+    torch.testing.assert_close(out, reference(q, k, v, d ** -0.5), atol=2e-6, rtol=1e-5)
+
+
+@needs_native
+def test_native_prefill_writes_only_its_rows_of_a_larger_output() -> None:
+    q, k, v = qkv_views(40, 4, 2, 32)
+    out = torch.zeros(50, 4, 32)
+    assert NativePrefill(kernels.load())(q, k, v, out[5:45], 0.2)
+    torch.testing.assert_close(out[5:45], reference(q, k, v, 0.2), atol=2e-6, rtol=1e-5)
+    assert out[:5].abs().sum() == 0 and out[45:].abs().sum() == 0
+
+
+@needs_native
+def test_native_prefill_declines_what_it_was_not_built_for() -> None:
+    kernel = NativePrefill(kernels.load())
+    q, k, v = qkv_views(8, 4, 2, 48)  # no copy compiled for head dim 48
+    assert not kernel(q, k, v, torch.empty(8, 4, 48), 0.1)
+    q, k, v = qkv_views(8, 4, 2, 32)
+    assert not kernel(q.double(), k.double(), v.double(), torch.empty(8, 4, 32), 0.1)
+    assert not kernel(q.transpose(1, 2).contiguous().transpose(1, 2), k, v,
+                      torch.empty(8, 4, 32), 0.1)  # heads not contiguous within a row
