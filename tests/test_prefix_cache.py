@@ -68,6 +68,19 @@ def test_hit_rate_counts_prompt_tokens() -> None:
     assert out.metrics.num_cached_tokens == 16
 
 
+def test_reset_prefix_cache_forgets_what_no_request_holds() -> None:
+    llm = LLM("tiny", block_size=4, num_kv_blocks=64)
+    prompt = {"prompt_token_ids": list(range(10, 30))}
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    llm.generate([prompt], params)
+    assert llm.generate([prompt], params)[0].num_cached_tokens == 16
+    assert llm.reset_prefix_cache() >= 4  # the prompt's 4 full blocks, at least
+    assert llm.generate([prompt], params)[0].num_cached_tokens == 0
+    assert llm.reset_prefix_cache() >= 4 and llm.reset_prefix_cache() == 0
+    llm.engine.kv.check_invariants()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(1, 8)),
                 min_size=2, max_size=20), st.integers(6, 30))

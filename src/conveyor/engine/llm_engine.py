@@ -174,6 +174,11 @@ class LLMEngine:
                 self._record_finished(aborted[1])
         return outputs
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prefix blocks no request holds; returns how many were dropped.
+        Blocks in use keep their content until freed (as vLLM's does, minus its refusal)."""
+        return self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.output_processor.parents)
 

@@ -104,6 +104,10 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget cached prefixes (e.g. between benchmark runs); returns blocks dropped."""
+        return self.engine.reset_prefix_cache()
+
 
 def _per_prompt(value: Any, n: int, name: str, default: Any = None) -> list[Any]:
     if value is None:

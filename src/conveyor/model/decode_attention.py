@@ -21,10 +21,6 @@ from conveyor.model import kernels
 if TYPE_CHECKING:
     from conveyor.model.attention import AttentionMetadata
 
-# The C kernel keeps per-group accumulators on the stack.
-MAX_NATIVE_GROUP = 64
-
-
 def sdpa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [B, Hq, D]; caches: [num_slots, Hkv, D]. Returns [B, Hq, D]."""
@@ -90,8 +86,7 @@ def pick_decode_kernel(backend: str, device: torch.device, dtype: torch.dtype,
     """``native`` (C kernel, CPU), ``sdpa``, or ``auto``: native where it applies."""
     if backend not in ("auto", "sdpa", "native"):
         raise ValueError(f"attention_backend must be auto, native or sdpa, got {backend!r}")
-    applies = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-               and num_heads // num_kv_heads <= MAX_NATIVE_GROUP)
+    applies = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     if backend == "sdpa" or (backend == "auto" and not applies):
         return sdpa_decode
     if not applies:
