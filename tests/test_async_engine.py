@@ -69,13 +69,19 @@ async def collect(engine: AsyncEngine, rid: str, prompt, params, **kw) -> list[i
     return tokens
 
 
-def test_concurrent_streams_equal_offline_greedy() -> None:
+def offline_greedy_case() -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """Six prompts, their greedy output lengths, and the offline engine's tokens for them."""
     prompts = random_prompts(6, lo=3, hi=40, seed=1)
     lengths = [5, 9, 1, 14, 7, 11]
     offline = LLM(engine_args().model, dtype="float32", num_threads=cpu_threads(),
                   attention_backend=ATTENTION_BACKEND)
     want = [o.outputs[0].token_ids for o in offline.generate(
         [{"prompt_token_ids": p} for p in prompts], [greedy(n) for n in lengths])]
+    return prompts, lengths, want
+
+
+def test_concurrent_streams_equal_offline_greedy() -> None:
+    prompts, lengths, want = offline_greedy_case()
 
     async def main() -> list[list[int]]:
         async with running() as engine:

@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 
-from conveyor import LLM
 from conveyor.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -17,9 +16,8 @@ from conveyor.engine.core_process import EngineCoreStartError
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.outputs import RequestMetrics
 
-from helpers import cpu_threads, random_prompts
-from server_helpers import ATTENTION_BACKEND
-from test_async_engine import collect, engine_args, greedy, wait_until
+from helpers import random_prompts
+from test_async_engine import collect, engine_args, greedy, offline_greedy_case, wait_until
 
 
 # Calls cross a process boundary: module-level functions only.
@@ -37,12 +35,7 @@ def num_running(engine: LLMEngine) -> int:
 
 
 def test_process_engine_serves_like_the_thread_engine_and_faults_stay_local() -> None:
-    prompts = random_prompts(6, lo=3, hi=40, seed=1)
-    lengths = [5, 9, 1, 14, 7, 11]
-    offline = LLM(engine_args().model, dtype="float32", num_threads=cpu_threads(),
-                  attention_backend=ATTENTION_BACKEND)
-    want = [o.outputs[0].token_ids for o in offline.generate(
-        [{"prompt_token_ids": p} for p in prompts], [greedy(n) for n in lengths])]
+    prompts, lengths, want = offline_greedy_case()
 
     async def main() -> None:
         engine = AsyncEngine.from_engine_args(
