@@ -72,14 +72,15 @@ def floor_weights(llm: LLM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     return layer * cfg.num_layers + [w(cfg.vocab_size, h)]
 
 
-def linear_fns(weights, packed: bool = False) -> list:
-    """One callable per weight: F.linear (the issue's floor) or, ``packed``, oneDNN with the
-    weight pre-packed once (the engine's own GEMMs on a float32 CPU)."""
-    from conveyor.model.packed_linear import PackedLinear
+def linear_fns(weights, backend: str = "torch") -> list:
+    """One callable per weight: F.linear (``torch``, the issue's floor) or the weight
+    pre-packed once for ``onednn`` or conveyor's ``native`` GEMM (plain products, no fused
+    activation): the engine's own GEMMs on a float32 CPU."""
+    from conveyor.model.packed_linear import packed_linear
 
-    if packed:
-        return [PackedLinear(w, b) for w, b in weights]
-    return [lambda x, w=w, b=b: F.linear(x, w, b) for w, b in weights]
+    if backend == "torch":
+        return [lambda x, w=w, b=b: F.linear(x, w, b) for w, b in weights]
+    return [packed_linear(w, b, backend) for w, b in weights]
 
 
 def gemm_floor(fns: list, weights, batch: int, n: int) -> float:
@@ -100,7 +101,8 @@ def gemm_floor(fns: list, weights, batch: int, n: int) -> float:
 def breakdown(llm: LLM, n: int) -> dict[str, float]:
     """Per-step milliseconds by category.
 
-    GEMMs come from the profiler (aten::mm/addmm self time). Attention (the fused kernel or
+    GEMMs come from the profiler (aten::mm/addmm and oneDNN self time) plus the time spent
+    in conveyor's native GEMM kernel (timed by wrapping its module). Attention (the fused kernel or
     gather + SDPA) and KV writes are timed by wrapping the layer's attention call, since
     compiled kernels do not show up as aten ops. Other tensor ops are the rest of the
     forward pass; sampling is the runner's logits + sample phase; Python and scheduling are
@@ -109,9 +111,17 @@ def breakdown(llm: LLM, n: int) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     from conveyor.model import llama
+    from conveyor.model.packed_linear import NativeLinear
 
-    spent = {"attention": 0.0, "kv_write": 0.0}
+    spent = {"attention": 0.0, "kv_write": 0.0, "native_gemm": 0.0}
     real_attention = llama.paged_attention
+    real_native = NativeLinear.forward
+
+    def timed_native(self, x):
+        t0 = time.perf_counter()
+        out = real_native(self, x)
+        spent["native_gemm"] += time.perf_counter() - t0
+        return out
 
     def timed_attention(q, k, v, k_cache, v_cache, meta, scale):
         t0 = time.perf_counter()
@@ -126,6 +136,7 @@ def breakdown(llm: LLM, n: int) -> dict[str, float]:
     llm.engine.timings.reset()
     llm.engine.runner.timings.reset()
     llama.paged_attention = timed_attention
+    NativeLinear.forward = timed_native
     try:
         t = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -134,8 +145,9 @@ def breakdown(llm: LLM, n: int) -> dict[str, float]:
         wall = (time.perf_counter() - t) / n
     finally:
         llama.paged_attention = real_attention
+        NativeLinear.forward = real_native
     gemm = sum(e.self_cpu_time_total for e in prof.key_averages()
-               if e.key.startswith(GEMM_OPS)) / 1e6 / n
+               if e.key.startswith(GEMM_OPS)) / 1e6 / n + spent["native_gemm"] / n
     ms = llm.engine.runner.timings.mean_ms()
     forward, logits, sample, prep = (ms.get(k, 0.0) / 1e3
                                      for k in ("forward", "logits", "sample", "prepare"))
@@ -163,21 +175,22 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="decode steps timed per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--attention-backend", default="auto", choices=("auto", "native", "sdpa"))
-    p.add_argument("--linear-backend", default="auto", choices=("auto", "torch", "onednn"))
+    p.add_argument("--linear-backend", default="auto",
+                   choices=("auto", "torch", "onednn", "native"))
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = build(args)
     runner = llm.engine.runner
-    packed = runner.packed_linears
+    packed = runner.linear_backend if runner.packed_linears else None
     print(f"model {args.model} {args.dtype} (compute {llm.engine.config.model.math_dtype}), "
           f"batch {args.batch}, context {args.context}+, attention {args.attention_backend}, "
-          f"linears {'onednn (packed)' if packed else 'torch F.linear'}, "
+          f"linears {packed + ' (packed)' if packed else 'torch F.linear'}, "
           f"{torch.get_num_threads()} threads")
     weights = floor_weights(llm)
     plain_fns = linear_fns(weights)
-    packed_fns = linear_fns(weights, packed=True) if packed else None
+    packed_fns = linear_fns(weights, packed) if packed else None
     ratios, packed_ratios = [], []
     for r in range(args.rounds):
         step = time_steps(llm, args.steps)
@@ -192,7 +205,8 @@ def main() -> None:
         print(line)
     print(f"median ratio step / GEMM floor (F.linear): {statistics.median(ratios):.2f}")
     if packed_ratios:
-        print(f"median ratio step / packed oneDNN floor: {statistics.median(packed_ratios):.2f}")
+        print(f"median ratio step / packed {packed} floor: "
+              f"{statistics.median(packed_ratios):.2f}")
     print("breakdown of one step (ms):")
     for name, sec in breakdown(llm, args.steps).items():
         print(f"  {name:36s} {sec * 1e3:8.2f}")

@@ -186,10 +186,13 @@ class EngineArgs:
                             "place (CPU, float32/bfloat16; built with the system C compiler on "
                             "first use); sdpa = gather + SDPA (any device); auto = native where "
                             "it applies")
-        g.add_argument("--linear-backend", default="auto", choices=("auto", "torch", "onednn"),
-                       help="projections and LM head: onednn = weights packed once for "
-                            "oneDNN (CPU, float32); torch = F.linear; auto = onednn where "
-                            "it applies")
+        g.add_argument("--linear-backend", default="auto",
+                       choices=("auto", "torch", "onednn", "native"),
+                       help="projections and LM head: native = conveyor's GEMM kernel with "
+                            "weights packed once and SwiGLU fused (CPU with AVX2, float32; "
+                            "built on first use); onednn = weights packed once for oneDNN "
+                            "(CPU, float32); torch = F.linear; auto = native, else onednn, "
+                            "where they apply")
         g.add_argument("--block-size", type=int, default=16)
         g.add_argument("--num-kv-blocks", type=int, default=None)
         g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,

@@ -18,7 +18,7 @@ from torch import nn
 from conveyor.config import ModelConfig
 from conveyor.model.attention import AttentionMetadata, paged_attention
 from conveyor.model.layer_ops import TorchOps
-from conveyor.model.packed_linear import PackedLinear, pack_linears
+from conveyor.model.packed_linear import pack_linears, packed_linear
 
 
 class RMSNorm(nn.Module):
@@ -129,7 +129,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x), self.intermediate))
+        h = self.gate_up_proj(x)
+        if not getattr(self.gate_up_proj, "applies_silu_mul", False):  # else fused in
+            h = ops.silu_mul(h, self.intermediate)
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -175,20 +178,20 @@ class LlamaForCausalLM(nn.Module):
         self.sliding_window: int | None = int(window) if window and use_window else None
         # Elementwise steps: reference PyTorch ops unless the runner installs native ones.
         self.ops: TorchOps = TorchOps()
-        self.packed_lm_head: PackedLinear | None = None
+        self.packed_lm_head: nn.Module | None = None
 
-    def pack_linears(self) -> int:
-        """Pre-pack every projection and the LM head for oneDNN (see packed_linear.py);
-        returns how many weights were packed."""
-        self.packed_lm_head = PackedLinear(self.lm_head_weight, None)
+    def pack_linears(self, backend: str = "onednn") -> int:
+        """Pre-pack every projection and the LM head for ``backend`` (native or onednn, see
+        packed_linear.py); returns how many weights were packed."""
+        self.packed_lm_head = packed_linear(self.lm_head_weight, None, backend)
         if not self.tie_word_embeddings:
             del self.lm_head
-        return pack_linears(self.layers) + 1
+        return pack_linears(self.layers, backend) + 1
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         if self.packed_lm_head is not None:
-            raise RuntimeError("the LM head is packed for oneDNN: no plain weight")
+            raise RuntimeError("the LM head is packed: no plain weight")
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -19,7 +19,7 @@ from conveyor.model.attention import AttentionMetadata, PrefillSegment
 from conveyor.model.decode_attention import NativeDecode, NativePrefill, pick_decode_kernel
 from conveyor.model.layer_ops import NativeOps
 from conveyor.model.loader import DTYPES, load_model
-from conveyor.model.packed_linear import use_packed_linears
+from conveyor.model.packed_linear import pick_linear_backend
 from conveyor.runner.sampler import Sampler, SamplingRow
 from conveyor.sampling_params import SamplingParams
 from conveyor.timings import PhaseTimings
@@ -78,10 +78,11 @@ class ModelRunner:
         if isinstance(self.decode_kernel, NativeDecode) and model_cfg.math_dtype == "float32":
             self.model.ops = NativeOps(self.decode_kernel.lib)
             self.prefill_kernel = NativePrefill(self.decode_kernel.lib)
-        self.packed_linears = use_packed_linears(linear_backend, device,
-                                                 DTYPES[model_cfg.math_dtype])
+        self.linear_backend = pick_linear_backend(linear_backend, device,
+                                                  DTYPES[model_cfg.math_dtype])
+        self.packed_linears = self.linear_backend != "torch"
         if self.packed_linears:
-            self.model.pack_linears()
+            self.model.pack_linears(self.linear_backend)
         # Tests set this to read each sampling request's float32 logits of the last step.
         self.timings = PhaseTimings()
         self.record_logits = False

@@ -26,7 +26,8 @@ from conveyor.model.presets import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), name)
-            for name in ("decode_attention.c", "prefill_attention.c", "elementwise.c")]
+            for name in ("decode_attention.c", "prefill_attention.c", "elementwise.c",
+                         "gemm.c")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "prefill_attention_body.h")]
 # -ffast-math only while compiling: linking with it would add crtfastmath, whose
 # constructor turns on flush-to-zero for the whole process (torch included).
@@ -98,10 +99,16 @@ def load() -> ctypes.CDLL | None:
         "silu_mul_f32": [ptr] * 2 + [i32] * 2,
         "rope_f32": [ptr] * 4 + [i32] * 4,
         "prefill_attention_f32": [ptr] * 4 + [i32] * 7 + [f32],
+        "gemm_f32_available": [],
+        "gemm_packed_size": [i32] * 3,
+        "gemm_pack_weight_f32": [ptr] * 2 + [i32] * 3,
+        "gemm_f32": [ptr, i32, ptr, ptr, ptr] + [i32] * 5,
     }
+    restypes = {"prefill_attention_f32": ctypes.c_int, "gemm_f32_available": ctypes.c_int,
+                "gemm_packed_size": ctypes.c_int64, "gemm_f32": ctypes.c_int}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_int if name == "prefill_attention_f32" else None
+        fn.restype = restypes.get(name)
         fn.argtypes = argtypes
     _lib = lib
     return lib
