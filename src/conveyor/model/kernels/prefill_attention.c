@@ -28,24 +28,33 @@
 #define KC 16
 #define NEG (-1e30f)
 
+/* Register-blocked intrinsics where the CPU has them, else portable C the compiler
+ * vectorizes (KC = 16 is two ymm registers of keys in both). */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define BODY "prefill_attention_avx2.h"
+#else
+#define BODY "prefill_attention_body.h"
+#endif
+
 #define D 16
 #define NAME prefill_d16
-#include "prefill_attention_body.h"
+#include BODY
 #undef D
 #undef NAME
 #define D 32
 #define NAME prefill_d32
-#include "prefill_attention_body.h"
+#include BODY
 #undef D
 #undef NAME
 #define D 64
 #define NAME prefill_d64
-#include "prefill_attention_body.h"
+#include BODY
 #undef D
 #undef NAME
 #define D 128
 #define NAME prefill_d128
-#include "prefill_attention_body.h"
+#include BODY
 #undef D
 #undef NAME
 

@@ -1,0 +1,171 @@
+/*
+ * The AVX2 + FMA body of prefill_attention.c's kernel, included once per head dim with D
+ * (a multiple of 16) and NAME defined; same task split and online softmax as the
+ * portable body (prefill_attention_body.h), with both products register-blocked:
+ *
+ *   scores  4 queries x KC (16) keys in 8 ymm accumulators; a step over d is two loads of
+ *           the transposed K tile, four broadcasts and eight FMAs
+ *   P @ V   4 queries x 16 dims of the output in 8 ymm accumulators, rescaled once per
+ *           chunk; a key is two loads of its V row (copied into a compact tile), four
+ *           broadcasts of the probabilities and eight FMAs
+ *
+ * and the K and V tiles built once per call, shared by every query block.
+ * where the portable body reloaded each query's accumulator and every V row once per
+ * query (measured 2-3x slower on the 2-core AVX2 machine this project runs on).
+ */
+static void NAME(const float* restrict q, const float* restrict k, const float* restrict v,
+                 float* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
+                 int out_stride, float scale) {
+    const int G = Hq / Hkv;
+    const int nblocks = (L + QB - 1) / QB;
+    const int ntasks = Hkv * nblocks;
+    /* Every KC-key chunk of every KV head, K transposed into [D][KC] and V copied into
+     * [KC][D] (zeros past L), once per call rather than once per query block. */
+    const int nchunks = (L + KC - 1) / KC;
+    float* kts = (float*)aligned_alloc(64, sizeof(float) * (size_t)Hkv * nchunks * D * KC);
+    float* vts = (float*)aligned_alloc(64, sizeof(float) * (size_t)Hkv * nchunks * KC * D);
+    #pragma omp parallel
+    {
+    #pragma omp for schedule(static)
+    for (int c = 0; c < Hkv * nchunks; c++) {
+        const int h = c / nchunks, j0 = (c % nchunks) * KC;
+        const int kn = L - j0 < KC ? L - j0 : KC;
+        float* kt = kts + (int64_t)c * D * KC;
+        float* vt = vts + (int64_t)c * KC * D;
+        for (int jj = 0; jj < KC; jj++) {
+            const int64_t off = (int64_t)(j0 + (jj < kn ? jj : 0)) * kv_stride
+                              + (int64_t)h * D;
+            for (int d = 0; d < D; d++) kt[d * KC + jj] = k[off + d];
+            for (int d = 0; d < D; d++) vt[jj * D + d] = jj < kn ? v[off + d] : 0.f;
+        }
+    }
+    const int nq_max = (QB * G + 3) / 4 * 4;
+    float* m = (float*)malloc(sizeof(float) * (size_t)nq_max);
+    float* l = (float*)malloc(sizeof(float) * (size_t)nq_max);
+    float* acc = (float*)aligned_alloc(64, sizeof(float) * (size_t)nq_max * D);
+    float* qs = (float*)aligned_alloc(64, sizeof(float) * (size_t)nq_max * D);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    /* Largest blocks first (their work grows with the row index). */
+    #pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < ntasks; task++) {
+        const int blk = nblocks - 1 - task / Hkv, h = task % Hkv;
+        const int r0 = blk * QB, r1 = r0 + QB < L ? r0 + QB : L;
+        const int nq = (r1 - r0) * G, nq4 = (nq + 3) / 4 * 4;
+        /* Query i = (row r0 + i / G, head h * G + i % G), pre-scaled; padded to 4. */
+        for (int i = 0; i < nq4; i++) {
+            float* dst = qs + (int64_t)i * D;
+            if (i < nq) {
+                const float* src = q + (int64_t)(r0 + i / G) * q_stride
+                                 + (int64_t)(h * G + i % G) * D;
+                for (int d = 0; d < D; d++) dst[d] = src[d] * scale;
+            } else {
+                for (int d = 0; d < D; d++) dst[d] = 0.f;
+            }
+            m[i] = NEG;
+            l[i] = 0.f;
+        }
+        memset(acc, 0, sizeof(float) * (size_t)nq4 * D);
+        for (int j0 = 0; j0 < r1; j0 += KC) {
+            const int kn = r1 - j0 < KC ? r1 - j0 : KC;
+            const float* kt = kts + ((int64_t)h * nchunks + j0 / KC) * D * KC;
+            const float* vt = vts + ((int64_t)h * nchunks + j0 / KC) * KC * D;
+            for (int i0 = 0; i0 < nq; i0 += 4) {
+                if (r0 + (i0 + 3 < nq ? i0 + 3 : nq - 1) / G < j0) continue;
+                const float* q0 = qs + (int64_t)i0 * D;
+                __m256 s00 = _mm256_setzero_ps(), s01 = s00, s10 = s00, s11 = s00,
+                       s20 = s00, s21 = s00, s30 = s00, s31 = s00;
+                for (int d = 0; d < D; d++) {
+                    const __m256 k0 = _mm256_load_ps(kt + d * KC);
+                    const __m256 k1 = _mm256_load_ps(kt + d * KC + 8);
+                    __m256 x = _mm256_broadcast_ss(q0 + d);
+                    s00 = _mm256_fmadd_ps(x, k0, s00); s01 = _mm256_fmadd_ps(x, k1, s01);
+                    x = _mm256_broadcast_ss(q0 + D + d);
+                    s10 = _mm256_fmadd_ps(x, k0, s10); s11 = _mm256_fmadd_ps(x, k1, s11);
+                    x = _mm256_broadcast_ss(q0 + 2 * D + d);
+                    s20 = _mm256_fmadd_ps(x, k0, s20); s21 = _mm256_fmadd_ps(x, k1, s21);
+                    x = _mm256_broadcast_ss(q0 + 3 * D + d);
+                    s30 = _mm256_fmadd_ps(x, k0, s30); s31 = _mm256_fmadd_ps(x, k1, s31);
+                }
+                float p[4][KC] __attribute__((aligned(32)));
+                _mm256_store_ps(p[0], s00); _mm256_store_ps(p[0] + 8, s01);
+                _mm256_store_ps(p[1], s10); _mm256_store_ps(p[1] + 8, s11);
+                _mm256_store_ps(p[2], s20); _mm256_store_ps(p[2] + 8, s21);
+                _mm256_store_ps(p[3], s30); _mm256_store_ps(p[3] + 8, s31);
+                float alpha[4], p_sum[4], new_m[4];
+                for (int a = 0; a < 4; a++) {
+                    const int i = i0 + a, t = r0 + i / G;
+                    /* Keys past row t (and padding) are masked; padded queries mask all. */
+                    const int valid = i >= nq || t < j0 ? 0 : (t - j0 + 1 < kn ? t - j0 + 1 : kn);
+                    const __m256i nv = _mm256_set1_epi32(valid);
+                    const __m256 neg = _mm256_set1_ps(NEG);
+                    __m256 lo = _mm256_load_ps(p[a]), hi = _mm256_load_ps(p[a] + 8);
+                    lo = _mm256_blendv_ps(neg, lo, _mm256_castsi256_ps(_mm256_cmpgt_epi32(nv, lane)));
+                    hi = _mm256_blendv_ps(neg, hi, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                        nv, _mm256_add_epi32(lane, _mm256_set1_epi32(8)))));
+                    __m256 mx = _mm256_max_ps(lo, hi);
+                    mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
+                    mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
+                    mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xb1));
+                    const float cm = fmaxf(m[i], _mm256_cvtss_f32(mx));
+                    _mm256_store_ps(p[a], _mm256_sub_ps(lo, _mm256_set1_ps(cm)));
+                    _mm256_store_ps(p[a] + 8, _mm256_sub_ps(hi, _mm256_set1_ps(cm)));
+                    float sum = 0.f;
+                    #pragma omp simd reduction(+:sum)
+                    for (int jj = 0; jj < KC; jj++) {
+                        const float e = expf(p[a][jj]);
+                        p[a][jj] = e;
+                        sum += e;
+                    }
+                    alpha[a] = m[i] - cm; /* exponentiated below, the four at once */
+                    p_sum[a] = sum;
+                    new_m[a] = cm;
+                }
+                /* Clamped: expf(-1e30) takes libm's slow underflow path (errno). */
+                #pragma omp simd
+                for (int a = 0; a < 4; a++) alpha[a] = expf(fmaxf(alpha[a], -80.f));
+                for (int a = 0; a < 4 && i0 + a < nq; a++) {
+                    l[i0 + a] = l[i0 + a] * alpha[a] + p_sum[a];
+                    m[i0 + a] = new_m[a];
+                }
+                const __m256 al0 = _mm256_set1_ps(alpha[0]), al1 = _mm256_set1_ps(alpha[1]),
+                             al2 = _mm256_set1_ps(alpha[2]), al3 = _mm256_set1_ps(alpha[3]);
+                for (int dc = 0; dc < D; dc += 16) {
+                    float* a0 = acc + (int64_t)i0 * D + dc;
+                    __m256 o00 = _mm256_mul_ps(_mm256_load_ps(a0), al0);
+                    __m256 o01 = _mm256_mul_ps(_mm256_load_ps(a0 + 8), al0);
+                    __m256 o10 = _mm256_mul_ps(_mm256_load_ps(a0 + D), al1);
+                    __m256 o11 = _mm256_mul_ps(_mm256_load_ps(a0 + D + 8), al1);
+                    __m256 o20 = _mm256_mul_ps(_mm256_load_ps(a0 + 2 * D), al2);
+                    __m256 o21 = _mm256_mul_ps(_mm256_load_ps(a0 + 2 * D + 8), al2);
+                    __m256 o30 = _mm256_mul_ps(_mm256_load_ps(a0 + 3 * D), al3);
+                    __m256 o31 = _mm256_mul_ps(_mm256_load_ps(a0 + 3 * D + 8), al3);
+                    for (int jj = 0; jj < kn; jj++) {
+                        const __m256 v0 = _mm256_load_ps(vt + jj * D + dc);
+                        const __m256 v1 = _mm256_load_ps(vt + jj * D + dc + 8);
+                        __m256 x = _mm256_broadcast_ss(&p[0][jj]);
+                        o00 = _mm256_fmadd_ps(x, v0, o00); o01 = _mm256_fmadd_ps(x, v1, o01);
+                        x = _mm256_broadcast_ss(&p[1][jj]);
+                        o10 = _mm256_fmadd_ps(x, v0, o10); o11 = _mm256_fmadd_ps(x, v1, o11);
+                        x = _mm256_broadcast_ss(&p[2][jj]);
+                        o20 = _mm256_fmadd_ps(x, v0, o20); o21 = _mm256_fmadd_ps(x, v1, o21);
+                        x = _mm256_broadcast_ss(&p[3][jj]);
+                        o30 = _mm256_fmadd_ps(x, v0, o30); o31 = _mm256_fmadd_ps(x, v1, o31);
+                    }
+                    _mm256_store_ps(a0, o00); _mm256_store_ps(a0 + 8, o01);
+                    _mm256_store_ps(a0 + D, o10); _mm256_store_ps(a0 + D + 8, o11);
+                    _mm256_store_ps(a0 + 2 * D, o20); _mm256_store_ps(a0 + 2 * D + 8, o21);
+                    _mm256_store_ps(a0 + 3 * D, o30); _mm256_store_ps(a0 + 3 * D + 8, o31);
+                }
+            }
+        }
+        for (int i = 0; i < nq; i++) {
+            float* o = out + (int64_t)(r0 + i / G) * out_stride + (int64_t)(h * G + i % G) * D;
+            const float inv = 1.f / l[i];
+            const float* ai = acc + (int64_t)i * D;
+            for (int d = 0; d < D; d++) o[d] = ai[d] * inv;
+        }
+    }
+    free(m); free(l); free(acc); free(qs);
+    }
+    free(kts); free(vts);
+}
