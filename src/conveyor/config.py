@@ -137,6 +137,7 @@ class EngineArgs:
     num_threads: int | None = None
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    warmup: bool = True
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
@@ -193,6 +194,10 @@ class EngineArgs:
                             "built on first use); onednn = weights packed once for oneDNN "
                             "(CPU, float32); torch = F.linear; auto = native, else onednn, "
                             "where they apply")
+        g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                       help="run one full step (max-num-batched-tokens prompt tokens) at "
+                            "start, so the first requests do not pay for building kernels "
+                            "and faulting in a full step's memory (vLLM's dummy run)")
         g.add_argument("--block-size", type=int, default=16)
         g.add_argument("--num-kv-blocks", type=int, default=None)
         g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,

@@ -72,6 +72,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cache_cfg.block_size,
                                  cache_cfg.enable_prefix_caching, extra.encode())
         self.scheduler = Scheduler(self.config.scheduler, self.kv, max_len)
+        if args.warmup:  # before any request: its K/V lands in blocks nobody owns yet
+            self.runner.warmup(self.config.scheduler.max_num_batched_tokens, max_len - 1)
         self.tokenizer = load_tokenizer(model_cfg.tokenizer) if model_cfg.tokenizer else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(model_cfg.eos_token_ids)
