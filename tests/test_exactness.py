@@ -43,6 +43,7 @@ CONFIGS = {
     "sdpa_attention": dict(attention_backend="sdpa", max_num_batched_tokens=40),
     "native_attention": dict(attention_backend="native", max_num_batched_tokens=40),
     "torch_linears": dict(linear_backend="torch", attention_backend="sdpa"),
+    "onednn_linears": dict(linear_backend="onednn", max_num_batched_tokens=40),
 }
 
 
