@@ -29,7 +29,8 @@ _SOURCES = [os.path.join(os.path.dirname(__file__), name)
             for name in ("decode_attention.c", "prefill_attention.c", "elementwise.c",
                          "gemm.c")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), name)
-            for name in ("prefill_attention_body.h", "prefill_attention_avx2.h")]
+            for name in ("prefill_attention_body.h", "prefill_attention_avx2.h",
+                         "simd_math.h")]
 # -ffast-math only while compiling: linking with it would add crtfastmath, whose
 # constructor turns on flush-to-zero for the whole process (torch included).
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]

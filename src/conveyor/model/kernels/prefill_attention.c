@@ -32,6 +32,8 @@
  * vectorizes (KC = 16 is two ymm registers of keys in both). */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include "simd_math.h"
 #define BODY "prefill_attention_avx2.h"
 #else
 #define BODY "prefill_attention_body.h"

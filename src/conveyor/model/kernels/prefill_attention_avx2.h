@@ -107,22 +107,25 @@ static void NAME(const float* restrict q, const float* restrict k, const float* 
                     mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
                     mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xb1));
                     const float cm = fmaxf(m[i], _mm256_cvtss_f32(mx));
-                    _mm256_store_ps(p[a], _mm256_sub_ps(lo, _mm256_set1_ps(cm)));
-                    _mm256_store_ps(p[a] + 8, _mm256_sub_ps(hi, _mm256_set1_ps(cm)));
-                    float sum = 0.f;
-                    #pragma omp simd reduction(+:sum)
-                    for (int jj = 0; jj < KC; jj++) {
-                        const float e = expf(p[a][jj]);
-                        p[a][jj] = e;
-                        sum += e;
-                    }
+                    /* Masked lanes: exp256 of -1e30 is exactly 0. */
+                    lo = exp256(_mm256_sub_ps(lo, _mm256_set1_ps(cm)));
+                    hi = exp256(_mm256_sub_ps(hi, _mm256_set1_ps(cm)));
+                    _mm256_store_ps(p[a], lo);
+                    _mm256_store_ps(p[a] + 8, hi);
+                    __m256 sv = _mm256_add_ps(lo, hi);
+                    sv = _mm256_add_ps(sv, _mm256_permute2f128_ps(sv, sv, 1));
+                    sv = _mm256_add_ps(sv, _mm256_shuffle_ps(sv, sv, 0x4e));
+                    sv = _mm256_add_ps(sv, _mm256_shuffle_ps(sv, sv, 0xb1));
                     alpha[a] = m[i] - cm; /* exponentiated below, the four at once */
-                    p_sum[a] = sum;
+                    p_sum[a] = _mm256_cvtss_f32(sv);
                     new_m[a] = cm;
                 }
-                /* Clamped: expf(-1e30) takes libm's slow underflow path (errno). */
-                #pragma omp simd
-                for (int a = 0; a < 4; a++) alpha[a] = expf(fmaxf(alpha[a], -80.f));
+                {
+                    float al[8] __attribute__((aligned(32))) = {alpha[0], alpha[1], alpha[2],
+                                                                alpha[3], 0.f, 0.f, 0.f, 0.f};
+                    _mm256_store_ps(al, exp256(_mm256_load_ps(al)));
+                    for (int a = 0; a < 4; a++) alpha[a] = al[a];
+                }
                 for (int a = 0; a < 4 && i0 + a < nq; a++) {
                     l[i0 + a] = l[i0 + a] * alpha[a] + p_sum[a];
                     m[i0 + a] = new_m[a];
