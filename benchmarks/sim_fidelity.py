@@ -3,6 +3,7 @@
     PYTHONPATH=src python benchmarks/sim_fidelity.py              # profile + 3 workloads
     PYTHONPATH=src python benchmarks/sim_fidelity.py --clock cpu  # on a busy machine
     PYTHONPATH=src python benchmarks/sim_fidelity.py --profile p.json --workloads bursty
+    PYTHONPATH=src python benchmarks/sim_fidelity.py --clock cpu --profile-each
 
 1. Profile: ``conveyor profile``'s grid and fit, in this process, on the model below
    (``--profile FILE`` reuses one; ``--save-profile`` keeps the new one).
@@ -125,9 +126,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="wall: time as `conveyor bench` does; cpu: this process's CPU time "
                         "for the profile and the real runs (idle waits jump the clock), "
                         "which time slices lost to other processes do not inflate")
+    p.add_argument("--profile-each", action="store_true",
+                   help="profile again right before each workload's runs (a fresh profile "
+                        "per workload, ~60 s each): on a machine whose speed drifts over "
+                        "minutes, the profile is then minutes closer to the run it predicts")
     p.add_argument("--dry-run", action="store_true",
                    help="print the parameters and the estimate, run nothing")
     args = p.parse_args(argv)
+    if args.profile_each and args.profile:
+        p.error("--profile-each makes new profiles: it does not combine with --profile")
     names = [n for n in args.workloads.split(",") if n]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
@@ -161,7 +168,8 @@ def _run(args: argparse.Namespace, names: list[str], workdir: str) -> int:
     for name in runnable:
         print(f"workload {name}: conveyor bench {shlex.join(argvs[name])}")
     estimate = _estimate(argvs, engine_args)
-    profile_s = 0 if args.profile else PROFILE_WALL_S
+    profile_s = (0 if args.profile else PROFILE_WALL_S
+                 * (len(runnable) if args.profile_each else 1))
     print(f"estimated wall time: {profile_s + estimate:.0f}s on a quiet machine (profile "
           f"~{profile_s}s, real runs ~{estimate:.0f}s by the cpu roofline preset; more "
           f"when the machine is busy)", flush=True)
@@ -169,11 +177,20 @@ def _run(args: argparse.Namespace, names: list[str], workdir: str) -> int:
         return 0
 
     t0 = time.perf_counter()
-    profile_path = args.profile or _profile(
-        engine_args, args.save_profile or os.path.join(workdir, "profile.json"), args.clock)
-    print(f"profile: {profile_path} ({time.perf_counter() - t0:.0f}s)", flush=True)
+
+    def profile() -> str:
+        t = time.perf_counter()
+        path = args.profile or _profile(
+            engine_args, args.save_profile or os.path.join(workdir, "profile.json"),
+            args.clock)
+        print(f"profile: {path} ({time.perf_counter() - t:.0f}s)", flush=True)
+        return path
+
+    profile_path = None if args.profile_each else profile()
     rows = []
     for name in runnable:
+        if args.profile_each:
+            profile_path = profile()
         real, sim, self_sim, steps = _compare(name, argvs[name], profile_path, args.clock)
         rows += _rows(name, real, sim, self_sim)
         if args.out_dir:
