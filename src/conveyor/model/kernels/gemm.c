@@ -233,7 +233,10 @@ int gemm_f32(const float* x, int lda, const float* wp, const float* bias, float*
         #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int mb = 0; mb < nmb; mb++)
             for (int nb = 0; nb < nnb; nb++) {
-                if (failed) continue;
+                int stop;
+                #pragma omp atomic read
+                stop = failed;
+                if (stop) continue;
                 const int s0 = mb * mcs, s1 = s0 + mcs < ns ? s0 + mcs : ns;
                 const int p0 = nb * ncp, p1 = p0 + ncp < np ? p0 + ncp : np;
                 for (int kb = 0; kb < nkb; kb++) {
