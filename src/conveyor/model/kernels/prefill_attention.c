@@ -28,6 +28,38 @@
 #define KC 16
 #define NEG (-1e30f)
 
+/* A task's queries i = (row r0 + i / G, head h * G + i % G) copied pre-scaled into qs
+ * (padded with zeros to nq4, a multiple of 4), its softmax state and accumulators reset.
+ * Shared by both bodies; inlined with their fixed head dim. */
+static inline void start_task(const float* restrict q, float* restrict qs, float* m, float* l,
+                              float* acc, int nq, int nq4, int r0, int G, int h, int q_stride,
+                              int dim, float scale) {
+    for (int i = 0; i < nq4; i++) {
+        float* dst = qs + (int64_t)i * dim;
+        if (i < nq) {
+            const float* src = q + (int64_t)(r0 + i / G) * q_stride
+                             + (int64_t)(h * G + i % G) * dim;
+            for (int d = 0; d < dim; d++) dst[d] = src[d] * scale;
+        } else {
+            for (int d = 0; d < dim; d++) dst[d] = 0.f;
+        }
+        m[i] = NEG;
+        l[i] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)nq4 * dim);
+}
+
+/* A task's outputs: each query's accumulator over its softmax denominator. */
+static inline void finish_task(float* restrict out, const float* restrict acc, const float* l,
+                               int nq, int r0, int G, int h, int out_stride, int dim) {
+    for (int i = 0; i < nq; i++) {
+        float* o = out + (int64_t)(r0 + i / G) * out_stride + (int64_t)(h * G + i % G) * dim;
+        const float inv = 1.f / l[i];
+        const float* ai = acc + (int64_t)i * dim;
+        for (int d = 0; d < dim; d++) o[d] = ai[d] * inv;
+    }
+}
+
 /* Register-blocked intrinsics where the CPU has them, else portable C the compiler
  * vectorizes (KC = 16 is two ymm registers of keys in both). */
 #if defined(__AVX2__) && defined(__FMA__)

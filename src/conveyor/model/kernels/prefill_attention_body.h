@@ -23,20 +23,7 @@ static void NAME(const float* restrict q, const float* restrict k, const float* 
         const int blk = nblocks - 1 - task / Hkv, h = task % Hkv;
         const int r0 = blk * QB, r1 = r0 + QB < L ? r0 + QB : L;
         const int nq = (r1 - r0) * G, nq4 = (nq + 3) / 4 * 4;
-        /* Query i = (row r0 + i / G, head h * G + i % G), pre-scaled; padded to 4. */
-        for (int i = 0; i < nq4; i++) {
-            float* dst = qs + (int64_t)i * D;
-            if (i < nq) {
-                const float* src = q + (int64_t)(r0 + i / G) * q_stride
-                                 + (int64_t)(h * G + i % G) * D;
-                for (int d = 0; d < D; d++) dst[d] = src[d] * scale;
-            } else {
-                for (int d = 0; d < D; d++) dst[d] = 0.f;
-            }
-            m[i] = NEG;
-            l[i] = 0.f;
-        }
-        memset(acc, 0, sizeof(float) * (size_t)nq4 * D);
+        start_task(q, qs, m, l, acc, nq, nq4, r0, G, h, q_stride, D, scale);
         for (int j0 = 0; j0 < r1; j0 += KC) {
             const int kn = r1 - j0 < KC ? r1 - j0 : KC;
             for (int jj = 0; jj < KC; jj++) {
@@ -92,12 +79,7 @@ static void NAME(const float* restrict q, const float* restrict k, const float* 
                 }
             }
         }
-        for (int i = 0; i < nq; i++) {
-            float* o = out + (int64_t)(r0 + i / G) * out_stride + (int64_t)(h * G + i % G) * D;
-            const float inv = 1.f / l[i];
-            const float* ai = acc + (int64_t)i * D;
-            for (int d = 0; d < D; d++) o[d] = ai[d] * inv;
-        }
+        finish_task(out, acc, l, nq, r0, G, h, out_stride, D);
     }
     free(kt); free(s); free(m); free(l); free(acc); free(qs);
     }
