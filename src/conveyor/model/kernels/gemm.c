@@ -61,8 +61,8 @@ void gemm_pack_weight_f32(const float* w, float* packed, int N, int K, int gate_
 
 int gemm_f32_available(void) { return 1; }
 
-
-/* silu(g) * u = g / (1 + e^-g) * u; the exponent clamped as in finish_tile. */
+/* silu(g) * u = g / (1 + e^-g) * u; the exponent is clamped so that it stays finite, as
+ * -ffast-math assumes (silu(g < -80) ~ 0). */
 static inline __m256 silu_mul256(__m256 g, __m256 u) {
     const __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g),
                                           _mm256_set1_ps(80.f)));
@@ -79,13 +79,8 @@ static void finish_tile(float acc[MR][NR], int mr, int nr, const float* bias, in
     for (int r = 0; r < mr; r++) {
         float* o = out + (int64_t)r * ldo;
         if (gate_up) {
-            float res[8];
-            #pragma omp simd
-            for (int j = 0; j < 8; j++) {
-                const float g = acc[r][j];
-                /* the clamp keeps expf finite, as -ffast-math assumes: silu(g < -80) ~ 0 */
-                res[j] = g / (1.f + expf(fminf(-g, 80.f))) * acc[r][8 + j];
-            }
+            float res[8] __attribute__((aligned(32)));
+            _mm256_store_ps(res, silu_mul256(_mm256_loadu_ps(acc[r]), _mm256_loadu_ps(acc[r] + 8)));
             if (nr == 8) memcpy(o, res, sizeof(res));
             else for (int j = 0; j < nr; j++) o[j] = res[j];
         } else if (nr == NR) {
