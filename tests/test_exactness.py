@@ -44,11 +44,28 @@ CONFIGS = {
     "native_attention": dict(attention_backend="native", max_num_batched_tokens=40),
     "torch_linears": dict(linear_backend="torch", attention_backend="sdpa"),
     "onednn_linears": dict(linear_backend="onednn", max_num_batched_tokens=40),
+    "native_linears": dict(linear_backend="native", attention_backend="sdpa"),
 }
 
 
+def _needs(config: str):
+    """Configurations that force a backend this machine may not build skip without it."""
+    from conveyor.model import kernels
+    from conveyor.model.packed_linear import native_gemm_lib, onednn_available
+
+    backend = CONFIGS[config]
+    if backend.get("attention_backend") == "native" and kernels.load() is None:
+        return [pytest.mark.skip(reason="native kernels unavailable " +
+                                 kernels.why_unavailable())]
+    if backend.get("linear_backend") == "native" and native_gemm_lib() is None:
+        return [pytest.mark.skip(reason="no native GEMM on this machine")]
+    if backend.get("linear_backend") == "onednn" and not onednn_available():
+        return [pytest.mark.skip(reason="torch built without oneDNN")]
+    return []
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", [pytest.param(c, marks=_needs(c)) for c in CONFIGS])
 def test_greedy_matches_transformers(arch: str, config: str) -> None:
     path = make_checkpoint(arch)
     llm = LLM(path, dtype="float32", **CONFIGS[config])

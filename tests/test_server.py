@@ -15,7 +15,7 @@ import pytest
 from conveyor import LLM, SamplingParams
 
 from helpers import cpu_threads, make_checkpoint
-from server_helpers import ATTENTION_BACKEND, ServerProcess, serve, wait_for
+from server_helpers import ATTENTION_BACKEND, ServerProcess, serve
 
 MODEL = "tiny-llama"
 PROMPTS = ["ba be bi bo", "da de di do du fa", "ka ke", "la le li lo lu ma me mi mo"]
@@ -246,7 +246,6 @@ BAD_COMPLETIONS = [
     ('{"prompt": [5, 99999]}', 400, "prompt", "outside"),
     ('{"prompt": []}', 400, "prompt", "empty"),
     ('{"prompt": ""}', 400, "prompt", "empty"),
-    ('{"prompt": "ba", "max_tokenz": 3}', 400, "max_tokenz", "unrecognized"),
     ('{"prompt": "ba", "echo": true, "logprobs": 1}', 400, "echo", "prompt logprobs"),
     ('{"prompt": "ba", "stream_options": {"include_usage": true}}', 400, "stream_options",
      "stream"),
@@ -341,41 +340,8 @@ def test_32_concurrent_streaming_clients(server: ServerProcess, offline: LLM) ->
     assert server.metrics()["conveyor:num_requests_running"] == 0
 
 
-def test_client_disconnect_aborts_and_frees_blocks(server: ServerProcess) -> None:
-    wait_for(lambda: server.metrics()["conveyor:num_requests_running"] == 0, what="idle")
-    before = server.metrics()
-    free_at_start = before["conveyor:kv_cache_free_blocks"]
-    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 400, "ignore_eos": True,
-            "stream": True}
-    with httpx.Client(timeout=30) as http, http.stream(
-            "POST", server.url + "/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        for _ in range(3):
-            assert next(lines).startswith("data: ")
-            next(lines)  # the blank line after each event
-        during = server.metrics()
-        assert during["conveyor:num_requests_running"] == 1
-        assert during["conveyor:kv_cache_free_blocks"] < free_at_start
-    # The connection is closed here, long before 400 tokens.
-    wait_for(lambda: server.metrics()["conveyor:kv_cache_free_blocks"] == free_at_start,
-             what="the pool's free count back at its start value")
-    after = server.metrics()
-    assert after["conveyor:num_requests_running"] == 0
-    key = 'conveyor:request_success_total{finished_reason="abort"}'
-    assert after[key] == before[key] + 1
-    assert after["conveyor:generation_tokens_total"] - \
-        before["conveyor:generation_tokens_total"] < 400
-
-
-def test_non_streaming_disconnect_aborts(server: ServerProcess) -> None:
-    before = server.metrics()
-    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 450, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
-    key = 'conveyor:request_success_total{finished_reason="abort"}'
-    wait_for(lambda: server.metrics()[key] == before[key] + 1, what="the abort")
-    wait_for(lambda: server.metrics()["conveyor:kv_cache_free_blocks"] ==
-             before["conveyor:kv_cache_free_blocks"], what="the blocks back")
+# Client disconnects (streaming and not) are tested in-process, deterministically:
+# test_server_app.py::test_a_client_that_disconnects_aborts_its_request.
 
 
 def test_metrics_after_a_burst(server: ServerProcess, client: openai.OpenAI) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import tempfile
+import threading
 from collections.abc import AsyncIterator
 
 import httpx
@@ -116,6 +117,69 @@ def test_an_exception_mid_stream_ends_that_stream_with_an_error_event(monkeypatc
             assert fine_events[-1]["usage"]["completion_tokens"] == 6
             assert fine_events[-2]["choices"][0]["finish_reason"] == "length"
             assert await free_blocks(state) == start
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_disconnects_aborts_its_request(monkeypatch, stream: bool) -> None:
+    """Deterministic, whatever the machine's speed: after the request's first step the engine
+    is held until the server has sent the abort, so the request cannot finish first; the
+    client leaves while it is held."""
+    held, aborted = threading.Event(), threading.Event()
+    real_step = LLMEngine.step
+
+    def held_step(self):
+        outs = real_step(self)  # (a non-streaming request has no output before its last)
+        if self.has_unfinished_requests() and not aborted.is_set():
+            held.set()
+            assert aborted.wait(30), "the server never aborted the disconnected request"
+        return outs
+
+    monkeypatch.setattr(LLMEngine, "step", held_step)
+    real_abort = AsyncEngine.abort_nowait
+
+    def abort_and_release(self, request_id):
+        real_abort(self, request_id)
+        aborted.set()  # the Abort is queued: the engine drains it before its next step
+
+    monkeypatch.setattr(AsyncEngine, "abort_nowait", abort_and_release)
+
+    async def main() -> None:
+        async with app_client() as (_client, state):
+            start = await free_blocks(state)
+            body = json.dumps(completion("ba be bi", max_tokens=450, stream=stream)).encode()
+            sent: list[dict] = []
+            delivered = False
+
+            async def receive() -> dict:
+                nonlocal delivered
+                if not delivered:
+                    delivered = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                await asyncio.get_running_loop().run_in_executor(None, held.wait, 30)
+                return {"type": "http.disconnect"}  # the client goes away mid-generation
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                     "method": "POST", "scheme": "http", "path": "/v1/completions",
+                     "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+                     "headers": [(b"content-type", b"application/json"),
+                                 (b"content-length", str(len(body)).encode())],
+                     "client": ("127.0.0.1", 1), "server": ("test", 80)}
+            await build_app(state)(scope, receive, send)
+            assert aborted.is_set()
+            finished = await state.engine.call(
+                lambda e: [(m.finish_reason, m.num_generation_tokens)
+                           for m in e.finished_metrics])
+            assert len(finished) == 1
+            reason, generated = finished[0]
+            assert reason == "abort" and generated < 450, (reason, generated)
+            assert await free_blocks(state) == start
+            if not stream:
+                assert not any(m.get("status") == 200 for m in sent)  # no answer to nobody
 
     asyncio.run(main())
 

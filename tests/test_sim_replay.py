@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 
 import pytest
 from sim_helpers import TICK, make_workload, on_grid, tiny_args
@@ -33,17 +34,23 @@ class StepClock:
     The first read returns the held time and starts a stopwatch; the second returns
     the held time plus the wall time since, and holds it. ``advance_to`` moves the
     held time forward while the engine idles.
+
+    With ``step_cost`` the step's duration is that function's answer instead of the wall
+    time (a model clock: the run then does not depend on the machine's speed).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, step_cost: Callable[[], float] | None = None) -> None:
         self.now = 0.0
         self._since: float | None = None
+        self.step_cost = step_cost
 
     def __call__(self) -> float:
         if self._since is None:
             self._since = time.perf_counter()
             return self.now
         elapsed = time.perf_counter() - self._since
+        if self.step_cost is not None:
+            elapsed = self.step_cost()
         self._since = None
         self.now = max(on_grid(self.now + elapsed), self.now + TICK)
         return self.now
@@ -53,7 +60,7 @@ class StepClock:
         self.now = max(self.now, t)
 
 
-def run_real(args, work: list[BenchRequest]):
+def run_real(args, work: list[BenchRequest], model_clock: bool = False):
     clock = StepClock()
     engine = LLMEngine(args, clock=clock)
     pending = deque(sorted(work, key=lambda w: w.arrival_s))
@@ -69,6 +76,8 @@ def run_real(args, work: list[BenchRequest]):
                                slo_ttft_ms=w.slo_ttft_ms, slo_tpot_ms=w.slo_tpot_ms)
 
     recorder = StepRecorder(engine.scheduler, before_schedule=arrive)
+    if model_clock:  # 2 ms a step + 0.1 ms a token: requests pile up on any machine
+        clock.step_cost = lambda: 0.002 + 1e-4 * recorder.in_progress.total_num_scheduled_tokens
     metrics: dict[str, RequestMetrics] = {}
     while pending or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
@@ -115,12 +124,15 @@ CASES = [
 ]
 
 
+# "wall": the real step times of this machine; "model": a model clock, whose run preempts,
+# chunks and hits the cache on any machine (guarded by the test below).
+@pytest.mark.parametrize("clock", ["wall", "model"])
 @pytest.mark.parametrize("overrides", CASES)
-def test_replayed_step_times_reproduce_every_batch(overrides):
+def test_replayed_step_times_reproduce_every_batch(overrides, clock):
     args = tiny_args(**{**dict(num_kv_blocks=40, max_num_seqs=6, max_num_batched_tokens=48),
                         **overrides})
     work = _workload()
-    records, real_metrics, real_stats = run_real(args, work)
+    records, real_metrics, real_stats = run_real(args, work, model_clock=clock == "model")
     result, sim_steps = run_sim(args, work, [r.duration for r in records])
 
     assert len(real_metrics) == len(work)
@@ -136,10 +148,13 @@ def test_replayed_step_times_reproduce_every_batch(overrides):
 
 
 def test_the_replay_scenario_exercises_the_interesting_decisions():
-    """Guards the test above: its workload must preempt, chunk, hit the prefix cache, idle."""
+    """Guards the test above: its workload must preempt, chunk, hit the prefix cache, idle.
+
+    On a model clock, so that it holds however fast this machine runs the tiny model (the
+    test above replays real step times; on a fast enough CPU it may preempt less)."""
     args = tiny_args(num_kv_blocks=40, max_num_seqs=6, max_num_batched_tokens=48)
     work = _workload()
-    records, real_metrics, stats = run_real(args, work)
+    records, real_metrics, stats = run_real(args, work, model_clock=True)
     prompt_len = {w.request_id: len(w.prompt_token_ids) for w in work}
     assert stats["num_preemptions"] > 0
     assert any(1 < n < prompt_len[rid] for r in records for rid, n in r.batch.items())

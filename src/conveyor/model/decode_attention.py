@@ -95,7 +95,7 @@ def pick_decode_kernel(backend: str, device: torch.device, dtype: torch.dtype,
     lib = kernels.load()
     if lib is None:
         if backend == "native":
-            raise RuntimeError("attention_backend='native': the C kernel could not be built "
-                               "(is a C compiler installed?)")
+            raise RuntimeError("attention_backend='native': the native kernels are unavailable "
+                               + kernels.why_unavailable())
         return sdpa_decode
     return NativeDecode(lib)

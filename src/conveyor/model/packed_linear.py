@@ -117,7 +117,7 @@ def pick_linear_backend(backend: str, device: torch.device, dtype: torch.dtype) 
                          "built with oneDNN (mkldnn)")
     if backend == "native" and not (fp32_cpu and native_gemm_lib() is not None):
         raise ValueError("linear_backend='native' needs a float32 model on a CPU with AVX2 "
-                         "and FMA, and a C compiler to build the kernel")
+                         "and FMA, and the native kernels built " + kernels.why_unavailable())
     if backend != "auto":
         return backend
     if fp32_cpu and native_gemm_lib() is not None:

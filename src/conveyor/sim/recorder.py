@@ -63,6 +63,11 @@ class StepRecorder:
         self._started = None
         return self._update(out, run, now)
 
+    @property
+    def in_progress(self) -> SchedulerOutput | None:
+        """The step scheduled and not yet updated (what a model clock prices)."""
+        return None if self._started is None else self._started[1]
+
     def detach(self) -> None:
         self.scheduler.schedule = self._schedule  # type: ignore[method-assign]
         self.scheduler.update = self._update  # type: ignore[method-assign]

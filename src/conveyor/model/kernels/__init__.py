@@ -6,7 +6,9 @@ the source, the flags and this CPU's instruction set (it is built with -march=na
 OpenMP resolves to the libgomp that torch has already loaded, so the kernels and torch
 share one thread pool and ``torch.set_num_threads`` governs both.
 
-Without a compiler ``load()`` returns None and callers fall back to PyTorch ops.
+Without a compiler, or with ``CONVEYOR_NATIVE_KERNELS=0`` in the environment, ``load()``
+returns None and callers fall back to PyTorch ops (CI runs the exactness and engine tests
+that way too, so the fallback path stays tested).
 """
 
 from __future__ import annotations
@@ -43,6 +45,19 @@ def _cpu_key() -> str:
     return platform.machine() + " ".join(sorted(cpu_flags() or ()))
 
 
+def native_kernels_enabled() -> bool:
+    """False when ``CONVEYOR_NATIVE_KERNELS`` says no (0, false, off, no)."""
+    value = os.environ.get("CONVEYOR_NATIVE_KERNELS", "1").strip().lower()
+    return value not in ("0", "false", "off", "no")
+
+
+def why_unavailable() -> str:
+    """Why ``load()`` returned None, for error messages."""
+    if not native_kernels_enabled():
+        return "(CONVEYOR_NATIVE_KERNELS=0 turns them off)"
+    return "(no C compiler, or the build failed: see the log)"
+
+
 def _build(compiler: str, out_path: str) -> None:
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     workdir = tempfile.mkdtemp(dir=os.path.dirname(out_path))
@@ -71,6 +86,9 @@ def load() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
+    if not native_kernels_enabled():
+        logger.info("native CPU kernels disabled by CONVEYOR_NATIVE_KERNELS=0")
+        return None
     if platform.system() != "Linux":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
