@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,12 +20,22 @@ from typing import Any
 
 from conveyor.core.policies import POLICIES, PREDICTORS, PolicyConfig
 
+logger = logging.getLogger(__name__)
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+# What transformers' Auto classes fall back on when config.json names no architecture
+# (AutoConfig.for_model(...).save_pretrained() writes none).
+ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -355,9 +366,17 @@ def model_config_from_hf(hf: dict[str, Any], path: str, *, dtype: str = "auto",
     """A ModelConfig from a parsed config.json (no file access: the simulator uses it)."""
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and not archs:
+        arch = ARCHITECTURE_OF_MODEL_TYPE.get(hf.get("model_type", ""))
+        if arch is not None:
+            logger.warning("config.json names no architecture: %s, from model_type %r",
+                        arch, hf.get("model_type"))
     if arch is None:
-        raise ValueError(f"unsupported architecture {archs}; supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        found = archs or f"none, model_type {hf.get('model_type')!r}"
+        raise ValueError(f"unsupported architecture ({found}); supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)} (or, without "
+                         f"'architectures', model_type "
+                         f"{', '.join(ARCHITECTURE_OF_MODEL_TYPE)})")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if load_format not in ("auto", "safetensors", "dummy"):

@@ -3,8 +3,13 @@
     GET  /health               200 while the engine loop runs, 503 otherwise (no auth)
     GET  /metrics              Prometheus text, prefix ``conveyor:``
     GET  /v1/models
+    GET  /version
     POST /v1/completions
     POST /v1/chat/completions
+    POST /tokenize, /detokenize   (vLLM's)
+
+A body over ``--max-request-body-bytes`` is answered 413 before it is read whole or
+parsed.
 
 The server only translates HTTP to engine calls: request parsing and response
 shapes live in ``protocol`` and the ``serving_*`` modules, scheduling and limits
@@ -26,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from conveyor import __version__
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.entrypoints.openai.chat_template import (
     ChatTemplate,
@@ -35,14 +41,72 @@ from conveyor.entrypoints.openai.chat_template import (
 from conveyor.entrypoints.openai.errors import OpenAIError
 from conveyor.entrypoints.openai.protocol import ModelCard, ModelList
 from conveyor.entrypoints.openai.serving_chat import create_chat_completion
-from conveyor.entrypoints.openai.serving_common import ServerState
+from conveyor.entrypoints.openai.serving_common import ServerState, prompt_byte_cap
 from conveyor.entrypoints.openai.serving_completion import create_completion
+from conveyor.entrypoints.openai.serving_tokens import detokenize, tokenize
 from conveyor.metrics import CONTENT_TYPE, EngineMetrics
 
 logger = logging.getLogger("conveyor.server")
 
 API_KEY_ENV = "CONVEYOR_API_KEY"
 _OPEN_PATHS = frozenset({"/health"})
+# 8 MiB: a prompt of well over a million tokens as text or as a JSON list of ids.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+class BodySizeLimitMiddleware:
+    """413 for a request body over ``max_bytes``: at once from its Content-Length, or as
+    soon as a chunked body passes the limit (it is buffered up to the limit, then replayed).
+    The limit applies before any JSON parsing or tokenization."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        err = OpenAIError(413, f"the request body is larger than {self.max_bytes} bytes "
+                               "(--max-request-body-bytes)", code="request_too_large",
+                          err_type="invalid_request_error")
+        await JSONResponse(err.body(), status_code=413,
+                           headers={"Connection": "close"})(scope, receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                declared = self.max_bytes + 1
+            if declared > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            await self.app(scope, receive, send)  # the server stops at Content-Length
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before its body was complete
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 class APIKeyMiddleware:
@@ -79,6 +143,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.conveyor = state
     if state.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
+    # Added last, so it runs first: an oversized body is refused before anything else.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.max_body_bytes)
     state.engine.finish_listeners.append(state.metrics.observe_finished)
 
     @app.exception_handler(OpenAIError)
@@ -111,6 +177,18 @@ def build_app(state: ServerState) -> FastAPI:
                          max_model_len=state.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.post("/tokenize")
+    async def tokenize_route(raw_request: Request) -> Response:
+        return await _guarded(tokenize(state, raw_request), raw_request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(raw_request: Request) -> Response:
+        return await _guarded(detokenize(state, raw_request), raw_request)
+
     @app.post("/v1/completions")
     async def completions(raw_request: Request) -> Response:
         return await _guarded(create_completion(state, raw_request), raw_request)
@@ -136,7 +214,8 @@ async def _guarded(handler: Awaitable[Response], raw_request: Request) -> Respon
 
 def make_state(engine: AsyncEngine, *, api_key: str | None = None,
                request_timeout_s: float | None = None,
-               chat_template: str | None = None) -> ServerState:
+               chat_template: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ServerState:
     """Server state around an engine: model name, chat template, metrics registry."""
     import prometheus_client
 
@@ -147,11 +226,14 @@ def make_state(engine: AsyncEngine, *, api_key: str | None = None,
     template = ChatTemplate(source, special_tokens_of(tokenizer)) if source else None
     if request_timeout_s is not None and request_timeout_s <= 0:
         raise ValueError(f"--request-timeout must be > 0, got {request_timeout_s}")
+    if max_body_bytes <= 0:
+        raise ValueError(f"--max-request-body-bytes must be > 0, got {max_body_bytes}")
     return ServerState(engine=engine, model_name=cfg.served_model_name, model_root=cfg.path,
                        max_model_len=engine.info.max_model_len,
                        metrics=EngineMetrics(engine.info.max_model_len),
                        chat_template=template, request_timeout_s=request_timeout_s,
-                       api_key=api_key)
+                       api_key=api_key, max_body_bytes=max_body_bytes,
+                       max_prompt_bytes=prompt_byte_cap(tokenizer, engine.info.max_model_len))
 
 
 # ---- command line ------------------------------------------------------------------------
@@ -168,6 +250,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the model name clients send (default: --model)")
     g.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="abort a request not finished this long after it arrived")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   metavar="BYTES", help="answer 413 to a larger request body, before parsing "
+                                         f"it (default {DEFAULT_MAX_BODY_BYTES})")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja2 chat template (file or text) overriding the checkpoint's")
     g.add_argument("--log-level", default="info",
@@ -193,7 +278,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine = AsyncEngine.from_engine_args(engine_args, process=args.engine_core == "process",
                                           keep_metrics=False)
     state = make_state(engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                       request_timeout_s=args.request_timeout, chat_template=args.chat_template)
+                       request_timeout_s=args.request_timeout, chat_template=args.chat_template,
+                       max_body_bytes=args.max_request_body_bytes)
     cfg = engine.info.config
     logger.info("serving %r (%s, %s, %d KV blocks of %d tokens, max_model_len %d, engine "
                 "loop in a %s) on http://%s:%d", state.model_name, cfg.model.dtype_label,

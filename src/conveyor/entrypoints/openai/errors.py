@@ -8,6 +8,8 @@ Every error body looks like OpenAI's::
 
 from __future__ import annotations
 
+import logging
+import threading
 from http import HTTPStatus
 from typing import TypeVar
 
@@ -24,7 +26,10 @@ from conveyor.entrypoints.openai.protocol import (
     CompletionRequest,
     ErrorInfo,
     ErrorResponse,
+    ignored_fields,
 )
+
+logger = logging.getLogger("conveyor.server")
 
 M = TypeVar("M", bound=BaseModel)
 _FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
@@ -56,12 +61,38 @@ class OpenAIError(Exception):
         return ErrorResponse(error=info).model_dump()
 
 
+class _WarnOnce:
+    """Logs each ignored field name once per process, not once per request."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, route: str, names: list[str]) -> None:
+        for name in names:
+            key = f"{route}:{name}"
+            with self._lock:
+                if key in self._seen:
+                    continue
+                self._seen.add(key)
+            logger.warning("%s: ignoring the unrecognized request field %r (logged once)",
+                           route, name)
+
+
+warn_ignored = _WarnOnce()
+
+
 def parse_body(model: type[M], body: bytes) -> M:
-    """Validate a JSON body strictly; a 400 naming the first offending field otherwise."""
+    """Validate a JSON body strictly; a 400 naming the first offending field otherwise.
+    Unknown fields are dropped with one warning per name."""
     try:
-        return model.model_validate_json(body)
+        req = model.model_validate_json(body)
     except ValidationError as e:
         raise validation_error(e) from None
+    names = ignored_fields(req)
+    if names:
+        warn_ignored(model.__name__, names)
+    return req
 
 
 def validation_error(e: ValidationError) -> OpenAIError:

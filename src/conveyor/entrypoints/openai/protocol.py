@@ -1,10 +1,12 @@
 """Pydantic models of the OpenAI API subset conveyor serves.
 
 Requests are parsed strictly from JSON (``model_validate_json``): a string is not
-a number, a float is not an integer, and an unknown field is an error that names
-it, as OpenAI does. Fields clients commonly send but conveyor does not implement
-are declared so that their default (null, empty) passes and anything else gets a
-clear 400 from the serving code. The vLLM extras (``top_k``, ``min_p``, ...) and
+a number, a float is not an integer. As vLLM's server does, a field conveyor does
+not know (top-level or nested) is ignored, with one logged warning per field name
+(``ignored_fields`` lists them), and a null means "the default". Fields clients
+commonly send but conveyor does not implement are declared so that their default
+(null, empty) passes and a value asking for what conveyor cannot do gets a clear
+400 naming it from the serving code. The vLLM extras (``top_k``, ``min_p``, ...) and
 conveyor's scheduling hints (``priority``, ``expected_output_tokens``,
 ``slo_ttft_ms``, ``slo_tpot_ms``) are accepted in the body.
 """
@@ -14,14 +16,38 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
 # Most sequences one request may ask for (n times the number of prompts is not capped).
 MAX_N = 128
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    # extra="allow": unknown fields land in ``model_extra``, reported by ``ignored_fields``.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the unknown fields in a parsed request (nested ones included), which
+    are then dropped; chat messages and content parts keep their extras (the template's)."""
+    names: list[str] = []
+    if not isinstance(model, _Request):
+        return names
+    extra = model.model_extra or {}
+    names.extend(prefix + key for key in extra)
+    extra.clear()
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            names.extend(ignored_fields(value, f"{prefix}{name}."))
+    return names
 
 
 class _Response(BaseModel):
@@ -31,6 +57,8 @@ class _Response(BaseModel):
 # ---- requests ------------------------------------------------------------------------------
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's extension: usage (so far) in every chunk, when include_usage is set too.
+    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(_Request):
@@ -48,6 +76,10 @@ class SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # not supported: must be null or empty
+    # Accepted and ignored (OpenAI platform features that do not apply to a local server).
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -102,6 +134,25 @@ class ChatCompletionRequest(SamplingRequest):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Request):
+    """vLLM's ``/tokenize``: a completion prompt, or chat messages through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # Default: what /v1/completions does to a prompt (conveyor adds no special tokens;
+    # chat templates write their own).
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- responses -----------------------------------------------------------------------------
@@ -224,6 +275,17 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
 
 
 class ErrorInfo(_Response):

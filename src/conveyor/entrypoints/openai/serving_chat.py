@@ -39,6 +39,7 @@ from conveyor.entrypoints.openai.serving_common import (
     build_sampling_params,
     check_model,
     check_not_aborted,
+    check_prompt_size,
     clamp_logprob,
     final_outputs,
     make_usage,
@@ -51,6 +52,7 @@ from conveyor.entrypoints.openai.serving_common import (
     sse_response,
     token_text,
     until_disconnected,
+    usage_options,
 )
 from conveyor.outputs import CompletionOutput, RequestOutput
 
@@ -62,6 +64,7 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
     check_model(state, req.model)
     _check_supported(req)
     prompt = render_prompt(state, req)
+    check_prompt_size(state, prompt, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -86,12 +89,21 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
 
 
 def _check_supported(req: ChatCompletionRequest) -> None:
-    for name in ("tools", "functions"):
-        if getattr(req, name):
-            raise OpenAIError(400, f"{name} (tool calling) is not supported", param=name)
-    for name in ("tool_choice", "function_call"):
-        if getattr(req, name) not in (None, "none", "auto"):
-            raise OpenAIError(400, f"{name} (tool calling) is not supported", param=name)
+    # Tools are accepted when the client turns calling them off (tool_choice "none"): they
+    # are then left out of the prompt. Any other choice needs a tool-call parser.
+    for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+        chosen = getattr(req, choice)
+        if chosen not in (None, "none", "auto"):
+            raise OpenAIError(400, f"{choice}={chosen!r} (tool calling) is not supported; "
+                                   f"send {choice} 'none'", param=choice)
+        if getattr(req, tools) and chosen != "none":
+            raise OpenAIError(400, f"{tools} with {choice} {chosen or 'auto'!r} (tool calling) "
+                                   f"is not supported: conveyor has no tool-call parser; send "
+                                   f"{choice} 'none' to have them ignored", param=tools)
+    for i, m in enumerate(req.messages):
+        if m.content is None and not (m.role == "assistant" and _calls_a_tool(m)):
+            raise OpenAIError(400, f"messages[{i}]: a {m.role} message needs 'content'",
+                              param=f"messages[{i}].content")
     fmt = req.response_format
     if fmt is not None and fmt.get("type", "text") != "text":
         raise OpenAIError(400, "response_format other than text (structured output) is not "
@@ -103,6 +115,11 @@ def _check_supported(req: ChatCompletionRequest) -> None:
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
                                    f"{req.top_logprobs}", param="top_logprobs")
+
+
+def _calls_a_tool(m: ChatMessage) -> bool:
+    extra = m.model_extra or {}
+    return bool(extra.get("tool_calls") or extra.get("function_call"))
 
 
 def render_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
@@ -173,14 +190,33 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
     finished = [False] * req.n
     num_tokens = [0] * req.n
     prompt_tokens = cached_tokens = 0
+    final_usage, continuous_usage = usage_options(req)
+
+    def usage_so_far() -> dict[str, Any]:
+        if not continuous_usage:
+            return {}
+        return {"usage": make_usage(prompt_tokens, sum(num_tokens), cached_tokens)}
+
+    def role_chunks() -> list[str]:
+        return [chunk([ChatCompletionStreamChoice(
+            index=k, delta=DeltaMessage(role="assistant", content=""))], **usage_so_far())
+            for k in range(req.n)]
+
     try:
-        for k in range(req.n):
-            yield chunk([ChatCompletionStreamChoice(
-                index=k, delta=DeltaMessage(role="assistant", content=""))])
+        # With usage in every chunk the role chunks wait for the first output, which
+        # carries the prompt's length (the engine tokenizes); otherwise they go at once.
+        roles_sent = not continuous_usage
+        if roles_sent:
+            for text in role_chunks():
+                yield text
         async with contextlib.aclosing(merge_streams([stream])) as merged:
             async for _, out in merged:
                 prompt_tokens = len(out.prompt_token_ids)
                 cached_tokens = out.num_cached_tokens
+                if not roles_sent:
+                    roles_sent = True
+                    for text in role_chunks():
+                        yield text
                 for c in out.outputs:
                     num_tokens[c.index] += len(c.token_ids)
                     newly_finished = c.finish_reason is not None and not finished[c.index]
@@ -193,8 +229,9 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
                         index=c.index, delta=DeltaMessage(content=c.text),
                         logprobs=_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
                         finish_reason=c.finish_reason if newly_finished else None,
-                        stop_reason=c.stop_reason if newly_finished else None)])
-        if req.stream_options is not None and req.stream_options.include_usage:
+                        stop_reason=c.stop_reason if newly_finished else None)],
+                        **usage_so_far())
+        if final_usage:
             yield chunk([], usage=make_usage(prompt_tokens, sum(num_tokens), cached_tokens))
     except Exception as e:  # this request alone fails; the stream ends with an error event
         yield sse_error(request_error(e))

@@ -45,6 +45,42 @@ class ServerState:
     chat_template: ChatTemplate | None = None
     request_timeout_s: float | None = None
     api_key: str | None = None
+    # A text prompt longer than this (UTF-8 bytes) cannot fit in max_model_len tokens,
+    # whatever it says: refused before tokenizing it (None: no such bound is known).
+    max_prompt_bytes: int | None = None
+    max_body_bytes: int = 8 << 20
+
+
+def max_token_bytes(tokenizer: Any) -> int | None:
+    """An upper bound on the UTF-8 bytes of text one token covers, from the vocabulary.
+
+    A vocabulary entry's own spelling is at least as long in UTF-8 as the text it stands
+    for: byte-level BPE spells each byte as one character, SentencePiece a space as the
+    3-byte "▁", WordPiece adds "##"."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # a tokenizer without a vocabulary to read: no bound
+        return None
+    return max((len(t.encode()) for t in vocab), default=0) or None
+
+
+def prompt_byte_cap(tokenizer: Any, max_model_len: int) -> int | None:
+    """Bytes beyond which a text prompt surely tokenizes to max_model_len tokens or more;
+    twice the strict bound, for normalizers that shorten text (NFC composes characters)."""
+    per_token = max_token_bytes(tokenizer) if tokenizer is not None else None
+    return None if per_token is None else 2 * max_model_len * per_token
+
+
+def check_prompt_size(state: ServerState, text: str, param: str) -> None:
+    """400 at once for a text that cannot fit, before spending CPU on tokenizing it."""
+    cap = state.max_prompt_bytes
+    if cap is None or len(text) * 4 <= cap:  # (4: most UTF-8 bytes a character takes)
+        return
+    size = len(text.encode())
+    if size > cap:
+        raise OpenAIError(400, f"{param} is {size} bytes of text, which is more than "
+                               f"max_model_len ({state.max_model_len}) tokens of this "
+                               "tokenizer can hold", param=param)
 
 
 class ClientDisconnected(Exception):
@@ -242,6 +278,15 @@ def sse_response(body: AsyncIterator[str]) -> SSEResponse:
 
 
 # ---- usage and logprobs --------------------------------------------------------------------
+def usage_options(req: SamplingRequest) -> tuple[bool, bool]:
+    """(usage in a last chunk, usage so far in every chunk): vLLM's continuous_usage_stats
+    counts only together with include_usage."""
+    opts = req.stream_options
+    if opts is None or not opts.include_usage:
+        return False, False
+    return True, opts.continuous_usage_stats
+
+
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,

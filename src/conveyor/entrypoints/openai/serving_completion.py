@@ -35,6 +35,7 @@ from conveyor.entrypoints.openai.serving_common import (
     build_sampling_params,
     check_model,
     check_not_aborted,
+    check_prompt_size,
     clamp_logprob,
     final_outputs,
     make_usage,
@@ -47,6 +48,7 @@ from conveyor.entrypoints.openai.serving_common import (
     sse_response,
     token_text,
     until_disconnected,
+    usage_options,
 )
 from conveyor.outputs import CompletionOutput, RequestOutput
 
@@ -57,6 +59,9 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
     _check_supported(req)
     params = build_sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
     prompts = prompt_list(req.prompt)
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            check_prompt_size(state, prompt, "prompt")
     request_id = random_id("cmpl")
     created = int(time.time())
     streams = await add_streams(state, prompts, params, request_id,
@@ -161,6 +166,7 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, c
     logprobs = [_LogprobsBuilder() for _ in range(num_choices)]
     prompt_tokens = [0] * len(streams)
     cached_tokens = [0] * len(streams)
+    final_usage, continuous_usage = usage_options(req)
     try:
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for i, out in merged:
@@ -185,10 +191,13 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, c
                         logprobs=logprobs[index].build(c) if req.logprobs is not None else None,
                         finish_reason=c.finish_reason if newly_finished else None,
                         stop_reason=c.stop_reason if newly_finished else None)
+                    usage = (make_usage(sum(prompt_tokens), sum(num_tokens), sum(cached_tokens))
+                             if continuous_usage else None)
                     chunk = CompletionChunk(id=request_id, created=created,
-                                            model=state.model_name, choices=[choice])
+                                            model=state.model_name, choices=[choice],
+                                            usage=usage)
                     yield sse(chunk.model_dump_json())
-        if req.stream_options is not None and req.stream_options.include_usage:
+        if final_usage:
             usage = make_usage(sum(prompt_tokens), sum(num_tokens), sum(cached_tokens))
             chunk = CompletionChunk(id=request_id, created=created, model=state.model_name,
                                     choices=[], usage=usage)
