@@ -114,6 +114,36 @@ def serve(model: str, *args: str, api_key: str | None = None, wait: bool = True,
         os.unlink(log_path)
 
 
+def engine_core_pid(server: ServerProcess) -> int:
+    """The pid of the server's engine-core process (its multiprocessing spawn child)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue  # gone already, or not ours to read
+        if ppid == server.proc.pid and b"spawn_main" in cmdline:
+            return int(entry)
+    raise RuntimeError(f"no engine-core process under the server (pid {server.proc.pid})")
+
+
+@contextlib.contextmanager
+def engine_frozen(server: ServerProcess) -> Iterator[None]:
+    """Stop the server's engine-core process (SIGSTOP) until the block ends: no step runs,
+    so no request can finish or be admitted, however fast the machine; the HTTP front end
+    (its own process) goes on answering and timing requests out."""
+    pid = engine_core_pid(server)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

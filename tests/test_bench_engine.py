@@ -53,15 +53,35 @@ def test_engine_run_completes_with_forced_lengths():
     assert max(result.step_batch_sizes) <= 4
 
 
+class IdleClock:
+    """An engine clock that only the replay's idle waits move: the run's timestamps are
+    then exact, whatever the machine's speed (each step takes no time on it)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_engine_run_honours_arrival_times_and_reports_bad_requests():
+    from conveyor.engine.llm_engine import LLMEngine
+
     reqs = small_workload(4)
     reqs[2].arrival_s = 0.4
     reqs[3].prompt_token_ids = [16] * 5000  # longer than the KV pool allows
-    result = run_engine(reqs, tiny_args(num_kv_blocks=64), progress=False)
+    clock = IdleClock()
+    engine = LLMEngine(tiny_args(num_kv_blocks=64), clock=clock)
+    result = run_engine(reqs, engine=engine, progress=False, sleep=clock.sleep)
     late = result.records[2]
     assert late.ok and late.arrival_s == pytest.approx(0.4)
-    assert late.ttft_s < 0.4  # measured from its own arrival, not from the run's start
-    assert result.summary.duration_s >= 0.4
+    # The others are done at 0 s: the run waits idle until 0.4 s, then serves the late one
+    # at once. Its TTFT is measured from its own arrival, not from the run's start.
+    assert late.ttft_s == pytest.approx(0.0) and late.queue_s == pytest.approx(0.0)
+    assert result.summary.duration_s == pytest.approx(0.4)
     bad = result.records[3]
     assert not bad.ok and bad.error.startswith("invalid: prompt has 5000 tokens")
     assert result.summary.num_failed == 1 and result.summary.num_completed == 3

@@ -12,7 +12,11 @@ from conveyor.model import kernels
 from conveyor.model.attention import AttentionMetadata
 from conveyor.model.decode_attention import NativeDecode, pick_decode_kernel, sdpa_decode
 
-needs_native = pytest.mark.skipif(kernels.load() is None, reason="no C compiler")
+needs_native = pytest.mark.skipif(kernels.load() is None,
+                                  reason="native kernels unavailable " + kernels.why_unavailable())
+FP32_CASES = [(1, 4, 4, 16, 16, None), (5, 8, 2, 32, 4, None), (9, 9, 3, 64, 16, None),
+              (2, 6, 1, 8, 1, None), (7, 8, 2, 64, 16, 5), (3, 16, 8, 128, 16, None),
+              (2, 130, 2, 16, 16, None)]  # the last: a large query group (per-call buffers)
 
 
 def paged_case(batch: int, hq: int, hkv: int, d: int, block: int, dtype: torch.dtype,
@@ -58,15 +62,19 @@ def reference(q, k_cache, v_cache, meta, scale):
 
 
 @needs_native
-@pytest.mark.parametrize("batch, hq, hkv, d, block, window", [
-    (1, 4, 4, 16, 16, None), (5, 8, 2, 32, 4, None), (9, 9, 3, 64, 16, None),
-    (2, 6, 1, 8, 1, None), (7, 8, 2, 64, 16, 5), (3, 16, 8, 128, 16, None),
-    (2, 130, 2, 16, 16, None)])  # a large query group: the kernel's buffers are per call
+@pytest.mark.parametrize("batch, hq, hkv, d, block, window", FP32_CASES)
 def test_native_kernel_matches_reference_fp32(batch, hq, hkv, d, block, window) -> None:
     q, k, v, meta = paged_case(batch, hq, hkv, d, block, torch.float32, window, seed=batch)
     want = reference(q, k, v, meta, d ** -0.5)
     got = NativeDecode(kernels.load())(q, k, v, meta, d ** -0.5)
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch, hq, hkv, d, block, window", FP32_CASES)
+def test_sdpa_decode_matches_reference_fp32(batch, hq, hkv, d, block, window) -> None:
+    """The fallback (what runs without the native kernels) on the same paged layouts."""
+    q, k, v, meta = paged_case(batch, hq, hkv, d, block, torch.float32, window, seed=batch)
+    want = reference(q, k, v, meta, d ** -0.5)
     torch.testing.assert_close(sdpa_decode(q, k, v, meta, d ** -0.5).double(), want,
                                atol=2e-6, rtol=1e-5)
 

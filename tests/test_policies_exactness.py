@@ -53,10 +53,15 @@ def test_policy_never_changes_tokens(policy: str, pool: str) -> None:
     llm = LLM(path, dtype="float32", scheduling_policy=policy, **POLICY_OPTIONS[policy],
               **POOLS[pool])
     engine = llm.engine
+    # A virtual clock, 5 ms a step: deadlines and aging, hence the order of work, are the
+    # same however fast the machine runs the model.
+    now = [0.0]
+    engine.clock = lambda: now[0]
     prompts, params, sched = workload()
     results = {}
 
     def step() -> None:
+        now[0] += 0.005
         for out in engine.step():
             if out.finished:
                 results[out.request_id] = out

@@ -1,5 +1,6 @@
-"""The native prefill-attention kernel equals causal SDPA on a fresh prompt, reading q, k
-and v where the packed QKV projection leaves them, and declines what it cannot do."""
+"""The native prefill-attention kernel equals causal attention on a fresh prompt (computed
+in float64: the bound is the kernel's own rounding, not another float32 kernel's), reading
+q, k and v where the packed QKV projection leaves them, and declines what it cannot do."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch.nn.functional as F
 from conveyor.model import kernels
 from conveyor.model.decode_attention import NativePrefill
 
-needs_native = pytest.mark.skipif(kernels.load() is None, reason="no C compiler")
+needs_native = pytest.mark.skipif(kernels.load() is None,
+                                  reason="native kernels unavailable " + kernels.why_unavailable())
 
 
 def qkv_views(length: int, hq: int, hkv: int, d: int, seed: int = 0):
@@ -24,11 +26,13 @@ def qkv_views(length: int, hq: int, hkv: int, d: int, seed: int = 0):
 
 
 def reference(q, k, v, scale):
+    """Causal attention in float64, returned in float32."""
+    q, k, v = q.double(), k.double(), v.double()
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1])
-    return o[0].transpose(0, 1)
+    return o[0].transpose(0, 1).float()
 
 
 @needs_native

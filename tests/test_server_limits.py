@@ -1,20 +1,24 @@
-"""Server limits on a real server process: API key, admission control (429), request
-timeout (408 / an error event), and a SIGTERM that drains the requests in flight."""
+"""Server limits: API key, admission control (429), request timeout (408 / an error
+event), and a SIGTERM that drains the requests in flight, on a real server process; the
+full queue in-process, with the engine held so that nothing leaves the queue meanwhile."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import json
 import signal
 import threading
 import time
-from contextlib import ExitStack
+from collections.abc import AsyncIterator
 
 import httpx
 import openai
 import pytest
 
-from helpers import make_checkpoint
-from server_helpers import ServerProcess, serve, wait_for
+from helpers import cpu_threads, gate_steps, make_checkpoint
+from server_helpers import ATTENTION_BACKEND, ServerProcess, engine_frozen, serve, wait_for
 
 KEY = "s3cret-key"
 MODEL = "m"
@@ -62,56 +66,121 @@ def test_health_is_open_and_every_other_route_needs_the_key(server: ServerProces
     assert ok.completions.create(model=MODEL, prompt="ba be", max_tokens=2).choices
 
 
-def test_full_queue_is_refused_at_once_with_429(server: ServerProcess) -> None:
-    wait_idle(server)
-    rejected_before = server.metrics()["conveyor:num_requests_rejected_total"]
-    # n sequences count against --max-queue-len 16: 10 (one runs, 9 wait) + 7 fill it.
-    # The server answers a stream's headers once the engine has queued its request, and
-    # --request-timeout (1 s) ends both streams soon: everything below is quick.
-    with httpx.Client(headers=server.headers, timeout=30) as http, ExitStack() as open_streams:
-        for n in (10, 7):
-            body = {"model": MODEL, "prompt": "ba be bi", "n": n, "max_tokens": 400,
-                    "ignore_eos": True, "stream": True}
-            r = open_streams.enter_context(
-                http.stream("POST", server.url + "/v1/completions", json=body))
-            assert r.status_code == 200
-        refused = http.post(server.url + "/v1/completions",
-                            json={"model": MODEL, "prompt": "ba", "max_tokens": 2})
-        too_many = http.post(server.url + "/v1/completions",
-                             json={"model": MODEL, "prompt": "ba", "max_tokens": 2, "n": 17})
-    # 429, not a 408 after waiting behind 17 x 400 tokens: refused at once.
-    assert refused.status_code == 429, refused.text
-    assert refused.json()["error"]["code"] == "queue_full"
-    # More samples than the queue can ever hold is a bad request, not a busy server.
-    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
-    assert server.metrics()["conveyor:num_requests_rejected_total"] == rejected_before + 1
-    wait_idle(server)  # the streams' requests were aborted when they were closed
+@contextlib.asynccontextmanager
+async def app_client(**engine_kw) -> AsyncIterator[tuple[httpx.AsyncClient, object]]:
+    """The server app in-process (httpx's ASGI transport) around a thread engine."""
+    from conveyor.config import EngineArgs
+    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.entrypoints.openai.api_server import build_app, make_state
+
+    args = EngineArgs(model=make_checkpoint("llama"), dtype="float32",
+                      num_threads=cpu_threads(), num_kv_blocks=64, block_size=8,
+                      attention_backend=ATTENTION_BACKEND, **engine_kw)
+    engine = AsyncEngine(LLMEngine(args))
+    state = make_state(engine)
+    app = build_app(state)
+    engine.start()  # the ASGI transport does not run the lifespan
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield client, state
+    finally:
+        await engine.shutdown()
+
+
+def test_full_queue_is_refused_at_once_with_429() -> None:
+    """n sequences count against max_queue_len 16: 10 (one runs, 9 wait) + 7 fill it. The
+    engine is held meanwhile (no step runs), so the queue stays full however fast or slow
+    the machine: the refusal can only come at once, from admission control."""
+
+    async def wait_until(predicate) -> None:
+        deadline = time.monotonic() + 30
+        while not await predicate():
+            assert time.monotonic() < deadline, "condition not reached in time"
+            await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        async with app_client(max_num_seqs=1, max_queue_len=16) as (client, state):
+            engine = state.engine
+
+            async def counts(running: int, waiting: int) -> bool:
+                now = await engine.call(lambda e: (e.scheduler.num_running,
+                                                   e.scheduler.num_waiting))
+                return now == (running, waiting)
+
+            async def rejected() -> float:
+                r = await client.get("/metrics")
+                line = next(ln for ln in r.text.splitlines()
+                            if ln.startswith("conveyor:num_requests_rejected_total"))
+                return float(line.split()[-1])
+
+            free_at_start = await engine.call(lambda e: e.kv.num_free_blocks)
+            rejected_before = await rejected()
+            body = {"prompt": "ba be bi", "max_tokens": 4, "ignore_eos": True,
+                    "temperature": 0}
+            await engine.call(functools.partial(gate_steps, steps=0))
+            first = asyncio.ensure_future(client.post("/v1/completions",
+                                                      json={**body, "n": 10}))
+            await wait_until(lambda: counts(0, 10))
+            await engine.call(functools.partial(gate_steps, steps=1))  # one starts, held
+            await wait_until(lambda: counts(1, 9))
+            second = asyncio.ensure_future(client.post("/v1/completions",
+                                                       json={**body, "n": 7}))
+            await wait_until(lambda: counts(1, 16))
+            # (Bounded waits: an admitted request would wait for the held engine forever.)
+            refused = await asyncio.wait_for(client.post(
+                "/v1/completions", json={"prompt": "ba", "max_tokens": 2}), 30)
+            too_many = await asyncio.wait_for(client.post(
+                "/v1/completions", json={"prompt": "ba", "max_tokens": 2, "n": 17}), 30)
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "queue_full"
+            # More samples than the queue can ever hold is a bad request, not a busy server.
+            assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+            assert await rejected() == rejected_before + 1
+            # Released, the queued requests are served as usual and every block comes back.
+            await engine.call(functools.partial(gate_steps, steps=None))
+            done = await asyncio.wait_for(asyncio.gather(first, second), 60)
+            assert [r.status_code for r in done] == [200, 200]
+            assert [len(r.json()["choices"]) for r in done] == [10, 7]
+            assert await engine.call(lambda e: e.kv.num_free_blocks) == free_at_start
+
+    asyncio.run(main())
+
+
+def test_more_samples_than_the_queue_holds_is_a_400(server: ServerProcess) -> None:
+    """--max-queue-len reaches the real server (the 429 itself is tested in-process)."""
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "ba", "max_tokens": 2,
+                                         "n": 17})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert "max_queue_len 16" in r.json()["error"]["message"]
 
 
 def test_request_timeout_aborts_with_an_error(server: ServerProcess) -> None:
     wait_idle(server)
-    # 8 x 500 tokens one sequence at a time: far longer than the 1 s timeout.
     body = {"model": MODEL, "prompt": "ba be bi", "n": 8, "max_tokens": 500,
             "ignore_eos": True}
     results: dict[str, object] = {}
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
+                      headers=server.headers, timeout=60) as stream:
+        # The headers went out: the engine queued the stream's request. From here the
+        # engine core is stopped, so neither request can finish before its timeout,
+        # however fast the machine; the front end still times them out.
+        assert stream.status_code == 200
+        with engine_frozen(server):
 
-    def streaming() -> None:
-        with httpx.stream("POST", server.url + "/v1/completions",
-                          json={**body, "stream": True}, headers=server.headers,
-                          timeout=60) as r:
-            results["stream_status"] = r.status_code
-            results["events"] = [line for line in r.iter_lines() if line]
+            def streaming() -> None:
+                results["events"] = [line for line in stream.iter_lines() if line]
 
-    thread = threading.Thread(target=streaming)
-    thread.start()
-    t0 = time.monotonic()
-    r = post(server, "/v1/completions", body)
-    elapsed = time.monotonic() - t0
-    thread.join(60)
+            thread = threading.Thread(target=streaming)
+            thread.start()
+            t0 = time.monotonic()
+            r = post(server, "/v1/completions", body)
+            elapsed = time.monotonic() - t0
+            thread.join(60)
     assert r.status_code == 408, r.text
     assert r.json()["error"]["code"] == "request_timeout"
     assert TIMEOUT_S <= elapsed < 30
-    assert results["stream_status"] == 200  # the headers went out before the timeout
     events = results["events"]
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2][len("data: "):])["error"]
