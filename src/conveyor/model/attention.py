@@ -56,10 +56,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, Hq, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    gqa = q.shape[1] != k.shape[1]
     nd = meta.num_decodes
     if nd and not meta.prefills:
         return meta.decode_kernel(q, k_cache, v_cache, meta, scale)
+    gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     if nd:
         out[:nd] = meta.decode_kernel(q[:nd], k_cache, v_cache, meta, scale)

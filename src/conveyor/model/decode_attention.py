@@ -1,6 +1,7 @@
 """Decode attention (one query token per sequence) over the paged KV cache.
 
-Two implementations behind one signature ``(q, k_cache, v_cache, meta, scale)``:
+Two implementations behind one signature ``(q, k_cache, v_cache, meta, scale)``, the
+attention backends ``native`` and ``sdpa`` of ``backends.py``:
 
 - ``native`` (CPU): the C kernel of ``kernels/decode_attention.c`` reads each context
   K/V row once, straight from its slot; nothing is gathered or padded.
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from conveyor.model import kernels
+from conveyor.model.kernels import ops as native
 
 if TYPE_CHECKING:
     from conveyor.model.attention import AttentionMetadata
@@ -34,26 +35,21 @@ def sdpa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 class NativeDecode:
-    """The C kernel through ctypes (float32 and bfloat16 caches)."""
+    """The C kernel (float32 and bfloat16 caches) through the checked
+    ``kernels.ops.decode_attention``."""
 
     needs_mask = False
 
     def __init__(self, lib) -> None:
         self.lib = lib
-        self._fns = {torch.float32: lib.decode_attention_f32,
-                     torch.bfloat16: lib.decode_attention_bf16}
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        b, hq, d = q.shape
-        q32 = q.float().contiguous()
-        out = torch.empty((b, hq, d), dtype=torch.float32)
-        slots = meta.decode_slots
-        self._fns[k_cache.dtype](
-            q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-            meta.decode_lens.data_ptr(), meta.decode_starts.data_ptr(), out.data_ptr(),
-            b, hq, k_cache.shape[1], d, slots.shape[1], scale)
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
+        fp32 = q.dtype is torch.float32
+        out = native.decode_attention(q.contiguous() if fp32 else q.float().contiguous(),
+                                      k_cache, v_cache, meta.decode_slots, meta.decode_lens,
+                                      meta.decode_starts, scale)
+        return out if fp32 else out.to(q.dtype)
 
 
 sdpa_decode.needs_mask = True  # type: ignore[attr-defined]
@@ -64,38 +60,29 @@ class NativePrefill:
 
     Reads q, k, v where the QKV projection left them (rows of a strided view) and writes
     ``out`` in place; declines (returns False) what it was not compiled for, and the
-    segment then goes to SDPA.
+    segment then goes to SDPA. Anything else wrong with the tensors raises (the checked
+    ``kernels.ops.prefill_attention``).
     """
 
     def __init__(self, lib) -> None:
-        self.fn = lib.prefill_attention_f32
+        self.lib = lib
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  scale: float) -> bool:
-        t, hq, d = q.shape
+        d = q.shape[2]
         if (q.dtype != torch.float32 or k.dtype != torch.float32 or out.dtype != torch.float32
                 or any(x.stride(2) != 1 or x.stride(1) != d for x in (q, k, v, out))
                 or k.stride(0) != v.stride(0)):
             return False
-        return self.fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t, hq,
-                       k.shape[1], d, q.stride(0), k.stride(0), out.stride(0), scale) == 0
+        return native.prefill_attention(q, k, v, out, scale)
 
 
 def pick_decode_kernel(backend: str, device: torch.device, dtype: torch.dtype,
                        num_heads: int, num_kv_heads: int):
-    """``native`` (C kernel, CPU), ``sdpa``, or ``auto``: native where it applies."""
-    if backend not in ("auto", "sdpa", "native"):
-        raise ValueError(f"attention_backend must be auto, native or sdpa, got {backend!r}")
-    applies = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-    if backend == "sdpa" or (backend == "auto" and not applies):
-        return sdpa_decode
-    if not applies:
-        raise ValueError("attention_backend='native' needs a CPU device and a float32 or "
-                         "bfloat16 model")
-    lib = kernels.load()
-    if lib is None:
-        if backend == "native":
-            raise RuntimeError("attention_backend='native': the native kernels are unavailable "
-                               + kernels.why_unavailable())
-        return sdpa_decode
-    return NativeDecode(lib)
+    """The decode callable of attention backend ``backend`` (``native``: the C kernel on
+    CPU, ``sdpa``, any registered one, or ``auto``: the first registered that applies);
+    see ``backends.py``."""
+    from conveyor.model.backends import select_attention_backend
+
+    return select_attention_backend(backend, device, dtype, num_heads,
+                                    num_kv_heads).decode_kernel()

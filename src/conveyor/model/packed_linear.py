@@ -23,10 +23,17 @@ import torch
 from torch import nn
 
 from conveyor.model import kernels
+from conveyor.model.kernels import ops as native
 
 logger = logging.getLogger(__name__)
 
-LINEAR_BACKENDS = ("auto", "torch", "onednn", "native")
+
+def __getattr__(name: str):
+    if name == "LINEAR_BACKENDS":  # the names linear_backend takes, as registered now
+        from conveyor.model.backends import linear_backend_names
+
+        return ("auto", *linear_backend_names())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def onednn_available() -> bool:
@@ -56,11 +63,12 @@ class PackedLinear(nn.Module):
 def native_gemm_lib():
     """The kernel library if it has conveyor's GEMM (AVX2 + FMA), else None."""
     lib = kernels.load()
-    return lib if lib is not None and lib.gemm_f32_available() else None
+    return lib if lib is not None and native.gemm_available() else None
 
 
 class NativeLinear(nn.Module):
-    """``x @ weight.T + bias`` through ``kernels/gemm.c`` with the weight packed once.
+    """``x @ weight.T + bias`` through ``kernels/gemm.c`` with the weight packed once
+    (``kernels.ops.PackedGemm``: checked once, and each input on every call).
 
     ``gate_up``: the weight is a packed [gate; up] projection of 2I rows and the module
     returns ``silu(gate) * up`` ([T, I]); ``applies_silu_mul`` tells the MLP so.
@@ -74,31 +82,28 @@ class NativeLinear(nn.Module):
         self.lib = lib
         self.out_features, self.in_features = weight.shape
         self.applies_silu_mul = gate_up
-        w = weight.detach().to(torch.float32).contiguous()
-        size = lib.gemm_packed_size(self.out_features, self.in_features, int(gate_up))
-        # torch's CPU allocator aligns to 64 bytes, as the kernel's aligned loads need.
-        self.packed = torch.empty(size, dtype=torch.float32)
-        lib.gemm_pack_weight_f32(w.data_ptr(), self.packed.data_ptr(), self.out_features,
-                                 self.in_features, int(gate_up))
-        self.bias = bias.detach().to(torch.float32).contiguous() if bias is not None else None
-        self.width = self.out_features // 2 if gate_up else self.out_features
+        self.gemm = native.PackedGemm(
+            weight.detach().to(torch.float32).contiguous(),
+            bias.detach().to(torch.float32).contiguous() if bias is not None else None,
+            gate_up)
+        self.width = self.gemm.width
+
+    @property
+    def packed(self) -> torch.Tensor:
+        return self.gemm.packed
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.gemm.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype is torch.float32 and x.stride(1) == 1:  # the model's case
+            return self.gemm(x)
         lead = x.shape[:-1]
-        if x.dim() != 2:
-            x = x.reshape(-1, self.in_features)
+        x = x.reshape(-1, self.in_features)
         if x.dtype != torch.float32 or x.stride(-1) != 1:
             x = x.to(torch.float32).contiguous()
-        rows = x.shape[0]
-        out = torch.empty((rows, self.width), dtype=torch.float32)
-        if rows:
-            rc = self.lib.gemm_f32(x.data_ptr(), x.stride(0), self.packed.data_ptr(),
-                                   self.bias.data_ptr() if self.bias is not None else None,
-                                   out.data_ptr(), self.width, rows, self.out_features,
-                                   self.in_features, int(self.applies_silu_mul))
-            if rc != 0:
-                raise MemoryError("native GEMM: out of memory for its packing buffers")
-        return out.view(*lead, self.width)
+        return self.gemm(x).view(*lead, self.width)
 
     def extra_repr(self) -> str:
         kind = ", silu(gate) * up" if self.applies_silu_mul else ""
@@ -106,34 +111,26 @@ class NativeLinear(nn.Module):
 
 
 def pick_linear_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Which linears a model gets: ``native`` (conveyor's GEMM), ``onednn`` or ``torch``
-    (plain ``F.linear``). ``auto``: native for float32 on an AVX2 CPU, else oneDNN for
-    float32 on CPU where torch has it, else torch."""
-    if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
-    fp32_cpu = device.type == "cpu" and dtype == torch.float32
-    if backend == "onednn" and not (fp32_cpu and onednn_available()):
-        raise ValueError("linear_backend='onednn' needs a float32 model on CPU and a torch "
-                         "built with oneDNN (mkldnn)")
-    if backend == "native" and not (fp32_cpu and native_gemm_lib() is not None):
-        raise ValueError("linear_backend='native' needs a float32 model on a CPU with AVX2 "
-                         "and FMA, and the native kernels built " + kernels.why_unavailable())
-    if backend != "auto":
-        return backend
-    if fp32_cpu and native_gemm_lib() is not None:
-        return "native"
-    return "onednn" if fp32_cpu and onednn_available() else "torch"
+    """Which linears a model gets, by name: ``native`` (conveyor's GEMM), ``onednn``,
+    ``torch`` (plain ``F.linear``), any registered one, or ``auto``: the first registered
+    that applies (native for float32 on an AVX2 CPU, else oneDNN for float32 on CPU where
+    torch has it, else torch). See ``backends.py``."""
+    from conveyor.model.backends import select_linear_backend
+
+    return select_linear_backend(backend, device, dtype).name
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
                   gate_up: bool = False) -> nn.Module:
-    """A pre-packed replacement for ``nn.Linear(weight, bias)`` (``onednn`` or ``native``);
-    ``gate_up`` fuses the SwiGLU activation where the backend can (native)."""
-    if backend == "native":
-        return NativeLinear(weight, bias, native_gemm_lib(), gate_up=gate_up)
-    if backend == "onednn":
-        return PackedLinear(weight, bias)
-    raise ValueError(f"no packed linear for backend {backend!r}")
+    """A pre-packed replacement for ``nn.Linear(weight, bias)`` from linear backend
+    ``backend`` (``onednn``, ``native``, ...); ``gate_up`` fuses the SwiGLU activation
+    where the backend can (native: check the module's ``applies_silu_mul``)."""
+    from conveyor.model.backends import linear_backend
+
+    cls = linear_backend(backend)
+    if not cls.packs:
+        raise ValueError(f"no packed linear for backend {backend!r}")
+    return cls(weight.device, weight.dtype).make_linear(weight, bias, gate_up=gate_up)
 
 
 def pack_linears(model: nn.Module, backend: str = "onednn") -> int:
