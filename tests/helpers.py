@@ -87,6 +87,50 @@ def cpu_threads() -> int:
     return int(os.environ.get("CONVEYOR_TEST_THREADS", "1"))
 
 
+def gate_steps(engine, steps: int | None = None, until=None) -> None:
+    """Hold an ``LLMEngine``'s steps back, whatever the machine's speed.
+
+    ``steps`` more steps may run (None: any number); with ``until``, the engine is held
+    once ``until(engine)`` is true after a step. A held step schedules nothing and
+    returns no output, so an engine loop around it stays responsive: adds, aborts and
+    calls are served, no request moves. Call it on the engine loop, through
+    ``AsyncEngine.call`` (``functools.partial`` for the arguments; an engine-core
+    process needs module-level functions, ``until`` included).
+    """
+    if not hasattr(engine, "_ungated_step"):
+        engine._ungated_step = engine.step
+
+        def gated_step():
+            gate = engine._step_gate
+            if gate["steps"] == 0:
+                return _held_step_result(engine)
+            if gate["steps"] is not None:
+                gate["steps"] -= 1
+            outs = engine._ungated_step()
+            if gate["until"] is not None and gate["until"](engine):
+                gate["steps"] = 0
+            return outs
+
+        engine.step = gated_step
+    engine._step_gate = {"steps": steps, "until": until}
+
+
+def _held_step_result(engine):
+    """What a step that scheduled nothing returns: an empty ``EngineCoreOutputs`` from an
+    engine core, no outputs from an ``LLMEngine``."""
+    from conveyor.engine.core import EngineCore
+    from conveyor.engine.messages import EngineCoreOutputs
+
+    if isinstance(engine, EngineCore):
+        return EngineCoreOutputs([], engine.clock(), scheduled=False)
+    return []
+
+
+def steps_are_held(engine) -> bool:
+    """Whether ``gate_steps`` holds this engine now."""
+    return getattr(engine, "_step_gate", {}).get("steps") == 0
+
+
 def fake_execute(out, vocab: int = 100, eos: int | None = None):
     """A stand-in for the model runner: one token per request that reaches its end.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -22,7 +23,7 @@ from conveyor.engine.async_engine import (
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.outputs import RequestMetrics
 
-from helpers import cpu_threads, make_checkpoint, random_prompts
+from helpers import cpu_threads, gate_steps, make_checkpoint, random_prompts, steps_are_held
 from server_helpers import ATTENTION_BACKEND
 
 
@@ -52,6 +53,17 @@ async def wait_until(predicate, timeout_s: float = 20.0) -> None:
     while not await predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+async def gate(engine: AsyncEngine, steps: int | None = None, until=None) -> None:
+    """``gate_steps`` on the engine loop: from now on only ``steps`` more steps run
+    (None: any number), or steps until ``until(engine)`` holds. Deterministic whatever
+    the machine's speed: a held engine serves commands but moves no request."""
+    await engine.call(functools.partial(gate_steps, steps=steps, until=until))
+
+
+async def held(engine: AsyncEngine) -> bool:
+    return await engine.call(steps_are_held)
 
 
 async def pool_is_back(engine: AsyncEngine, free_at_start: int) -> bool:
@@ -92,36 +104,39 @@ def test_concurrent_streams_equal_offline_greedy() -> None:
     assert asyncio.run(main()) == want
 
 
-def slow_down(engine: AsyncEngine, seconds: float) -> None:
-    """Make every engine step take at least ``seconds`` (a slower model)."""
-    real_step = engine.engine.step
-
-    def slow_step():
-        time.sleep(seconds)
-        return real_step()
-
-    engine.engine.step = slow_step
-
-
 def test_deltas_arrive_step_by_step_and_merge_for_a_slow_consumer() -> None:
     prompt = random_prompts(1)[0]
+
+    async def idle(engine: AsyncEngine) -> bool:
+        return await engine.call(lambda e: not e.has_unfinished_requests())
 
     async def main() -> None:
         async with running() as engine:
             want = await collect(engine, "ref", prompt, greedy(12, ignore_eos=True))
-            slow_down(engine, 0.005)  # the consumer always waits for the engine
-            outs = [o async for o in engine.generate("r", prompt, greedy(12, ignore_eos=True))]
+            # A consumer that keeps up: the engine takes its next step only once the
+            # consumer has read the last output, so every output is one step's delta.
+            await gate(engine, steps=1)
+            outs = []
+            async for o in engine.generate("r", prompt, greedy(12, ignore_eos=True)):
+                outs.append(o)
+                await gate(engine, steps=1)
             assert [len(o.outputs[0].token_ids) for o in outs] == [1] * 12
             assert [o.finished for o in outs] == [False] * 11 + [True]
 
+            # A consumer that lags: it reads the first output, then waits until the
+            # engine has finished the request; the 11 deltas waiting come as one.
+            await gate(engine, steps=1)
             merged, text = [], ""
             async for o in engine.generate("s", prompt, greedy(12, ignore_eos=True)):
                 merged.append(o)
                 text += o.outputs[0].text
-                await asyncio.sleep(0.03)  # the consumer lags several steps behind
+                if len(merged) == 1:
+                    await gate(engine)  # unheld: the engine runs ahead of the consumer
+                    await wait_until(lambda: idle(engine))
             tokens = [t for o in merged for t in o.outputs[0].token_ids]
             assert tokens == want
-            assert len(merged) < 12 and merged[-1].finished
+            assert [len(o.outputs[0].token_ids) for o in merged] == [1, 11]
+            assert merged[-1].finished
             assert text == "".join(o.outputs[0].text for o in outs)
 
     asyncio.run(main())
@@ -132,32 +147,32 @@ def test_abort_at_any_stage_frees_blocks(stage: str) -> None:
     """Close a request's stream while it waits, mid-prefill, or decoding: blocks come back."""
     long_prompt = random_prompts(1, lo=200, hi=200, seed=3)[0]
 
+    def stage_of(e: LLMEngine) -> str:
+        req = e.scheduler.requests["target"]
+        if req.num_computed_tokens == 0:
+            return "waiting"
+        return "prefilling" if not req.output_token_ids else "decoding"
+
     async def main() -> None:
         async with running(max_num_seqs=1, max_num_batched_tokens=8) as engine:
             free_at_start = await engine.call(lambda e: e.kv.num_free_blocks)
+            await gate(engine, steps=0)  # nothing moves until both are queued
             blocker = None
             if stage == "waiting":  # a long request holds the only running slot
                 blocker = await engine.add_request("blocker", long_prompt,
                                                    greedy(200, ignore_eos=True))
             stream = await engine.add_request("target", long_prompt,
                                               greedy(200, ignore_eos=True))
-
-            def stage_of(e: LLMEngine) -> str:
-                req = e.scheduler.requests["target"]
-                if req.num_computed_tokens == 0:
-                    return "waiting"
-                return "prefilling" if not req.output_token_ids else "decoding"
-
-            async def reached() -> bool:
-                return await engine.call(stage_of) == stage
-
-            await wait_until(reached)
+            # Step until the target is at its stage, then hold it there: 200 prompt
+            # tokens take 25 steps of 8, however fast or slow they are.
+            await gate(engine, until=lambda e: stage_of(e) == stage)
+            await wait_until(lambda: held(engine))
+            assert await engine.call(stage_of) == stage
             stream.close()
             if blocker is not None:
                 blocker.close()
             await wait_until(lambda: pool_is_back(engine, free_at_start))
-            aborted = await engine.call(
-                lambda e: [m.finish_reason for m in e.finished_metrics])
+            aborted = [m.finish_reason for m in engine.finished_metrics]  # the front end's
             assert "abort" in aborted
 
     asyncio.run(main())
@@ -167,6 +182,7 @@ def test_cancelled_consumer_aborts_its_request() -> None:
     async def main() -> None:
         async with running() as engine:
             free_at_start = await engine.call(lambda e: e.kv.num_free_blocks)
+            await gate(engine, steps=1)  # held after the first token: it cannot finish
             started = asyncio.Event()
 
             async def consume() -> None:
@@ -180,6 +196,8 @@ def test_cancelled_consumer_aborts_its_request() -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await wait_until(lambda: pool_is_back(engine, free_at_start))
+            reasons = [m.finish_reason for m in engine.finished_metrics]
+            assert reasons == ["abort"]
 
     asyncio.run(main())
 
@@ -187,15 +205,21 @@ def test_cancelled_consumer_aborts_its_request() -> None:
 def test_timeout_aborts_the_request() -> None:
     async def main() -> None:
         async with running() as engine:
-            slow_down(engine, 0.005)  # a slow model, so that the timeout surely comes first
             free_at_start = await engine.call(lambda e: e.kv.num_free_blocks)
+            # Held after two steps, so the request cannot finish before its timeout.
+            await gate(engine, steps=2)
             stream = await engine.add_request("r", random_prompts(1)[0],
                                               greedy(300, ignore_eos=True), timeout_s=0.2)
             got = 0
-            with pytest.raises(RequestTimeoutError, match=r"0\.2 s"):
+
+            async def consume() -> None:
+                nonlocal got
                 async for out in stream:
                     got += len(out.outputs[0].token_ids)
-            assert got < 300
+
+            with pytest.raises(RequestTimeoutError, match=r"0\.2 s"):
+                await asyncio.wait_for(consume(), 30)  # a missing timeout fails, not hangs
+            assert got <= 2
             await wait_until(lambda: pool_is_back(engine, free_at_start))
 
     asyncio.run(main())
@@ -204,14 +228,15 @@ def test_timeout_aborts_the_request() -> None:
 def test_a_bad_request_fails_alone() -> None:
     async def main() -> None:
         async with running() as engine:
-            real_tokenize = engine.engine.tokenize
+            tokenizer = engine.info.tokenizer  # the front end's: it tokenizes, not the core
+            real_encode = tokenizer.encode
 
-            def tokenize(prompt):
-                if prompt == "explode":
+            def encode(text, **kw):
+                if text == "explode":
                     raise RuntimeError("tokenizer bug")
-                return real_tokenize(prompt)
+                return real_encode(text, **kw)
 
-            engine.engine.tokenize = tokenize
+            tokenizer.encode = encode
             good = collect(engine, "good", random_prompts(1)[0], greedy(8, ignore_eos=True))
             too_long = collect(engine, "long", [5] * 600, greedy(4))
             buggy = collect(engine, "bug", "explode", greedy(4))
@@ -228,7 +253,9 @@ def test_queue_full_is_refused_at_once() -> None:
     async def main() -> None:
         async with running(max_num_seqs=1, max_queue_len=1) as engine:
             prompt = random_prompts(1)[0]
+            await gate(engine, steps=0)
             running_one = await engine.add_request("a", prompt, greedy(300, ignore_eos=True))
+            await gate(engine, steps=1)  # a starts, then holds its slot: it cannot finish
 
             async def a_is_running() -> bool:
                 return await engine.call(lambda e: e.scheduler.num_running == 1)
@@ -248,8 +275,8 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on() -> N
     async def main() -> None:
         async with running() as engine:
             free_at_start = await engine.call(lambda e: e.kv.num_free_blocks)
-            runner = engine.engine.runner
-            real_execute = runner.execute
+            executor = engine.core.executor
+            real_execute = executor.execute_model
             calls = 0
 
             def execute(sched_out):
@@ -259,14 +286,21 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on() -> N
                     raise RuntimeError("injected fault")
                 return real_execute(sched_out)
 
-            runner.execute = execute
-            results = await asyncio.gather(
-                *(collect(engine, f"r{i}", p, greedy(50, ignore_eos=True))
-                  for i, p in enumerate(random_prompts(3))), return_exceptions=True)
+            executor.execute_model = execute
+            await gate(engine, steps=0)  # all three are in flight before the first step
+            tasks = [asyncio.ensure_future(collect(engine, f"r{i}", p, greedy(50, ignore_eos=True)))
+                     for i, p in enumerate(random_prompts(3))]
+
+            async def three_queued() -> bool:
+                return await engine.call(lambda e: len(e.scheduler.requests) == 3)
+
+            await wait_until(three_queued)
+            await gate(engine)
+            results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
             assert all(isinstance(r, EngineStepError) for r in results), results
             assert "injected fault" in str(results[0])
             await wait_until(lambda: pool_is_back(engine, free_at_start))
-            assert engine.is_alive and engine.engine.num_step_errors == 1
+            assert engine.is_alive and engine.core.num_step_errors == 1
             # New requests are served as before.
             assert len(await collect(engine, "after", random_prompts(1)[0],
                                      greedy(5, ignore_eos=True))) == 5
@@ -278,15 +312,20 @@ def test_shutdown_fails_streams_and_refuses_new_requests() -> None:
     async def main() -> None:
         engine = AsyncEngine(LLMEngine(engine_args()))
         engine.start()
+        await gate(engine, steps=1)  # held after the first token: the request stays in flight
         stream = await engine.add_request("r", random_prompts(1)[0],
                                           greedy(400, ignore_eos=True))
         await stream.__anext__()
         assert engine.is_alive
         await engine.shutdown()
         assert not engine.is_alive
-        with pytest.raises(EngineDeadError):
+
+        async def drain() -> None:
             async for _ in stream:
                 pass
+
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(drain(), 30)  # a stream left open fails, not hangs
         with pytest.raises(EngineDeadError):
             await engine.add_request("s", [5, 6], greedy(2))
 
@@ -299,16 +338,17 @@ def test_finish_listeners_see_finished_and_aborted_requests() -> None:
         async with running() as engine:
             engine.finish_listeners.append(seen.extend)
             await collect(engine, "done", random_prompts(1)[0], greedy(3, ignore_eos=True))
+            await gate(engine, steps=1)  # held after its first token: "gone" cannot finish
             stream = await engine.add_request("gone", random_prompts(1)[0],
                                               greedy(400, ignore_eos=True))
             await stream.__anext__()
             stream.close()
 
             async def two_seen() -> bool:
-                return await engine.call(lambda e: len(seen) == 2)
+                return len(seen) == 2
 
             await wait_until(two_seen)
-            assert await engine.call(lambda e: list(e.finished_metrics)) == seen
+            assert engine.finished_metrics == seen
         return seen
 
     done, gone = asyncio.run(main())

@@ -115,7 +115,7 @@ def test_logits_match_transformers_within_1e4() -> None:
         llm.engine.step()
         for rid, logits in runner.last_logits.items():
             state = runner.requests[rid]
-            seq = state.token_ids[:-1]  # the sampled token was appended after the logits
+            seq = state.tokens(0, state.num_tokens - 1)  # the sampled token came after
             with torch.no_grad():
                 want = model(torch.tensor([seq])).logits[0, -1]
             torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)

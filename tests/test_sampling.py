@@ -126,7 +126,7 @@ def test_eos_stops_unless_ignored() -> None:
     prompt = random_prompts(1, seed=3)[0]
     first = hf_greedy(path, prompt, 1)[0]
     # Make the first greedy token the EOS: generation stops right there.
-    llm.engine.eos_token_ids = frozenset({first})
+    llm.engine.core.eos_token_ids = frozenset({first})
     out = llm.generate([ids(prompt)], SamplingParams(max_tokens=5, temperature=0))[0]
     assert out.outputs[0].token_ids == [first] and out.outputs[0].finish_reason == "stop"
     out = llm.generate([ids(prompt)], SamplingParams(max_tokens=5, temperature=0,

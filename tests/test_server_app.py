@@ -17,7 +17,9 @@ import pytest
 
 from conveyor.config import EngineArgs
 from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.core import EngineCore
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.messages import UtilityMethod
 from conveyor.entrypoints.openai import serving_completion
 from conveyor.entrypoints.openai.api_server import build_app, make_state
 from conveyor.entrypoints.openai.chat_template import (
@@ -49,7 +51,7 @@ async def app_client(**state_kw) -> AsyncIterator[tuple[httpx.AsyncClient, Serve
 
 
 async def free_blocks(state: ServerState) -> int:
-    return await state.engine.call(lambda e: e.kv.num_free_blocks)
+    return await state.engine.utility(UtilityMethod.NUM_FREE_BLOCKS)
 
 
 def completion(prompt: str, **kw) -> dict:
@@ -127,16 +129,16 @@ def test_a_client_that_disconnects_aborts_its_request(monkeypatch, stream: bool)
     is held until the server has sent the abort, so the request cannot finish first; the
     client leaves while it is held."""
     held, aborted = threading.Event(), threading.Event()
-    real_step = LLMEngine.step
+    real_step = EngineCore.step
 
     def held_step(self):
-        outs = real_step(self)  # (a non-streaming request has no output before its last)
+        outs = real_step(self)
         if self.has_unfinished_requests() and not aborted.is_set():
             held.set()
             assert aborted.wait(30), "the server never aborted the disconnected request"
         return outs
 
-    monkeypatch.setattr(LLMEngine, "step", held_step)
+    monkeypatch.setattr(EngineCore, "step", held_step)
     real_abort = AsyncEngine.abort_nowait
 
     def abort_and_release(self, request_id):
@@ -171,9 +173,8 @@ def test_a_client_that_disconnects_aborts_its_request(monkeypatch, stream: bool)
                      "client": ("127.0.0.1", 1), "server": ("test", 80)}
             await build_app(state)(scope, receive, send)
             assert aborted.is_set()
-            finished = await state.engine.call(
-                lambda e: [(m.finish_reason, m.num_generation_tokens)
-                           for m in e.finished_metrics])
+            finished = [(m.finish_reason, m.num_generation_tokens)
+                        for m in state.engine.finished_metrics]
             assert len(finished) == 1
             reason, generated = finished[0]
             assert reason == "abort" and generated < 450, (reason, generated)
@@ -201,15 +202,15 @@ def test_health_is_503_once_the_engine_loop_has_stopped() -> None:
 def test_scheduling_hints_reach_the_engine() -> None:
     async def main() -> None:
         async with app_client() as (client, state):
-            seen: list[tuple] = []
-            engine = state.engine.engine
-            real_add = engine.add_request
+            seen: list = []
+            core = state.engine.core
+            real_add = core.add_requests
 
-            def spy(prompt, params, **kw):
-                seen.append((params, kw))
-                return real_add(prompt, params, **kw)
+            def spy(reqs):
+                seen.extend(reqs)
+                return real_add(reqs)
 
-            engine.add_request = spy
+            core.add_requests = spy
             body = completion("ba be", priority=3, user="alice", expected_output_tokens=40,
                               slo_ttft_ms=250.0, slo_tpot_ms=20.0)
             r = await client.post("/v1/completions", json=body)
@@ -219,13 +220,12 @@ def test_scheduling_hints_reach_the_engine() -> None:
                                         "max_tokens": 2, "user": "alice"},
                                   headers={"X-Tenant": "team-a"})
             assert r.status_code == 200
-            (params, kw), (_, chat_kw) = seen
-            assert params.expected_output_tokens == 40
-            assert (kw["priority"], kw["tenant"], kw["slo_ttft_ms"], kw["slo_tpot_ms"]) == \
-                (3, "alice", 250.0, 20.0)
-            assert chat_kw["tenant"] == "team-a"  # the gateway's header wins over the body
-            tenants = await state.engine.call(
-                lambda e: [m.tenant for m in e.finished_metrics])
+            completion_req, chat_req = seen
+            assert completion_req.sampling_params.expected_output_tokens == 40
+            assert (completion_req.priority, completion_req.tenant, completion_req.slo_ttft_ms,
+                    completion_req.slo_tpot_ms) == (3, "alice", 250.0, 20.0)
+            assert chat_req.tenant == "team-a"  # the gateway's header wins over the body
+            tenants = [m.tenant for m in state.engine.finished_metrics]
             assert tenants == ["alice", "team-a"]
 
     asyncio.run(main())

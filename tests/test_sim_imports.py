@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent("""
     find_min_replicas(work, args, loaded, SLO(ttft_s=1.0), max_replicas=2)
     banned = [m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")
               or m in ("conveyor.runner.model_runner", "conveyor.model.llama",
-                       "conveyor.engine.llm_engine", "conveyor.entrypoints.llm")]
+                       "conveyor.executor.local", "conveyor.entrypoints.llm")]
     print("BANNED", banned)
 """)
 
@@ -83,7 +83,7 @@ CLI_SCRIPT = textwrap.dedent("""
                  "--out", out + "/profile.json"]) == 0
     banned = [m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")
               or m in ("conveyor.runner.model_runner", "conveyor.model.llama",
-                       "conveyor.engine.llm_engine", "conveyor.entrypoints.llm")]
+                       "conveyor.executor.local", "conveyor.entrypoints.llm")]
     print("BANNED", banned)
 """)
 
@@ -109,8 +109,8 @@ def test_the_sim_command_imports_no_torch(tmp_path):
 
 
 def test_the_check_can_fail(tmp_path):
-    """Importing the engine does pull torch in, so the check above is not vacuous."""
-    script = "import sys, conveyor.engine.llm_engine; print('torch' in sys.modules)"
+    """Importing the local executor does pull torch in, so the check above is not vacuous."""
+    script = "import sys, conveyor.executor.local; print('torch' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)

@@ -312,6 +312,24 @@ class EngineArgs:
                                  served_model_name=self.served_model_name or self.model)
 
 
+def resolve_engine_config(args: EngineArgs, model: ModelConfig, num_kv_blocks: int,
+                          device: str) -> EngineConfig:
+    """The one derivation of the frozen ``EngineConfig``, shared by the engine, the simulator
+    and the bench: the engine args, the model as the executor resolved it (its compute
+    dtype), and the KV pool the executor can hold, which caps the longest sequence."""
+    cache = dataclasses.replace(args.cache_config(), num_kv_blocks=num_kv_blocks)
+    max_len = min(model.max_model_len, num_kv_blocks * cache.block_size)
+    return EngineConfig(model=dataclasses.replace(model, max_model_len=max_len), cache=cache,
+                        scheduler=args.scheduler_config(), device=device,
+                        num_threads=args.num_threads)
+
+
+def kv_hash_key(model: ModelConfig) -> bytes:
+    """What the prefix cache's block hashes are salted with: the same tokens under another
+    checkpoint, arithmetic dtype, weights or seed have other K/V."""
+    return f"{model.path}|{model.math_dtype}|{model.load_format}|{model.seed}".encode()
+
+
 def kv_blocks_for(cache: CacheConfig, model: ModelConfig, max_num_seqs: int, *,
                   default_memory: Callable[[], int], cap_to_useful: bool) -> int:
     """KV blocks from ``num_kv_blocks``, else ``kv_cache_memory``, else ``default_memory()``.

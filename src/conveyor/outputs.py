@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from conveyor.request import Request
+    from conveyor.engine.messages import EngineCoreOutput, EngineCoreRequest
 
 
 @dataclass
@@ -45,28 +45,40 @@ class RequestMetrics:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
 
-    # ---- recording (shared by the engine's output processor and the simulator) ----------
+    # ---- recording (shared by the front end's output processor and the simulator) -------
     @classmethod
-    def for_request(cls, req: Request) -> RequestMetrics:
+    def for_core_request(cls, req: EngineCoreRequest, default_slo_ttft_s: float | None,
+                         default_slo_tpot_s: float | None) -> RequestMetrics:
+        """Metrics for a request the core was given; its targets are its own, else the
+        defaults (the same rule as the core's)."""
         return cls(arrival_time=req.arrival_time, request_id=req.request_id,
-                   num_prompt_tokens=req.num_prompt_tokens,
-                   priority=req.priority, tenant=req.tenant, slo_ttft_s=req.slo_ttft_s,
-                   slo_tpot_s=req.slo_tpot_s)
+                   num_prompt_tokens=len(req.prompt_token_ids), priority=req.priority,
+                   tenant=req.tenant or "default",
+                   slo_ttft_s=req.slo_ttft_ms / 1e3 if req.slo_ttft_ms is not None
+                   else default_slo_ttft_s,
+                   slo_tpot_s=req.slo_tpot_ms / 1e3 if req.slo_tpot_ms is not None
+                   else default_slo_tpot_s)
 
     def record_tokens(self, num_tokens: int, now: float) -> None:
         """``num_tokens`` generated tokens delivered at ``now``."""
         self.token_times.extend([now] * num_tokens)
 
-    def finalize(self, req: Request, num_generation_tokens: int, finish_reason: str | None,
-                 now: float) -> None:
-        """Fill the rest from the finished request; ``now`` if it has no finish time."""
-        self.first_scheduled_time = req.first_scheduled_time
+    def observe(self, out: EngineCoreOutput) -> None:
+        """What the core reports of the request besides its tokens."""
+        self.num_cached_tokens = out.num_cached_tokens
+        self.num_preemptions = out.num_preemptions
+        if out.first_scheduled_time is not None:
+            self.first_scheduled_time = out.first_scheduled_time
+        if out.finished_time is not None:
+            self.finished_time = out.finished_time
+
+    def finalize(self, finish_reason: str | None, now: float) -> None:
+        """The request ended (``now`` if the core gave it no finish time)."""
         self.first_token_time = self.token_times[0] if self.token_times else None
         self.last_token_time = self.token_times[-1] if self.token_times else None
-        self.finished_time = req.finished_time if req.finished_time is not None else now
-        self.num_generation_tokens = num_generation_tokens
-        self.num_cached_tokens = max(req.num_cached_tokens, 0)
-        self.num_preemptions = req.num_preemptions
+        if self.finished_time is None:
+            self.finished_time = now
+        self.num_generation_tokens = len(self.token_times)
         self.finish_reason = finish_reason
 
     @property

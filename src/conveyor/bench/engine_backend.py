@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from conveyor.bench.metrics import RequestRecord, RunResult, summarize
-from conveyor.bench.model_clock import ModelClock, ModelTimedRunner, StepCostModel
+from conveyor.bench.model_clock import ModelClock, ModelClockExecutor, StepCostModel
 from conveyor.bench.workload import BenchRequest
 from conveyor.config import EngineArgs
 from conveyor.sampling_params import SamplingParams
@@ -55,17 +55,18 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
 
     if engine is None:
         engine = LLMEngine(engine_args or EngineArgs())
-    own_clock, own_runner = engine.clock, engine.runner
+    core = engine.core
+    own_clock, own_executor = core.clock, core.executor
     if cost_model is not None:
-        engine.clock = ModelClock()
-        engine.runner = ModelTimedRunner(own_runner, engine.clock, cost_model)
+        core.clock = ModelClock()
+        core.executor = ModelClockExecutor(own_executor, core.clock, cost_model)
     pending = sorted(requests, key=lambda r: r.arrival_s)
     by_id = {r.request_id: r for r in pending}
     issued = list(requests)
     records: dict[str, RequestRecord] = {}
     tracer = _StepTracer(engine)
     bar = tqdm(total=len(pending), desc=label, unit="req", disable=not progress, leave=False)
-    clock = engine.clock
+    clock = core.clock
     virtual = isinstance(clock, ModelClock)
     t0 = clock()
     nxt = 0
@@ -110,9 +111,9 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
         duration = clock() - t0
     finally:
         bar.close()
-        engine.clock, engine.runner = own_clock, own_runner
+        core.clock, core.executor = own_clock, own_executor
     stats = engine.stats()
-    sizes = list(engine.scheduler.stats.step_batch_sizes)
+    sizes = [rows for rows, _, _ in tracer.trace]
     ordered = [records[r.request_id] for r in issued]
     summary = summarize(
         ordered, duration, num_preemptions=stats["num_preemptions"],
@@ -144,12 +145,12 @@ class _StepTracer:
     def __init__(self, engine) -> None:
         self.stats = engine.scheduler.stats
         self.trace: list[tuple[int, int, float]] = []
-        self._steps = len(self.stats.step_batch_sizes)
+        self._steps = self.stats.num_steps
         self._tokens = self.stats.total_scheduled_tokens
 
     def record(self, seconds: float) -> None:
-        if len(self.stats.step_batch_sizes) > self._steps:
+        if self.stats.num_steps > self._steps:
             tokens = self.stats.total_scheduled_tokens - self._tokens
-            self.trace.append((self.stats.step_batch_sizes[-1], tokens, seconds))
-        self._steps = len(self.stats.step_batch_sizes)
+            self.trace.append((self.stats.last_step_batch_size, tokens, seconds))
+        self._steps = self.stats.num_steps
         self._tokens = self.stats.total_scheduled_tokens

@@ -106,21 +106,21 @@ class ModelClock:
         self.now = max(self.now, t)
 
 
-class ModelTimedRunner:
-    """Wraps a model runner: after each ``execute`` the clock moves by the step's
-    modelled cost (``model.step_time(shape)``: a ``StepCostModel`` or a simulator cost
-    model), so tokens are stamped when the modelled step ends."""
+class ModelClockExecutor:
+    """An executor around the engine's own: after each ``execute_model`` the clock moves
+    by the step's modelled cost (``model.step_time(shape)``: a ``StepCostModel`` or a
+    simulator cost model), so tokens are stamped when the modelled step ends."""
 
-    def __init__(self, runner, clock: ModelClock, model) -> None:
-        self._runner = runner
-        self._clock = clock
-        self._model = model
+    def __init__(self, inner, clock: ModelClock, model) -> None:
+        self.inner = inner
+        self.clock = clock
+        self.model = model
 
-    def execute(self, out: SchedulerOutput):
-        result = self._runner.execute(out)
+    def execute_model(self, out: SchedulerOutput):
+        result = self.inner.execute_model(out)
         if out.num_scheduled_tokens:
-            self._clock.add(self._model.step_time(batch_shape(out)))
+            self.clock.add(self.model.step_time(batch_shape(out)))
         return result
 
-    def __getattr__(self, name: str):
-        return getattr(self._runner, name)
+    def shutdown(self) -> None:
+        self.inner.shutdown()

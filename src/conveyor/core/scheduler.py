@@ -57,6 +57,8 @@ class RequestUpdate:
     new_logprobs: list[tuple[list[int], list[float], int, float]] | None = None
     status: RequestStatus = RequestStatus.RUNNING
     stop_reason: int | str | None = None
+    # The request itself (the engine core reads its counters and times into its output).
+    request: Request | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -75,8 +77,9 @@ class SchedulerStats:
     peak_running: int = 0
     peak_waiting: int = 0
     total_scheduled_tokens: int = 0
-    # batch size of every step that ran (for slot-waste and cost analysis)
-    step_batch_sizes: list[int] = field(default_factory=list)
+    # Aggregates only: nothing here grows with the number of steps (a server runs for days).
+    num_batched_rows: int = 0  # requests summed over steps (mean batch = this / num_steps)
+    last_step_batch_size: int = 0
 
 
 class Scheduler:
@@ -358,7 +361,8 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_REJECTED)
                 req.finished_time = now
                 self._pending_updates.append(
-                    RequestUpdate(req.request_id, [], status=RequestStatus.FINISHED_REJECTED))
+                    RequestUpdate(req.request_id, [], status=RequestStatus.FINISHED_REJECTED,
+                                  request=req))
             else:
                 self.stats.num_overdue += 1
                 self._overdue_ids.add(req.request_id)
@@ -400,7 +404,8 @@ class Scheduler:
         self.stats.total_scheduled_tokens += out.total_num_scheduled_tokens
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         if scheduled:
-            self.stats.step_batch_sizes.append(len(scheduled))
+            self.stats.num_batched_rows += len(scheduled)
+            self.stats.last_step_batch_size = len(scheduled)
         return out
 
     # ---- update --------------------------------------------------------------------------
@@ -432,7 +437,7 @@ class Scheduler:
             self.policy.on_tokens_generated(req, len(accepted))
             logprobs = run.logprobs.get(rid)
             update = RequestUpdate(rid, accepted,
-                                   logprobs[:len(accepted)] if logprobs else None)
+                                   logprobs[:len(accepted)] if logprobs else None, request=req)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)

@@ -1,29 +1,26 @@
-"""The engine loop off the event loop, with one async stream of outputs per request.
+"""The serving front end: one async stream per request around an engine core that runs
+in a thread or in an engine-core process of its own.
 
-    event loop (server)                         engine loop (thread, or its own process)
-    -------------------                         ---------------------------------------
-    add_request() --- AddRequest ----------->   engine.add_request()   (validate, queue)
-                  <-- accepted | error -------
-    async for out in stream  <-- outputs ----   engine.step()  (loops while work remains)
-    stream.close() / timeout --- Abort ----->   engine.abort_request() (blocks freed now)
-    call(fn)      --- Call ----------------->   fn(engine)  (stats, pool counters)
+    event loop (front end: text, streams)          engine core loop (thread or process)
+    -------------------------------------          ------------------------------------
+    add_request(): tokenize, validate, fan out
+        --- AddRequests([EngineCoreRequest]) -->   core.add_requests()  (all or none)
+        <-- AddResult(id, error | None) --------
+    output processor (text, stop strings)  <----   StepOutputs(EngineCoreOutputs) per step
+        --- AbortRequests(ids, "stop") -------->   (a stop string the front end found)
+    stream.close() / timeout
+        --- AbortRequests(ids, "abort") ------->   core.abort_requests()  (blocks freed)
+    utility(UtilityMethod) --- UtilityCall --->    core.utility()
 
-``LLMEngine`` is not thread-safe, so every call into it happens on the engine loop
-(``engine_loop.py``): the event loop only sends typed commands, and results come
-back through ``loop.call_soon_threadsafe``. The loop drains commands between
-steps, so adds and aborts wait at most one step.
+Only typed messages (``messages.py``) and token ids cross; the front end loads the
+tokenizer, the core never sees text. In a process (``AsyncEngine.from_engine_args(args,
+process=True)``, what ``conveyor serve`` does) the model's Python never competes with
+HTTP for a GIL and this process imports no torch. Per-request state lives in the
+front end's ``OutputProcessor`` (text, metrics) and the core's scheduler (tokens, blocks).
 
-Two homes for the loop: a thread of this process (``AsyncEngine(engine)``), or an
-engine-core process of its own (``AsyncEngine.from_engine_args(args, process=True)``,
-what ``conveyor serve`` does, as vLLM's and SGLang's servers do): there the model's
-Python never competes for this process's GIL with HTTP parsing, JSON and streaming,
-and a busy event loop cannot delay a step. Commands and outputs then cross pipes,
-pickled in batches by a sender and a reader thread; ``call(fn)`` needs a picklable
-``fn`` (a module-level function).
-
-Faults stay local: a request whose add raises gets that error alone; a step that
-raises fails the requests in flight and the loop goes on. If the loop stops (or
-its process dies), ``is_alive`` turns false and every open stream fails.
+Faults stay local: a request whose add fails gets that error alone; a step that raises
+fails the requests in flight and the loop goes on. If the loop stops (or its process
+dies), ``is_alive`` turns false and every open stream fails.
 """
 
 from __future__ import annotations
@@ -35,24 +32,36 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from conveyor.config import EngineArgs, EngineConfig
-from conveyor.engine.engine_loop import (
-    Abort,
-    Accepted,
-    AddRequest,
-    Call,
-    Command,
-    EngineLoop,
-    EngineStepError,
-    Stop,
-    StreamItem,
+from conveyor.engine.core import EngineCore
+from conveyor.engine.engine_loop import EngineLoop, LocalCall, LoopCommand, LoopMessage
+from conveyor.engine.llm_engine import (
+    LLMEngine,
+    PromptType,
+    tokenize_prompt,
+    validate_request,
 )
-from conveyor.engine.llm_engine import LLMEngine, PromptType, QueueFullError
+from conveyor.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    AddResult,
+    CoreExit,
+    QueueFullError,
+    RequestsFailed,
+    Shutdown,
+    StepOutputs,
+    UtilityCall,
+    UtilityMethod,
+    UtilityResult,
+)
+from conveyor.engine.output_processor import OutputProcessor, fan_out
+from conveyor.engine.validation import validate_scheduling
 from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
 
@@ -73,8 +82,19 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped (shut down or crashed); no request can be served."""
 
 
+class EngineStepError(RuntimeError):
+    """An engine step raised while this request was in flight; the request was aborted."""
+
+
 class RequestTimeoutError(TimeoutError):
     """The request ran past its timeout and was aborted."""
+
+
+class Accepted:
+    """Stream item: the engine validated and queued the request."""
+
+
+StreamItem = RequestOutput | BaseException | Accepted
 
 
 @dataclass
@@ -82,7 +102,7 @@ class EngineInfo:
     """What the front end needs to know of the engine without reaching into it."""
 
     config: EngineConfig
-    tokenizer: Any  # the engine's tokenizer (loaded again on this side for a process)
+    tokenizer: Any  # the front end's tokenizer (None: token ids only)
 
     @property
     def max_model_len(self) -> int:
@@ -92,10 +112,18 @@ class EngineInfo:
 class EngineSink(Protocol):
     """The front end's side of a backend; called from the backend's threads."""
 
-    def items(self, items: list[tuple[str, StreamItem]]) -> None: ...
-    def finished(self, metrics: list[RequestMetrics]) -> None: ...
-    def call_done(self, call_id: int, ok: bool, value: Any) -> None: ...
+    def messages(self, messages: list[LoopMessage]) -> None: ...
     def died(self, error: BaseException | None) -> None: ...
+
+
+class CoreBackend(Protocol):
+    info: EngineInfo
+    accepts_local_calls: bool
+
+    def start(self, sink: EngineSink) -> None: ...
+    def send(self, cmd: LoopCommand) -> None: ...
+    def join(self, timeout_s: float) -> None: ...
+    def close(self) -> None: ...
 
 
 def merge_delta_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -139,22 +167,11 @@ class RequestStream:
         self._engine_done = False  # the engine holds nothing more for this request
         self._closed = False
         self._timer: asyncio.TimerHandle | None = None
-        # From the first output: an engine-core process sends prompt, prompt ids and
-        # metrics once, then outputs with prompt_token_ids=None (see core_process.py).
-        self._first: RequestOutput | None = None
 
     # ---- producer side (event loop thread) -----------------------------------------------
     def _put(self, item: StreamItem) -> None:
         if self._terminal_queued or self._closed:
             return
-        if isinstance(item, RequestOutput):
-            if item.prompt_token_ids is None and self._first is not None:
-                item.prompt = self._first.prompt
-                item.prompt_token_ids = self._first.prompt_token_ids
-                if item.metrics is None:
-                    item.metrics = self._first.metrics
-            elif self._first is None:
-                self._first = item
         if isinstance(item, BaseException) or (
                 isinstance(item, RequestOutput) and item.finished):
             self._terminal_queued = True
@@ -226,23 +243,31 @@ class RequestStream:
         self.close()
 
     def __del__(self) -> None:
-        # Safety net for a stream dropped without close(): never leak the request's blocks.
         if not self._closed and not self._engine_done:
-            self._engine.abort_nowait(self.request_id)
+            with contextlib.suppress(Exception):
+                self.close()
 
 
 class AsyncEngine:
-    """Serves asyncio callers from an engine loop in a thread or in its own process."""
+    """Serves asyncio callers from an engine core in a thread or in its own process."""
 
-    def __init__(self, engine: LLMEngine | None = None, *,
-                 backend: ThreadBackend | Any = None) -> None:
+    def __init__(self, engine: LLMEngine | EngineCore | None = None, *,
+                 backend: CoreBackend | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if (engine is None) == (backend is None):
-            raise ValueError("pass an LLMEngine (thread) or a backend, not both")
-        self._backend = backend if backend is not None else ThreadBackend(engine)
-        # The in-process engine, or None when it lives in an engine-core process.
-        self.engine: LLMEngine | None = engine
-        self.info: EngineInfo = self._backend.info
+            raise ValueError("pass an engine (thread) or a backend, not both")
+        if backend is None:
+            core = engine.core if isinstance(engine, LLMEngine) else engine
+            tokenizer = engine.tokenizer if isinstance(engine, LLMEngine) else None
+            backend = ThreadBackend(core, tokenizer)
+        self._backend = backend
+        # The in-process core, or None when it lives in an engine-core process.
+        self.core: EngineCore | None = getattr(backend, "core", None)
+        self.info: EngineInfo = backend.info
+        self.clock = clock  # the core's clock: monotonic time is one clock for all processes
+        self._processor = OutputProcessor(self.info.tokenizer, self.info.config.scheduler.policy)
         self._streams: dict[str, RequestStream] = {}
+        self._adding: dict[str, RequestStream] = {}  # first core request id -> stream
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self._dead = False
@@ -251,9 +276,11 @@ class AsyncEngine:
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._lock = threading.Lock()  # guards _calls and _dead across threads
-        # Called (on an engine-side thread) with the metrics of requests that just
-        # finished, after each step and after aborts: for Prometheus and the like.
+        # Called on the event loop with the metrics of requests that just finished (after
+        # a step or an abort): for Prometheus and the like.
         self.finish_listeners: list[Callable[[list[RequestMetrics]], None]] = []
+        self.keep_metrics = True
+        self.finished_metrics: list[RequestMetrics] = []
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, process: bool = False,
@@ -263,10 +290,11 @@ class AsyncEngine:
         if process:
             from conveyor.engine.core_process import ProcessBackend
 
-            return cls(backend=ProcessBackend(args, keep_metrics=keep_metrics))
-        engine = LLMEngine(args)
+            engine = cls(backend=ProcessBackend(args))
+        else:
+            engine = cls(LLMEngine(args))
         engine.keep_metrics = keep_metrics
-        return cls(engine)
+        return engine
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -291,7 +319,7 @@ class AsyncEngine:
             self._backend.close()
             return
         self._stopping = True
-        self._backend.send(Stop())
+        self._backend.send(Shutdown())
         await asyncio.to_thread(self._backend.join, timeout_s)
 
     # ---- requests ------------------------------------------------------------------------
@@ -300,23 +328,28 @@ class AsyncEngine:
                           slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
                           output_kind: str = "delta",
                           timeout_s: float | None = None) -> RequestStream:
-        """Queue a request; returns its stream once the engine accepted it.
+        """Tokenize, validate and queue a request; returns its stream once the core took it.
 
-        Raises what ``LLMEngine.add_request`` raises (ValueError, QueueFullError),
-        RequestTimeoutError, or EngineDeadError. ``timeout_s`` bounds the whole
-        request from now: past it the stream raises RequestTimeoutError and the
-        request is aborted.
+        Raises ValueError (bad input), QueueFullError, RequestTimeoutError, or
+        EngineDeadError. ``timeout_s`` bounds the whole request from now: past it the
+        stream raises RequestTimeoutError and the request is aborted.
         """
         self._check_alive()
-        if request_id in self._streams:
+        if request_id in self._streams or request_id in self._processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        text, prompt_ids = tokenize_prompt(self.info.tokenizer, prompt)
+        validate_request(self.info.config, self.info.tokenizer is not None, prompt_ids, params)
+        validate_scheduling(priority, tenant, slo_ttft_ms, slo_tpot_ms)
+        children = fan_out(request_id, prompt_ids, params, self.clock(), priority=priority,
+                           tenant=tenant, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+        self._processor.add(request_id, text, params, children, output_kind)
         stream = RequestStream(self, request_id, output_kind)
         self._streams[request_id] = stream
+        self._adding[children[0].request_id] = stream
         if timeout_s is not None:
             assert self._loop is not None
             stream._timer = self._loop.call_later(timeout_s, stream._on_timeout, timeout_s)
-        self._backend.send(AddRequest(request_id, prompt, params, output_kind, priority,
-                                      tenant, slo_ttft_ms, slo_tpot_ms))
+        self._backend.send(AddRequests(children))
         try:
             await stream._wait_accepted()
         except BaseException:
@@ -342,14 +375,29 @@ class AsyncEngine:
             self.abort_nowait(request_id)
 
     def abort_nowait(self, request_id: str) -> None:
-        """Thread-safe; the engine frees the request's blocks before its next step."""
-        if not self._dead:
-            self._backend.send(Abort([request_id]))
+        """Call on the event loop: the request ends now; the core frees its blocks before
+        its next step."""
+        children = self._processor.child_ids(request_id)
+        if children and not self._dead:
+            self._backend.send(AbortRequests(children))
+        aborted = self._processor.abort(request_id, self.clock())
+        if aborted is not None:
+            self._finished(aborted[1])
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine loop between steps; returns its result.
+    async def utility(self, method: UtilityMethod, *args: int) -> Any:
+        """A typed call into the core between two steps (stats, free blocks, pause...)."""
+        return await self._call(lambda call_id: UtilityCall(call_id, method, list(args)))
 
-        With an engine-core process ``fn`` must be picklable (a module-level function)."""
+    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Thread engines only: run ``fn(core)`` on the engine loop between steps (tests,
+        in-process introspection). Nothing callable crosses to an engine-core process:
+        use ``utility`` there."""
+        if not self._backend.accepts_local_calls:
+            raise TypeError("the engine core runs in another process: only typed utility "
+                            "calls cross (AsyncEngine.utility)")
+        return await self._call(lambda call_id: LocalCall(call_id, fn))
+
+    async def _call(self, make: Callable[[int], LoopCommand]) -> Any:
         self._check_alive()
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
@@ -357,11 +405,11 @@ class AsyncEngine:
                 raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
             call_id = next(self._call_ids)
             self._calls[call_id] = future
-        self._backend.send(Call(call_id, fn))
+        self._backend.send(make(call_id))
         return await asyncio.wrap_future(future)
 
     async def stats(self) -> dict[str, Any]:
-        return await self.call(_stats_snapshot)
+        return await self.utility(UtilityMethod.STATS)
 
     def _check_alive(self) -> None:
         if not self.is_alive:
@@ -373,29 +421,21 @@ class AsyncEngine:
             del self._streams[stream.request_id]
 
     # ---- EngineSink: called from the backend's threads -----------------------------------
-    def items(self, items: list[tuple[str, StreamItem]]) -> None:
-        """Hand items to their streams on the event loop (one wake-up for the batch)."""
-        if self._loop is None:
-            return
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
-            self._loop.call_soon_threadsafe(self._deliver, items)
+    def messages(self, messages: list[LoopMessage]) -> None:
+        """Hand core messages to the event loop, in order (one wake-up for the batch)."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
+                self._loop.call_soon_threadsafe(self._handle, messages)
 
-    def finished(self, metrics: list[RequestMetrics]) -> None:
-        for listener in self.finish_listeners:
-            try:
-                listener(metrics)
-            except Exception:  # metrics must never fail a request
-                logger.exception("finish listener %r failed", listener)
-
-    def call_done(self, call_id: int, ok: bool, value: Any) -> None:
+    def _call_done(self, m: UtilityResult) -> None:
         with self._lock:
-            future = self._calls.pop(call_id, None)
+            future = self._calls.pop(m.call_id, None)
         if future is None or not future.set_running_or_notify_cancel():
             return
-        if ok:
-            future.set_result(value)
+        if m.ok:
+            future.set_result(m.value)
         else:
-            future.set_exception(value)
+            future.set_exception(m.error.rebuild() if m.error else RuntimeError("failed"))
 
     def died(self, error: BaseException | None) -> None:
         """The loop ended (shut down, crashed, or its process died)."""
@@ -413,38 +453,81 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(self._fail_all_streams, dead)
 
     # ---- event loop side -----------------------------------------------------------------
-    def _deliver(self, items: list[tuple[str, StreamItem]]) -> None:
-        for request_id, item in items:
-            stream = self._streams.get(request_id)
-            if stream is None:
-                continue  # closed by its consumer; the abort is already queued
+    def _handle(self, messages: list[LoopMessage]) -> None:
+        for m in messages:
             try:
-                stream._put(item)
+                if isinstance(m, StepOutputs):
+                    self._on_outputs(m)
+                elif isinstance(m, AddResult):
+                    self._on_added(m)
+                elif isinstance(m, UtilityResult):
+                    self._call_done(m)
+                elif isinstance(m, RequestsFailed):
+                    self._on_failed(m)
+                elif isinstance(m, CoreExit) and m.error:
+                    self._error = self._error or RuntimeError(m.error)
             except Exception:
-                logger.exception("delivering to request %s failed", request_id)
+                logger.exception("handling %s from the engine core failed", type(m).__name__)
+
+    def _on_added(self, m: AddResult) -> None:
+        stream = self._adding.pop(m.request_id, None)
+        if stream is None:
+            return  # closed before the core answered; its abort is queued
+        if m.error is None:
+            stream._put(Accepted())
+            return
+        self._processor.fail(stream.request_id)
+        stream._engine_done = True
+        stream._put(m.error.rebuild())
+
+    def _on_outputs(self, m: StepOutputs) -> None:
+        outputs, stopped, finished = self._processor.process(m.outputs)
+        for child_id, stop in stopped:  # the core frees the sample's blocks
+            self._backend.send(AbortRequests([child_id], "stop", stop))
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream._put(out)
+        self._finished(finished)
+
+    def _on_failed(self, m: RequestsFailed) -> None:
+        parents = dict.fromkeys(p for p in map(self._processor.parent_of, m.request_ids) if p)
+        error = EngineStepError(m.error.message)
+        for rid in parents:
+            self._processor.fail(rid)
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream._engine_done = True
+                stream._put(error)
+
+    def _finished(self, metrics: list[RequestMetrics]) -> None:
+        if not metrics:
+            return
+        if self.keep_metrics:
+            self.finished_metrics.extend(metrics)
+        for listener in self.finish_listeners:
+            try:
+                listener(metrics)
+            except Exception:  # metrics must never fail a request
+                logger.exception("finish listener %r failed", listener)
 
     def _fail_all_streams(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):
             stream._engine_done = True  # the engine is gone: nothing left to abort
+            self._processor.fail(stream.request_id)
             stream._put(error)
 
 
-def _stats_snapshot(engine: LLMEngine) -> dict[str, Any]:
-    stats = engine.stats()
-    stats["num_free_kv_blocks"] = engine.kv.num_free_blocks
-    return stats
-
-
-# ---- the engine loop in a thread of this process ---------------------------------------------
+# ---- the engine core in a thread of this process ---------------------------------------------
 class _QueueTransport:
-    """Engine-thread side: commands from a queue, results straight to the sink."""
+    """Engine-thread side: commands from a queue, messages straight to the sink."""
 
-    def __init__(self, commands: queue.SimpleQueue[Command], sink: EngineSink) -> None:
+    def __init__(self, commands: queue.SimpleQueue[LoopCommand], sink: EngineSink) -> None:
         self.commands = commands
         self.sink = sink
 
-    def take(self, wait: float | None) -> list[Command]:
-        cmds: list[Command] = []
+    def take(self, wait: float | None) -> list[LoopCommand]:
+        cmds: list[LoopCommand] = []
         try:
             if wait is None:
                 cmds.append(self.commands.get())
@@ -458,30 +541,23 @@ class _QueueTransport:
             except queue.Empty:
                 return cmds
 
-    def post(self, items: list[tuple[str, StreamItem]]) -> None:
-        self.sink.items(items)
-
-    def finished(self, metrics: list[RequestMetrics]) -> None:
-        self.sink.finished(metrics)
-
-    def call_done(self, call_id: int, ok: bool, value: Any) -> None:
-        self.sink.call_done(call_id, ok, value)
-
-    def released(self, request_ids: list[str]) -> None:
-        pass
+    def post(self, messages: list[LoopMessage]) -> None:
+        self.sink.messages(messages)
 
 
 class ThreadBackend:
-    """Runs the engine loop in a daemon thread of this process."""
+    """Runs the engine core's loop in a daemon thread of this process."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.info = EngineInfo(engine.config, engine.tokenizer)
-        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+    accepts_local_calls = True
+
+    def __init__(self, core: EngineCore, tokenizer: Any) -> None:
+        self.core = core
+        self.info = EngineInfo(core.config, tokenizer)
+        self._commands: queue.SimpleQueue[LoopCommand] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def start(self, sink: EngineSink) -> None:
-        loop = EngineLoop(self.engine, _QueueTransport(self._commands, sink))
+        loop = EngineLoop(self.core, _QueueTransport(self._commands, sink))
 
         def run() -> None:
             error = None
@@ -493,7 +569,7 @@ class ThreadBackend:
         self._thread = threading.Thread(target=run, name="conveyor-engine", daemon=True)
         self._thread.start()
 
-    def send(self, cmd: Command) -> None:
+    def send(self, cmd: LoopCommand) -> None:
         self._commands.put(cmd)
 
     def join(self, timeout_s: float) -> None:

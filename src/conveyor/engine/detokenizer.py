@@ -10,10 +10,10 @@ _CONTEXT_TOKENS = 5
 
 
 def load_tokenizer(path: str) -> Any:
-    """A Hugging Face fast tokenizer from a local folder (never the hub)."""
-    from transformers import AutoTokenizer
+    """The front end's tokenizer from a local folder (never the hub): see tokenizer.py."""
+    from conveyor.engine.tokenizer import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return load(path)
 
 
 class IncrementalDetokenizer:

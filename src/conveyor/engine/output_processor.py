@@ -1,9 +1,14 @@
-"""Turns per-step token updates into ``RequestOutput``s: text, stop strings, logprobs, n > 1.
+"""The front end's request state: turns the core's token ids into ``RequestOutput``s.
 
-A user request with ``n`` samples is a parent with ``n`` child requests in the
-scheduler. Outputs come in three kinds: ``final`` (once, when every child is
-done: the offline API), ``delta`` (new text and tokens since the last output:
-streaming) and ``cumulative`` (everything so far, every step).
+It owns everything textual and per-user-request: detokenization, stop strings, logprob
+text, the n > 1 fan-out (a user request with ``n`` samples is a parent whose ``n``
+children are separate core requests, ``<id>#<k>``), and per-request metrics. A stop
+string it finds finishes the child here at once and is returned, so that the caller
+aborts that child in the core with reason "stop" (the core never sees text).
+
+Outputs come in three kinds: ``final`` (once, when every child is done: the offline
+API), ``delta`` (new text and tokens since the last output: streaming) and
+``cumulative`` (everything so far, every step).
 """
 
 from __future__ import annotations
@@ -11,19 +16,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.core.scheduler import RequestUpdate
+from conveyor.config import PolicyConfig
 from conveyor.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from conveyor.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from conveyor.request import Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
 
 OUTPUT_KINDS = ("final", "delta", "cumulative")
 
 
+def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            arrival_time: float, *, priority: int = 0, tenant: str | None = None,
+            slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
+            ) -> list[EngineCoreRequest]:
+    """The core requests of one user request: one per sample, seeds ``seed + k``."""
+    n = params.n
+    out = []
+    for k in range(n):
+        child = params if n == 1 else params.clone(
+            n=1, seed=params.seed + k if params.seed is not None else None)
+        out.append(EngineCoreRequest(request_id if n == 1 else f"{request_id}#{k}",
+                                     prompt_token_ids, child, arrival_time, priority,
+                                     tenant or "default", slo_ttft_ms, slo_tpot_ms))
+    return out
+
+
 @dataclass
 class _Child:
     index: int
-    request: Request
+    request_id: str
     detok: IncrementalDetokenizer | None
     metrics: RequestMetrics
     token_ids: list[int] = field(default_factory=list)
@@ -55,127 +76,150 @@ class _Parent:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None) -> None:
+    def __init__(self, tokenizer: Any | None, policy: PolicyConfig | None = None) -> None:
         self.tokenizer = tokenizer
+        policy = policy or PolicyConfig()
+        self._slo_defaults = (policy.default_slo_ttft_s, policy.default_slo_tpot_s)
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
 
     def add(self, request_id: str, prompt: str | None, params: SamplingParams,
-            children: list[Request], output_kind: str) -> None:
+            children: list[EngineCoreRequest], output_kind: str) -> None:
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = children[0].prompt_token_ids
         kids = []
         for i, req in enumerate(children):
-            detok = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+            detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids,
                                             params.skip_special_tokens)
                      if self.tokenizer is not None and params.detokenize else None)
-            metrics = RequestMetrics.for_request(req)
-            child = _Child(i, req, detok, metrics,
-                           logprobs=[] if params.logprobs is not None else None,
-                           cumulative_logprob=0.0 if params.logprobs is not None else None)
-            kids.append(child)
-        parent = _Parent(request_id, prompt, children[0].prompt_token_ids, params, output_kind,
-                         kids)
+            metrics = RequestMetrics.for_core_request(req, *self._slo_defaults)
+            kids.append(_Child(i, req.request_id, detok, metrics,
+                               logprobs=[] if params.logprobs is not None else None,
+                               cumulative_logprob=0.0 if params.logprobs is not None else None))
+        parent = _Parent(request_id, prompt, prompt_ids, params, output_kind, kids)
         self.parents[request_id] = parent
-        for req, child in zip(children, kids):
-            self.child_to_parent[req.request_id] = (parent, child)
+        for child in kids:
+            self.child_to_parent[child.request_id] = (parent, child)
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
-        return [c.request.request_id for c in parent.children] if parent else []
+        return [c.request_id for c in parent.children] if parent else []
 
-    def process(self, updates: list[RequestUpdate], now: float
-                ) -> tuple[list[RequestOutput], list[str], list[RequestMetrics]]:
-        """Returns (outputs to emit, child ids finished by a stop string, finished metrics)."""
+    def parent_of(self, child_id: str) -> str | None:
+        entry = self.child_to_parent.get(child_id)
+        return entry[0].request_id if entry is not None else None
+
+    def process(self, outs: EngineCoreOutputs
+                ) -> tuple[list[RequestOutput], list[tuple[str, str]], list[RequestMetrics]]:
+        """Returns (outputs to emit, (child id, stop string) of the children a stop string
+        finished, the metrics of the children that finished)."""
+        now = outs.timestamp
         touched: dict[str, _Parent] = {}
-        stopped: list[str] = []
-        for upd in updates:
-            entry = self.child_to_parent.get(upd.request_id)
+        stopped: list[tuple[str, str]] = []
+        for out in outs.outputs:
+            entry = self.child_to_parent.get(out.request_id)
             if entry is None:
                 continue
             parent, child = entry
             if child.finished:
-                continue
-            if self._apply(parent, child, upd, now):
-                stopped.append(upd.request_id)
+                continue  # e.g. tokens of a step that ran before the core saw a stop
+            stop = self._apply(parent, child, out, now)
+            if stop is not None:
+                stopped.append((out.request_id, stop))
             touched[parent.request_id] = parent
-        outputs, finished_metrics = [], []
-        for parent in touched.values():
+        outputs, finished = self._emit(touched.values(), now)
+        return outputs, stopped, finished
+
+    def abort(self, request_id: str, now: float,
+              finals: list[EngineCoreOutput] | None = None
+              ) -> tuple[RequestOutput, list[RequestMetrics]] | None:
+        """Mark every unfinished child of a parent aborted (``finals``: what the core said
+        of them as it let them go). Returns the parent's last output and the metrics of the
+        children this ended (children that finished earlier were reported when they did)."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return None
+        by_id = {o.request_id: o for o in finals or []}
+        ended = []
+        for child in parent.children:
+            if not child.finished:
+                if child.request_id in by_id:
+                    child.metrics.observe(by_id[child.request_id])
+                child.finish_reason = "abort"
+                child.metrics.finalize("abort", now)
+                ended.append(child.metrics)
+            self.child_to_parent.pop(child.request_id, None)
+        return self._make_output(parent, True), ended
+
+    def fail(self, request_id: str) -> None:
+        """Forget a request the core refused or lost (its error is reported elsewhere)."""
+        parent = self.parents.pop(request_id, None)
+        if parent is not None:
+            for child in parent.children:
+                self.child_to_parent.pop(child.request_id, None)
+
+    # ---- internals -----------------------------------------------------------------------
+    def _emit(self, parents, now: float) -> tuple[list[RequestOutput], list[RequestMetrics]]:
+        outputs: list[RequestOutput] = []
+        finished: list[RequestMetrics] = []
+        for parent in parents:
             done = parent.finished
             for child in parent.children:
-                if child.finished and child.request.request_id in self.child_to_parent:
-                    self._finalize_metrics(child, now)
-                    finished_metrics.append(child.metrics)
-                    del self.child_to_parent[child.request.request_id]
+                if child.finished and child.request_id in self.child_to_parent:
+                    child.metrics.finalize(child.finish_reason, now)
+                    finished.append(child.metrics)
+                    del self.child_to_parent[child.request_id]
             if parent.output_kind != "final" or done:
                 outputs.append(self._make_output(parent, done))
             if done:
                 del self.parents[parent.request_id]
-        return outputs, stopped, finished_metrics
+        return outputs, finished
 
-    def abort(self, request_id: str, now: float
-              ) -> tuple[RequestOutput, list[RequestMetrics]] | None:
-        """Mark every unfinished child of a parent aborted.
-
-        Returns the parent's last output and the metrics of the children this ended
-        (children that finished earlier were reported when they did).
-        """
-        parent = self.parents.pop(request_id, None)
-        if parent is None:
-            return None
-        ended = []
-        for child in parent.children:
-            if not child.finished:
-                child.finish_reason = "abort"
-                self._finalize_metrics(child, now)
-                ended.append(child.metrics)
-            self.child_to_parent.pop(child.request.request_id, None)
-        return self._make_output(parent, True), ended
-
-    # ---- internals -----------------------------------------------------------------------
-    def _apply(self, parent: _Parent, child: _Child, upd: RequestUpdate, now: float) -> bool:
-        """Fold one update into a child; True if a stop string finished it."""
+    def _apply(self, parent: _Parent, child: _Child, out: EngineCoreOutput,
+               now: float) -> str | None:
+        """Fold one core output into a child; the stop string if one finished it."""
         params = parent.params
-        child.token_ids.extend(upd.new_token_ids)
-        child.metrics.record_tokens(len(upd.new_token_ids), now)
-        if upd.new_logprobs and child.logprobs is not None:
-            for token, (ids, vals, rank, lp) in zip(upd.new_token_ids, upd.new_logprobs):
+        tokens = out.new_token_ids
+        child.metrics.observe(out)
+        if tokens:
+            child.token_ids.extend(tokens)
+            child.metrics.record_tokens(len(tokens), now)
+        if out.new_logprobs and child.logprobs is not None:
+            for token, (ids, vals, rank, lp) in zip(tokens, out.new_logprobs):
                 entry = {tid: Logprob(val, r + 1, self._token_text(tid))
                          for r, (tid, val) in enumerate(zip(ids, vals))}
                 entry[token] = Logprob(lp, rank, self._token_text(token))
                 child.logprobs.append(entry)
                 child.cumulative_logprob += lp
-        stopped_by_string = False
-        if child.detok is not None and upd.new_token_ids:
-            delta = child.detok.add(upd.new_token_ids)
+        if child.detok is not None and tokens:
+            delta = child.detok.add(tokens)
             child.text = child.detok.text
-            if params.stop and not upd.finished:
+            if params.stop and not out.finished:
                 hit = find_stop_string(child.text, len(delta), params.stop,
                                        params.include_stop_str_in_output)
                 if hit is not None:
                     child.text = child.text[:hit[1]]
                     child.finish_reason, child.stop_reason = "stop", hit[0]
-                    stopped_by_string = True
-        if upd.finished and not child.finished:
-            child.finish_reason = upd.status.finish_reason
-            child.stop_reason = upd.stop_reason
-        return stopped_by_string
+                    child.metrics.finished_time = now
+                    return hit[0]
+        if out.finished:
+            child.finish_reason = out.finish_reason
+            child.stop_reason = out.stop_reason
+        return None
 
     def _token_text(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _finalize_metrics(self, child: _Child, now: float) -> None:
-        child.metrics.finalize(child.request, len(child.token_ids), child.finish_reason, now)
-
     def _make_output(self, parent: _Parent, finished: bool) -> RequestOutput:
         delta = parent.output_kind == "delta"
         hold = max((len(s) for s in parent.params.stop), default=1) - 1
         outs = []
         for child in parent.children:
-            if not child.finished and child.request.num_cached_tokens >= 0:
-                child.metrics.num_cached_tokens = child.request.num_cached_tokens
             text, tokens, lps = child.text, child.token_ids, child.logprobs
             if delta:
                 # Hold back text that could still turn out to be the start of a stop string.
@@ -189,11 +233,4 @@ class OutputProcessor:
                                          lps, child.finish_reason, child.stop_reason))
         first = parent.children[0]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
-                             finished, first.metrics,
-                             max(first.request.num_cached_tokens, 0))
-
-
-def status_of(finish_reason: str) -> RequestStatus:
-    return {"stop": RequestStatus.FINISHED_STOPPED,
-            "length": RequestStatus.FINISHED_LENGTH_CAPPED}.get(
-        finish_reason, RequestStatus.FINISHED_ABORTED)
+                             finished, first.metrics, first.metrics.num_cached_tokens)

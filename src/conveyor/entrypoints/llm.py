@@ -29,9 +29,19 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.engine = LLMEngine(self.engine_args)
         self._ids = itertools.count()
+        self._hf_tokenizer: Any = None
 
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        """The checkpoint's transformers tokenizer (as vLLM's ``LLM`` returns; the engine's
+        front end runs the same tokenizer.json without transformers), loaded on first use."""
+        if self._hf_tokenizer is None:
+            path = self.engine.config.model.tokenizer
+            if path is None:
+                return None
+            from transformers import AutoTokenizer
+
+            self._hf_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return self._hf_tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

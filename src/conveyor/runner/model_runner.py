@@ -1,7 +1,10 @@
 """Executes a ``SchedulerOutput``: builds the flat batch, runs the model, samples.
 
-The runner keeps its own copy of each scheduled request's tokens and block
-table, updated from the scheduler's diffs, and makes no scheduling decision.
+The runner makes no scheduling decision and owns no request state: it keeps a
+persistent batch row per scheduled request (its token ids, block table and sampling
+parameters), updated from the scheduler's diffs. Where a request is
+(``num_computed_tokens``) comes from the scheduler every step, and exactly the
+scheduler's ``sampling_req_ids`` sample.
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ import torch
 from conveyor.config import CacheConfig, ModelConfig, kv_blocks_for
 from conveyor.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from conveyor.model.attention import AttentionMetadata, PrefillSegment
-from conveyor.model.decode_attention import NativeDecode, NativePrefill, pick_decode_kernel
-from conveyor.model.layer_ops import NativeOps
+from conveyor.model.backends import select_attention_backend
 from conveyor.model.loader import DTYPES, load_model
 from conveyor.model.packed_linear import pick_linear_backend
 from conveyor.runner.sampler import Sampler, SamplingRow
@@ -27,13 +29,29 @@ from conveyor.timings import PhaseTimings
 
 @dataclass
 class RequestState:
+    """A request's row of the persistent batch. Token ids are kept as the sampler needs
+    them (prompt and output apart); ``num_computed_tokens`` is the scheduler's, as of
+    this step's start."""
+
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    token_ids: list[int]  # prompt + output
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids ``[start, end)`` of prompt + output, without joining the two."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 def default_kv_cache_memory(device: torch.device) -> int:
@@ -71,13 +89,15 @@ class ModelRunner:
         self.sampler = Sampler(model_cfg.vocab_size, device, seed=model_cfg.seed)
         self.requests: dict[str, RequestState] = {}
         self.sliding_window = self.model.sliding_window
-        self.decode_kernel = pick_decode_kernel(attention_backend, device,
-                                                DTYPES[model_cfg.math_dtype], model_cfg.num_heads,
-                                                model_cfg.num_kv_heads)
-        self.prefill_kernel: NativePrefill | None = None
-        if isinstance(self.decode_kernel, NativeDecode) and model_cfg.math_dtype == "float32":
-            self.model.ops = NativeOps(self.decode_kernel.lib)
-            self.prefill_kernel = NativePrefill(self.decode_kernel.lib)
+        # Backends by registry (model/backends.py): a GPU backend is one more class there.
+        self.attention = select_attention_backend(
+            attention_backend, device, DTYPES[model_cfg.math_dtype], model_cfg.num_heads,
+            model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.decode_kernel = self.attention.decode_kernel()
+        self.prefill_kernel = self.attention.prefill_kernel()
+        layer_ops = self.attention.layer_ops()
+        if layer_ops is not None:
+            self.model.ops = layer_ops
         self.linear_backend = pick_linear_backend(linear_backend, device,
                                                   DTYPES[model_cfg.math_dtype])
         self.packed_linears = self.linear_backend != "torch"
@@ -140,9 +160,8 @@ class ModelRunner:
             self.requests.pop(rid, None)
         for new in out.new_reqs:
             self.requests[new.req_id] = RequestState(
-                new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
-                [*new.prompt_token_ids, *new.output_token_ids], new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens)
+                new.req_id, new.prompt_token_ids, list(new.output_token_ids),
+                new.sampling_params, list(new.block_ids), new.num_computed_tokens)
         for cached in out.cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -164,9 +183,6 @@ class ModelRunner:
         self.timings.add("prepare", t1 - t0)
         self.timings.add("forward", t2 - t1)
         result = ModelRunnerOutput()
-        for rid in order:
-            state = self.requests[rid]
-            state.num_computed_tokens += out.num_scheduled_tokens[rid]
         if not logits_rows:
             return result
         idx = torch.tensor([row for row, _ in logits_rows], device=self.device)
@@ -180,7 +196,6 @@ class ModelRunner:
                                                     s.output_token_ids) for s in states])
         for state, token, lp in zip(states, sampled.token_ids, sampled.logprobs):
             state.output_token_ids.append(token)
-            state.token_ids.append(token)
             result.sampled_token_ids[state.req_id] = [token]
             if lp is not None:
                 result.logprobs[state.req_id] = [lp]
@@ -197,13 +212,14 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_ctx: list[int] = []
         prefills: list[PrefillSegment] = []
+        sampling = out.sampling_req_ids
         cursor = 0
         for rid in order:
             state = self.requests[rid]
             n = out.num_scheduled_tokens[rid]
             start = state.num_computed_tokens
             ctx = start + n
-            ids.extend(state.token_ids[start:ctx])
+            ids.extend(state.tokens(start, ctx))
             pos = np.arange(start, ctx, dtype=np.int64)
             table = np.asarray(state.block_ids, dtype=np.int64)
             pos_chunks.append(pos)
@@ -213,7 +229,7 @@ class ModelRunner:
                 decode_ctx.append(ctx)
             else:
                 prefills.append(self._prefill_segment(cursor, n, start, table))
-            if ctx == len(state.token_ids):  # the chunk reaches the end: sample
+            if rid in sampling:  # the scheduler's decision: its chunk reaches the end
                 logits_rows.append((cursor + n - 1, rid))
             cursor += n
         meta = AttentionMetadata(slot_mapping=self._to_device(np.concatenate(slot_chunks)),

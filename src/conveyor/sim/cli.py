@@ -236,7 +236,7 @@ def _target_line(args: argparse.Namespace, sim) -> str:
     e = sim.engine_args
     count = ("simulated replicas (how many: searched)" if args.find_capacity == "replicas"
              else f"{sim.num_replicas} simulated replica{'s' if sim.num_replicas > 1 else ''}")
-    return (f"{count} (router {args.router}) of model {args.model} ({sim.setup.model.dtype}), "
+    return (f"{count} (router {args.router}) of model {args.model} ({sim.config.model.dtype}), "
             f"batching {e.batching}, max_num_seqs {e.max_num_seqs}, max_num_batched_tokens "
             f"{e.max_num_batched_tokens}, policy {e.scheduling_policy}, prefix caching "
             f"{'on' if e.enable_prefix_caching else 'off'}, {sim.num_kv_blocks} KV blocks of "

@@ -40,8 +40,8 @@ def run_result(requests: Sequence[BenchRequest], result: SimResult, sim: Simulat
         extra={"backend": "sim", "num_steps": steps,
                "mean_batch_size": rows / steps if steps else 0.0,
                "num_kv_blocks": result.num_kv_blocks, "batching": args.batching,
-               "max_num_seqs": args.max_num_seqs, "model": sim.setup.model.served_model_name,
-               "dtype": sim.setup.model.dtype, "cost_model": result.cost_model,
+               "max_num_seqs": args.max_num_seqs, "model": sim.config.model.served_model_name,
+               "dtype": sim.config.model.dtype, "cost_model": result.cost_model,
                "replicas": sim.num_replicas, "router": sim.router_name,
                "sim_wall_s": result.wall_s, "sim_events": result.num_events,
                "sim_events_per_s": result.events_per_s})

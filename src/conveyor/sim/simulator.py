@@ -17,21 +17,20 @@ jumps from event to event, so an hour of traffic costs only the steps it contain
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from conveyor.config import EngineArgs, ModelConfig, kv_blocks_for
+from conveyor.config import EngineArgs, EngineConfig, ModelConfig, resolve_engine_config
 from conveyor.engine.validation import capped_max_tokens
+from conveyor.executor.cost_model import CostModelExecutor
 from conveyor.outputs import RequestMetrics
 from conveyor.sampling_params import SamplingParams
 from conveyor.sim.cost_model import CostModel
 from conveyor.sim.model import resolve_sim_model
 from conveyor.sim.replica import (
-    ReplicaSetup,
     SimReplica,
     StepListener,
     WorkloadRequest,
@@ -106,30 +105,23 @@ class Simulator:
         self.num_replicas = replicas
         self.router_name = router
         model = model or resolve_sim_model(engine_args)
-        cache = engine_args.cache_config()
-        num_blocks = kv_blocks_for(cache, model, engine_args.max_num_seqs,
-                                   default_memory=lambda: cost.kv_cache_memory(model),
-                                   cap_to_useful=cost.cap_kv_to_useful)
-        # The same derivation as LLMEngine: the pool caps the longest sequence.
-        max_len = min(model.max_model_len, num_blocks * cache.block_size)
-        model = dataclasses.replace(model, max_model_len=max_len)
-        eos = frozenset(model.eos_token_ids)
-        fake = next(t for t in range(model.vocab_size) if t not in eos)
-        key = f"{model.path}|{model.dtype}|{model.load_format}|{model.seed}".encode()
-        self.setup = ReplicaSetup(model=model,
-                                  cache=dataclasses.replace(cache, num_kv_blocks=num_blocks),
-                                  scheduler=engine_args.scheduler_config(), fake_token=fake,
-                                  kv_hash_key=key)
+        # The engine's own derivation (config.resolve_engine_config): the pool the cost
+        # model's machine holds caps the longest sequence.
+        num_blocks = CostModelExecutor(cost, model).determine_num_kv_blocks(
+            engine_args.cache_config(), model, engine_args.max_num_seqs)
+        self.config: EngineConfig = resolve_engine_config(engine_args, model, num_blocks,
+                                                          device="simulated")
+        eos = frozenset(self.config.model.eos_token_ids)
         self.make_params = make_params or (lambda item: default_params(item, eos))
         self.step_listeners: list[StepListener] = []
 
     @property
     def num_kv_blocks(self) -> int:
-        return self.setup.cache.num_kv_blocks or 0
+        return self.config.cache.num_kv_blocks or 0
 
     @property
     def max_model_len(self) -> int:
-        return self.setup.max_model_len
+        return self.config.model.max_model_len
 
     def pool_blocks(self, items: list[WorkloadRequest]) -> int:
         """KV blocks each replica allocates: the configured pool, or fewer if ``items`` fit.
@@ -141,7 +133,7 @@ class Simulator:
         large GPU (millions of blocks of logical pool) cheap to simulate.
         """
         full = self.num_kv_blocks
-        bs = self.setup.cache.block_size
+        bs = self.config.cache.block_size
         max_len = self.max_model_len
         need = 0
         for item in items:
@@ -167,7 +159,7 @@ class Simulator:
         items = sorted(requests, key=lambda r: r.arrival_s)
         _check_unique_ids(items)
         pool = self.pool_blocks(items)
-        replicas = [SimReplica(i, self.setup, self.cost, self.make_params, self.step_listeners,
+        replicas = [SimReplica(i, self.config, self.cost, self.make_params, self.step_listeners,
                                pool_blocks=pool)
                     for i in range(self.num_replicas)]
         router = make_router(self.router_name)
@@ -260,7 +252,7 @@ def _check_unique_ids(items: list[WorkloadRequest]) -> None:
 def _stats(rep: SimReplica, num_requests: int) -> ReplicaStats:
     s = rep.scheduler.stats
     return ReplicaStats(index=rep.index, num_requests=num_requests, num_steps=rep.num_steps,
-                        num_batched_rows=sum(s.step_batch_sizes), busy_time=rep.busy_time,
+                        num_batched_rows=s.num_batched_rows, busy_time=rep.busy_time,
                         num_preemptions=s.num_preemptions, num_rejected=s.num_rejected,
                         peak_running=s.peak_running, peak_waiting=s.peak_waiting,
                         num_kv_blocks=rep.num_kv_blocks, peak_kv_blocks=rep.kv.peak_used_blocks,

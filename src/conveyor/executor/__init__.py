@@ -1,0 +1,15 @@
+"""Executors: what runs the model for the engine core (``conveyor.engine.core.Executor``).
+
+    LocalExecutor      the model runner in this process (torch; ``executor/local.py``)
+    CostModelExecutor  no model: fake tokens, step times from a cost model (no torch;
+                       the simulator and the bench's model clock)
+
+Each sizes the KV pool before the core exists (``determine_num_kv_blocks``), gets the
+resolved config (``initialize``), then serves ``execute_model``. A tensor-parallel or
+Ray executor plugs in through the same three calls. Import the torch one from its
+module: this package imports no torch.
+"""
+
+from conveyor.executor.cost_model import CostModelExecutor
+
+__all__ = ["CostModelExecutor"]

@@ -1,0 +1,67 @@
+"""An executor without a model: each step "samples" one fixed token for every request
+that reaches its end, and takes the time a cost model says (no torch).
+
+The simulator runs the core's two halves at two virtual times and asks ``last_step_s``;
+the bench's model clock (``clock`` given) moves the clock by the step's cost inside
+``execute_model``, so the core's update reads the step's end time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from conveyor.config import CacheConfig, EngineConfig, ModelConfig, kv_blocks_for
+from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from conveyor.sim.cost_model import CostModel
+
+
+class AdvancingClock(Protocol):
+    def add(self, seconds: float) -> None: ...
+
+
+def fake_token_for(model: ModelConfig) -> int:
+    """A token in the vocabulary that never ends a sequence: requests run to max_tokens."""
+    eos = set(model.eos_token_ids)
+    return next(t for t in range(model.vocab_size) if t not in eos)
+
+
+class CostModelExecutor:
+    def __init__(self, cost: CostModel, model: ModelConfig,
+                 clock: AdvancingClock | None = None) -> None:
+        from conveyor.sim.batch import batch_shape  # (conveyor.sim imports this module)
+
+        self._batch_shape = batch_shape
+        self.cost = cost
+        self.clock = clock
+        self._sampled = [fake_token_for(model)]  # shared: the scheduler only reads it
+        self.last_step_s = 0.0
+
+    def determine_num_kv_blocks(self, cache: CacheConfig, model: ModelConfig,
+                                max_num_seqs: int) -> int:
+        """What the cost model's machine would hold (its ``kv_cache_memory``)."""
+        return kv_blocks_for(cache, model, max_num_seqs,
+                             default_memory=lambda: self.cost.kv_cache_memory(model),
+                             cap_to_useful=self.cost.cap_kv_to_useful)
+
+    def initialize(self, config: EngineConfig) -> None:
+        pass
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        out = scheduler_output
+        if out.is_empty:
+            self.last_step_s = 0.0
+            return ModelRunnerOutput()
+        duration = self.cost.step_time(self._batch_shape(out))
+        if not duration > 0.0:
+            raise ValueError(f"cost model {self.cost.describe()} returned a step time of "
+                             f"{duration!r} s; it must be positive")
+        self.last_step_s = duration
+        if self.clock is not None:
+            self.clock.add(duration)
+        sampled = self._sampled
+        return ModelRunnerOutput({rid: sampled for rid in out.sampling_req_ids})
+
+    def shutdown(self) -> None:
+        pass
