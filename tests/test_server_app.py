@@ -34,10 +34,13 @@ from server_helpers import ATTENTION_BACKEND
 
 
 @contextlib.asynccontextmanager
-async def app_client(**state_kw) -> AsyncIterator[tuple[httpx.AsyncClient, ServerState]]:
+async def app_client(engine_kw: dict | None = None, **state_kw
+                     ) -> AsyncIterator[tuple[httpx.AsyncClient, ServerState]]:
+    """The server app in-process (httpx's ASGI transport) around a thread engine;
+    ``engine_kw`` are engine options, ``state_kw`` server options."""
     args = EngineArgs(model=make_checkpoint("llama"), dtype="float32",
                       num_threads=cpu_threads(), num_kv_blocks=64, block_size=8,
-                      attention_backend=ATTENTION_BACKEND)
+                      attention_backend=ATTENTION_BACKEND, **(engine_kw or {}))
     engine = AsyncEngine(LLMEngine(args))
     state = make_state(engine, **state_kw)
     app = build_app(state)

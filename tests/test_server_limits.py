@@ -5,20 +5,19 @@ full queue in-process, with the engine held so that nothing leaves the queue mea
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
 
 import httpx
 import openai
 import pytest
 
-from helpers import cpu_threads, gate_steps, make_checkpoint
-from server_helpers import ATTENTION_BACKEND, ServerProcess, engine_frozen, serve, wait_for
+from helpers import gate_steps, make_checkpoint
+from server_helpers import ServerProcess, engine_frozen, serve, wait_for
+from test_server_app import app_client
 
 KEY = "s3cret-key"
 MODEL = "m"
@@ -66,29 +65,6 @@ def test_health_is_open_and_every_other_route_needs_the_key(server: ServerProces
     assert ok.completions.create(model=MODEL, prompt="ba be", max_tokens=2).choices
 
 
-@contextlib.asynccontextmanager
-async def app_client(**engine_kw) -> AsyncIterator[tuple[httpx.AsyncClient, object]]:
-    """The server app in-process (httpx's ASGI transport) around a thread engine."""
-    from conveyor.config import EngineArgs
-    from conveyor.engine.async_engine import AsyncEngine
-    from conveyor.engine.llm_engine import LLMEngine
-    from conveyor.entrypoints.openai.api_server import build_app, make_state
-
-    args = EngineArgs(model=make_checkpoint("llama"), dtype="float32",
-                      num_threads=cpu_threads(), num_kv_blocks=64, block_size=8,
-                      attention_backend=ATTENTION_BACKEND, **engine_kw)
-    engine = AsyncEngine(LLMEngine(args))
-    state = make_state(engine)
-    app = build_app(state)
-    engine.start()  # the ASGI transport does not run the lifespan
-    try:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            yield client, state
-    finally:
-        await engine.shutdown()
-
-
 def test_full_queue_is_refused_at_once_with_429() -> None:
     """n sequences count against max_queue_len 16: 10 (one runs, 9 wait) + 7 fill it. The
     engine is held meanwhile (no step runs), so the queue stays full however fast or slow
@@ -101,7 +77,7 @@ def test_full_queue_is_refused_at_once_with_429() -> None:
             await asyncio.sleep(0.01)
 
     async def main() -> None:
-        async with app_client(max_num_seqs=1, max_queue_len=16) as (client, state):
+        async with app_client({"max_num_seqs": 1, "max_queue_len": 16}) as (client, state):
             engine = state.engine
 
             async def counts(running: int, waiting: int) -> bool:
