@@ -48,3 +48,31 @@ def test_a_folder_without_tokenizer_json_falls_back_on_transformers(tmp_path) ->
     assert isinstance(load_tokenizer(make_checkpoint("llama")), FastTokenizer)
     with pytest.raises((OSError, ValueError)):  # nothing to load: transformers says so
         load_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_incremental_detokenization_adds_up_to_the_whole_decode(pair, seed: int) -> None:
+    """Deltas fed in chunks of any size add up to the decode of the whole sequence (less
+    the prompt context's own text), whether the detokenizer owns its list or reads the
+    caller's."""
+    from conveyor.engine.detokenizer import IncrementalDetokenizer
+
+    ours, _ = pair
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, ours.vocab_size) for _ in range(rng.randint(1, 9))]
+    outputs = [rng.randrange(3, ours.vocab_size) for _ in range(rng.randint(1, 30))]
+    shared: list[int] = []
+    reader = IncrementalDetokenizer(ours, prompt, outputs=shared)
+    owner = IncrementalDetokenizer(ours, prompt)
+    i = 0
+    while i < len(outputs):
+        chunk = outputs[i:i + rng.randint(1, 4)]
+        i += len(chunk)
+        shared.extend(chunk)
+        assert reader.add(chunk) == owner.add(chunk)
+    context = prompt[-5:]
+    whole = ours.decode(context + outputs, skip_special_tokens=True)
+    head = ours.decode(context, skip_special_tokens=True)
+    if not whole.endswith("\ufffd") and whole.startswith(head):
+        assert reader.text == owner.text == whole[len(head):]
+    assert owner.outputs == outputs and reader.outputs is shared

@@ -92,13 +92,16 @@ class OutputProcessor:
         prompt_ids = children[0].prompt_token_ids
         kids = []
         for i, req in enumerate(children):
-            detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids,
-                                            params.skip_special_tokens)
-                     if self.tokenizer is not None and params.detokenize else None)
             metrics = RequestMetrics.for_core_request(req, *self._slo_defaults)
-            kids.append(_Child(i, req.request_id, detok, metrics,
-                               logprobs=[] if params.logprobs is not None else None,
-                               cumulative_logprob=0.0 if params.logprobs is not None else None))
+            child = _Child(i, req.request_id, None, metrics,
+                           logprobs=[] if params.logprobs is not None else None,
+                           cumulative_logprob=0.0 if params.logprobs is not None else None)
+            if self.tokenizer is not None and params.detokenize:
+                # It reads the child's token list: one copy of a sample's tokens here.
+                child.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids,
+                                                     params.skip_special_tokens,
+                                                     outputs=child.token_ids)
+            kids.append(child)
         parent = _Parent(request_id, prompt, prompt_ids, params, output_kind, kids)
         self.parents[request_id] = parent
         for child in kids:
