@@ -41,7 +41,9 @@ class LocalExecutor:
             model, compute_dtype=resolve_compute_dtype(args.compute_dtype, model.dtype,
                                                        self.device))
         self.runner = ModelRunner(self.model_config, args.cache_config(), self.device,
-                                  args.attention_backend, args.linear_backend)
+                                  args.attention_backend, args.linear_backend,
+                                  linear_rows=(args.max_num_seqs,
+                                               args.max_num_batched_tokens))
         self.warmup = args.warmup
 
     def determine_num_kv_blocks(self, cache: CacheConfig, model: ModelConfig,

@@ -233,6 +233,13 @@ linear_backend = linear_backends.get
 linear_backend_names = linear_backends.names
 
 
+def linear_backend_names_for(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    """The registered linear backends that support this configuration, by priority."""
+    device = torch.device(device)
+    return [n for n in linear_backends.names()
+            if linear_backends.get(n).supports(device, dtype) is None]
+
+
 def select_linear_backend(name: str, device: torch.device | str,
                           dtype: torch.dtype) -> LinearBackend:
     """An instance of linear backend ``name`` (or the ``auto`` choice)."""

@@ -188,6 +188,23 @@ class LlamaForCausalLM(nn.Module):
             del self.lm_head
         return pack_linears(self.layers, backend) + 1
 
+    def pack_linears_by_shape(self, choice: dict[str, str]) -> int:
+        """Pack each projection with the backend ``choice`` names for its shape (keys of
+        ``linear_choice.LinearShape``: measured per machine); returns how many were packed."""
+        from conveyor.model.backends import linear_backend
+        from conveyor.model.linear_choice import LinearShape
+        from conveyor.model.packed_linear import pack_linears_by
+
+        head = LinearShape(*self.lm_head_weight.shape, lm_head=True).key
+        count = 0
+        if linear_backend(choice[head]).packs:
+            self.packed_lm_head = packed_linear(self.lm_head_weight, None, choice[head])
+            if not self.tie_word_embeddings:
+                del self.lm_head
+            count = 1
+        return count + pack_linears_by(self.layers, lambda name, w: choice[LinearShape(
+            *w.shape, gate_up=name == "gate_up_proj").key])
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         if self.packed_lm_head is not None:

@@ -18,6 +18,7 @@ written (see gemm.c).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -131,6 +132,23 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
     if not cls.packs:
         raise ValueError(f"no packed linear for backend {backend!r}")
     return cls(weight.device, weight.dtype).make_linear(weight, bias, gate_up=gate_up)
+
+
+def pack_linears_by(model: nn.Module, backend_of: Callable[[str, torch.Tensor], str]) -> int:
+    """Replace each ``nn.Linear`` by the packed one of ``backend_of(name, weight)`` (a
+    backend that does not pack, ``torch``, keeps it); returns how many were packed."""
+    from conveyor.model.backends import linear_backend
+
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                backend = backend_of(name, child.weight)
+                if linear_backend(backend).packs:
+                    setattr(parent, name, packed_linear(child.weight, child.bias, backend,
+                                                        gate_up=name == "gate_up_proj"))
+                    count += 1
+    return count
 
 
 def pack_linears(model: nn.Module, backend: str = "onednn") -> int:

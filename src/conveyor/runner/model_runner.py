@@ -19,7 +19,13 @@ import torch
 from conveyor.config import CacheConfig, ModelConfig, kv_blocks_for
 from conveyor.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from conveyor.model.attention import AttentionMetadata, PrefillSegment
-from conveyor.model.backends import select_attention_backend
+from conveyor.model.backends import (
+    linear_backend_names_for,
+    select_attention_backend,
+    select_linear_backend,
+)
+from conveyor.model.linear_choice import choose as choose_linears
+from conveyor.model.linear_choice import measuring_enabled, model_shapes
 from conveyor.model.loader import DTYPES, load_model
 from conveyor.model.packed_linear import pick_linear_backend
 from conveyor.runner.sampler import Sampler, SamplingRow
@@ -78,7 +84,10 @@ def num_blocks_for(cache: CacheConfig, model: ModelConfig, device: torch.device,
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig,
                  device: torch.device, attention_backend: str = "auto",
-                 linear_backend: str = "auto") -> None:
+                 linear_backend: str = "auto",
+                 linear_rows: tuple[int, int] = (32, 512)) -> None:
+        """``linear_rows``: the decode and prefill row counts ``auto`` times the linear
+        backends at (max_num_seqs, the token budget)."""
         self.cfg = model_cfg
         self.cache_cfg = cache_cfg
         self.device = device
@@ -98,11 +107,23 @@ class ModelRunner:
         layer_ops = self.attention.layer_ops()
         if layer_ops is not None:
             self.model.ops = layer_ops
-        self.linear_backend = pick_linear_backend(linear_backend, device,
-                                                  DTYPES[model_cfg.math_dtype])
-        self.packed_linears = self.linear_backend != "torch"
-        if self.packed_linears:
-            self.model.pack_linears(self.linear_backend)
+        dtype = DTYPES[model_cfg.math_dtype]
+        self.linear_backend = pick_linear_backend(linear_backend, device, dtype)
+        # Shape key -> backend of every projection (one name unless measured per shape).
+        self.linear_choice: dict[str, str] = {}
+        candidates = linear_backend_names_for(device, dtype)
+        if linear_backend == "auto" and len(candidates) > 1 and measuring_enabled():
+            shapes = model_shapes(self.model.layers, self.model.lm_head_weight)
+            self.linear_choice = choose_linears(
+                shapes, {n: select_linear_backend(n, device, dtype) for n in candidates},
+                device, dtype, *linear_rows)
+            used = list(self.linear_choice.values())
+            self.linear_backend = max(set(used), key=used.count)  # the most used, for logs
+            self.packed_linears = self.model.pack_linears_by_shape(self.linear_choice) > 0
+        else:
+            self.packed_linears = self.linear_backend != "torch"
+            if self.packed_linears:
+                self.model.pack_linears(self.linear_backend)
         # Tests set this to read each sampling request's float32 logits of the last step.
         self.timings = PhaseTimings()
         self.record_logits = False

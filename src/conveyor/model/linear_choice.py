@@ -1,0 +1,161 @@
+"""Linear backends chosen by measurement, per weight shape, on the machine at hand.
+
+Kernels tuned to one CPU lose on the next: on a Zen 3 with AVX2 only, conveyor's own
+GEMM beat oneDNN; on a Zen 5 with AVX-512, oneDNN's decode step is 1.4x faster than it
+(``benchmarks/decode_step.py --linear-backend native|onednn``). So ``linear_backend
+="auto"`` times every candidate that supports the model (registered linear backends:
+native, onednn, torch) on each of the model's own weight shapes, at a decode row
+count (``max_num_seqs``) and a prefill one (the token budget, capped), and packs each
+projection with the fastest. The choice is cached per CPU model, flags, torch version,
+thread count, dtype, shapes and row counts (``<cache>/linear_choice.json``), logged,
+and ``--linear-backend NAME`` still forces one; ``CONVEYOR_MEASURE_LINEARS=0`` keeps the
+static priority order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.model.dtypes import cpu_flags
+from conveyor.model.presets import cache_root
+
+logger = logging.getLogger(__name__)
+
+PREFILL_ROWS_CAP = 512  # enough rows to be compute-bound; keeps the measurement short
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    out_features: int
+    in_features: int
+    gate_up: bool = False  # silu(gate) * up follows (fused by backends that can)
+    lm_head: bool = False  # runs on the sampled rows only: decode rows in both cases
+
+    @property
+    def key(self) -> str:
+        tag = "+silu" if self.gate_up else ("+head" if self.lm_head else "")
+        return f"{self.out_features}x{self.in_features}{tag}"
+
+
+def measuring_enabled() -> bool:
+    value = os.environ.get("CONVEYOR_MEASURE_LINEARS", "1").strip().lower()
+    return value not in ("0", "false", "off", "no")
+
+
+def model_shapes(model: nn.Module, lm_head: torch.Tensor) -> list[LinearShape]:
+    """The distinct weight shapes of a model's ``nn.Linear``s and its LM head."""
+    shapes = {LinearShape(*child.weight.shape, gate_up=name == "gate_up_proj")
+              for parent in model.modules() for name, child in parent.named_children()
+              if isinstance(child, nn.Linear)}
+    shapes.add(LinearShape(*lm_head.shape, lm_head=True))
+    return sorted(shapes, key=lambda s: s.key)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_key(shapes: list[LinearShape], dtype: torch.dtype, rows: tuple[int, int],
+               candidates: list[str]) -> str:
+    parts = [_cpu_model(), " ".join(sorted(cpu_flags() or ())), torch.__version__,
+             str(torch.get_num_threads()), str(dtype), repr(rows), ",".join(candidates),
+             ",".join(s.key for s in shapes)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def _forward(module: nn.Module, shape: LinearShape):
+    if shape.gate_up and not getattr(module, "applies_silu_mul", False):
+        half = shape.out_features // 2
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            y = module(x)
+            return F.silu(y[:, :half]) * y[:, half:]
+
+        return run
+    return module
+
+
+def _best_of(fn, x: torch.Tensor, repeats: int = 3) -> float:
+    fn(x)  # warm: kernels built, buffers faulted in
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+@torch.inference_mode()
+def measure(shapes: list[LinearShape], backends: dict[str, object], device: torch.device,
+            dtype: torch.dtype, decode_rows: int, prefill_rows: int
+            ) -> dict[str, dict[str, float]]:
+    """Seconds per (shape key, backend name): one decode-sized plus one prefill-sized call
+    (the LM head: two decode-sized ones)."""
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, dict[str, float]] = {}
+    for shape in shapes:
+        w = (torch.randn(shape.out_features, shape.in_features, generator=gen) * 0.02).to(
+            device=device, dtype=dtype)
+        rows = (decode_rows, decode_rows if shape.lm_head else prefill_rows)
+        xs = [torch.randn(r, shape.in_features, generator=gen).to(device=device, dtype=dtype)
+              for r in rows]
+        out[shape.key] = {}
+        for name, backend in backends.items():
+            fn = _forward(backend.make_linear(w, None, gate_up=shape.gate_up), shape)
+            out[shape.key][name] = sum(_best_of(fn, x) for x in xs)
+    return out
+
+
+def choose(shapes: list[LinearShape], backends: dict[str, object], device: torch.device,
+           dtype: torch.dtype, decode_rows: int, prefill_rows: int) -> dict[str, str]:
+    """Shape key -> the fastest backend's name, from the cache or measured now."""
+    prefill_rows = max(1, min(prefill_rows, PREFILL_ROWS_CAP))
+    decode_rows = max(1, min(decode_rows, prefill_rows))
+    names = list(backends)
+    key = _cache_key(shapes, dtype, (decode_rows, prefill_rows), names)
+    path = os.path.join(cache_root(), "linear_choice.json")
+    cache: dict = {}
+    try:
+        with open(path) as f:
+            cache = json.load(f)
+    except (OSError, ValueError):
+        pass
+    entry = cache.get(key)
+    if entry is not None and set(entry["choice"]) == {s.key for s in shapes} \
+            and set(entry["choice"].values()) <= set(names):
+        logger.info("linear backends (cached for this CPU): %s", entry["choice"])
+        return dict(entry["choice"])
+    t0 = time.perf_counter()
+    timings = measure(shapes, backends, device, dtype, decode_rows, prefill_rows)
+    choice = {k: min(times, key=times.get) for k, times in timings.items()}
+    logger.info("linear backends measured in %.1f s on %s (%d decode, %d prefill rows): "
+                "%s; ms per shape: %s", time.perf_counter() - t0, _cpu_model(), decode_rows,
+                prefill_rows, choice,
+                {k: {n: round(1e3 * t, 3) for n, t in v.items()} for k, v in timings.items()})
+    cache[key] = {"choice": choice, "cpu": _cpu_model(), "timings_s": timings}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(cache, f, indent=1)
+        os.replace(tmp, path)  # atomic: concurrent engines never read half a file
+    except OSError as e:
+        logger.warning("could not cache the linear backend choice: %s", e)
+    return choice
