@@ -388,7 +388,7 @@ def model_config_from_hf(hf: dict[str, Any], path: str, *, dtype: str = "auto",
         arch = ARCHITECTURE_OF_MODEL_TYPE.get(hf.get("model_type", ""))
         if arch is not None:
             logger.warning("config.json names no architecture: %s, from model_type %r",
-                        arch, hf.get("model_type"))
+                           arch, hf.get("model_type"))
     if arch is None:
         found = archs or f"none, model_type {hf.get('model_type')!r}"
         raise ValueError(f"unsupported architecture ({found}); supported: "

@@ -49,15 +49,11 @@ class RequestMetrics:
     @classmethod
     def for_core_request(cls, req: EngineCoreRequest, default_slo_ttft_s: float | None,
                          default_slo_tpot_s: float | None) -> RequestMetrics:
-        """Metrics for a request the core was given; its targets are its own, else the
-        defaults (the same rule as the core's)."""
+        """Metrics for a request the core was given, with its effective targets."""
+        slo_ttft_s, slo_tpot_s = req.slo_targets_s(default_slo_ttft_s, default_slo_tpot_s)
         return cls(arrival_time=req.arrival_time, request_id=req.request_id,
                    num_prompt_tokens=len(req.prompt_token_ids), priority=req.priority,
-                   tenant=req.tenant or "default",
-                   slo_ttft_s=req.slo_ttft_ms / 1e3 if req.slo_ttft_ms is not None
-                   else default_slo_ttft_s,
-                   slo_tpot_s=req.slo_tpot_ms / 1e3 if req.slo_tpot_ms is not None
-                   else default_slo_tpot_s)
+                   tenant=req.tenant, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
 
     def record_tokens(self, num_tokens: int, now: float) -> None:
         """``num_tokens`` generated tokens delivered at ``now``."""

@@ -51,7 +51,6 @@ from conveyor.engine.messages import (
     AbortRequests,
     AddRequests,
     AddResult,
-    CoreExit,
     QueueFullError,
     RequestsFailed,
     Shutdown,
@@ -335,7 +334,7 @@ class AsyncEngine:
         stream raises RequestTimeoutError and the request is aborted.
         """
         self._check_alive()
-        if request_id in self._streams or request_id in self._processor.parents:
+        if request_id in self._streams:  # (one still being read; the processor checks its own)
             raise ValueError(f"request id {request_id!r} is already in use")
         text, prompt_ids = tokenize_prompt(self.info.tokenizer, prompt)
         validate_request(self.info.config, self.info.tokenizer is not None, prompt_ids, params)
@@ -464,8 +463,6 @@ class AsyncEngine:
                     self._call_done(m)
                 elif isinstance(m, RequestsFailed):
                     self._on_failed(m)
-                elif isinstance(m, CoreExit) and m.error:
-                    self._error = self._error or RuntimeError(m.error)
             except Exception:
                 logger.exception("handling %s from the engine core failed", type(m).__name__)
 

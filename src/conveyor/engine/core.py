@@ -108,18 +108,17 @@ class EngineCore:
     def _request(self, req: EngineCoreRequest) -> Request:
         params = req.sampling_params
         policy = self.config.scheduler.policy
+        # The request carries its effective targets (its own, else the server's defaults),
+        # so that policies read one place.
+        slo_ttft_s, slo_tpot_s = req.slo_targets_s(policy.default_slo_ttft_s,
+                                                   policy.default_slo_tpot_s)
         return Request(
             req.request_id, req.prompt_token_ids,
             params.clone(eos_token_ids=self.eos_token_ids), req.arrival_time,
-            priority=req.priority, tenant=req.tenant or "default",
+            priority=req.priority, tenant=req.tenant,
             max_tokens=capped_max_tokens(params, len(req.prompt_token_ids),
                                          self.max_model_len),
-            # The request carries its effective targets (its own, else the server's
-            # defaults), so that policies and metrics read one place.
-            slo_ttft_s=req.slo_ttft_ms / 1e3 if req.slo_ttft_ms is not None
-            else policy.default_slo_ttft_s,
-            slo_tpot_s=req.slo_tpot_ms / 1e3 if req.slo_tpot_ms is not None
-            else policy.default_slo_tpot_s)
+            slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
 
     def abort_requests(self, request_ids: list[str], reason: str = "abort",
                        stop_reason: str | None = None) -> list[EngineCoreOutput]:

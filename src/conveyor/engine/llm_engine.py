@@ -136,8 +136,6 @@ class LLMEngine:
         self.validate(prompt_ids, params)
         self.validate_scheduling(priority, tenant, slo_ttft_ms, slo_tpot_ms)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.output_processor.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
         now = self.clock() if arrival_time is None else arrival_time
         children = fan_out(request_id, prompt_ids, params, now, priority=priority,
                            tenant=tenant, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)

@@ -47,6 +47,13 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
 
+    def slo_targets_s(self, default_ttft_s: float | None, default_tpot_s: float | None
+                      ) -> tuple[float | None, float | None]:
+        """(TTFT, TPOT) targets in seconds: the request's own, else the defaults. The one
+        rule for the core's request and the front end's (and simulator's) metrics."""
+        return (self.slo_ttft_ms / 1e3 if self.slo_ttft_ms is not None else default_ttft_s,
+                self.slo_tpot_ms / 1e3 if self.slo_tpot_ms is not None else default_tpot_s)
+
 
 # Per sampled token: (top token ids, their logprobs, rank of the sampled token, its logprob).
 TokenLogprobs = tuple[list[int], list[float], int, float]
@@ -186,14 +193,9 @@ CoreMessage = (CoreReady | CoreStartFailed | AddResult | StepOutputs | UtilityRe
                | RequestsFailed | CoreExit)
 
 
-def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, frozenset | set):
-        return sorted(obj)
-    raise TypeError(f"cannot encode a {type(obj).__name__} in a core message")
-
-
 def encoder() -> msgspec.msgpack.Encoder:
-    return msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+    """msgpack of the Structs above; anything else (a callable) is a TypeError."""
+    return msgspec.msgpack.Encoder()
 
 
 def command_decoder() -> msgspec.msgpack.Decoder:

@@ -44,10 +44,10 @@ class FastTokenizer:
         for name in _SPECIAL_NAMES:
             setattr(self, name, _content(config.get(name)))
         self.chat_template = config.get("chat_template")
-        model_kind = json.loads(self._tok.to_str()).get("model", {}).get("type")
         # transformers cleans up spaces for WordPiece-style tokenizers only (never BPE).
         self.clean_up_tokenization_spaces = bool(
-            config.get("clean_up_tokenization_spaces", False)) and model_kind != "BPE"
+            config.get("clean_up_tokenization_spaces", False)) \
+            and type(self._tok.model).__name__ != "BPE"
 
     @property
     def vocab_size(self) -> int:

@@ -41,7 +41,11 @@ from conveyor.entrypoints.openai.chat_template import (
 from conveyor.entrypoints.openai.errors import OpenAIError
 from conveyor.entrypoints.openai.protocol import ModelCard, ModelList
 from conveyor.entrypoints.openai.serving_chat import create_chat_completion
-from conveyor.entrypoints.openai.serving_common import ServerState, prompt_byte_cap
+from conveyor.entrypoints.openai.serving_common import (
+    DEFAULT_MAX_BODY_BYTES,
+    ServerState,
+    prompt_byte_cap,
+)
 from conveyor.entrypoints.openai.serving_completion import create_completion
 from conveyor.entrypoints.openai.serving_tokens import detokenize, tokenize
 from conveyor.metrics import CONTENT_TYPE, EngineMetrics
@@ -50,8 +54,6 @@ logger = logging.getLogger("conveyor.server")
 
 API_KEY_ENV = "CONVEYOR_API_KEY"
 _OPEN_PATHS = frozenset({"/health"})
-# 8 MiB: a prompt of well over a million tokens as text or as a JSON list of ids.
-DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
 class BodySizeLimitMiddleware:

@@ -35,6 +35,10 @@ _MIN_LOGPROB = -9999.0
 DONE = "data: [DONE]\n\n"
 
 
+# 8 MiB: a prompt of well over a million tokens as text or as a JSON list of ids.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
 @dataclass
 class ServerState:
     engine: AsyncEngine
@@ -48,7 +52,7 @@ class ServerState:
     # A text prompt longer than this (UTF-8 bytes) cannot fit in max_model_len tokens,
     # whatever it says: refused before tokenizing it (None: no such bound is known).
     max_prompt_bytes: int | None = None
-    max_body_bytes: int = 8 << 20
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 def max_token_bytes(tokenizer: Any) -> int | None:
