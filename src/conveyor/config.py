@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.core.policies import POLICIES, PREDICTORS, PolicyConfig
+from conveyor.spec.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class SchedulerConfig:
     queue_wait_action: str = "admit"  # admit | reject
     max_preemptions_per_request: int | None = None
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # Speculative decoding (None: off): the scheduler decides the draft lengths.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "static"):
@@ -173,6 +176,17 @@ class EngineArgs:
     default_slo_ttft_ms: float | None = None
     default_slo_tpot_ms: float | None = None
     lpm_window: int = 64
+    # {"method": "ngram" | "suffix" | "draft_model" | "synthetic", ...} (spec/config.py),
+    # a JSON string of it, or None (off).
+    speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        # Parsed (and checked) at once: a bad config fails before any model loads.
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return self.speculative_config  # parsed in __post_init__
 
     # ---- CLI -----------------------------------------------------------------------------
     @staticmethod
@@ -255,6 +269,11 @@ class EngineArgs:
                        help="TTFT target of requests that carry none (edf, metrics)")
         g.add_argument("--default-slo-tpot-ms", type=float, default=None,
                        help="TPOT target of requests that carry none (edf, metrics)")
+        g.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4}\'; methods ngram, suffix, '
+                            'draft_model (with "model"), synthetic (with "acceptance_rate", '
+                            'benchmarks only); k adapts to load unless "adaptive": false')
         g.add_argument("--lpm-window", type=int, default=64,
                        help="lpm: oldest waiting requests compared, and the most overtakes "
                             "any request suffers")
@@ -278,6 +297,7 @@ class EngineArgs:
             max_queue_wait_s=self.max_queue_wait_s,
             queue_wait_action=self.queue_wait_action,
             max_preemptions_per_request=self.max_preemptions_per_request,
+            speculative=self.speculative,
             policy=PolicyConfig(
                 sjf_aging_s=self.sjf_aging_s,
                 sjf_predictor=self.sjf_predictor,

@@ -76,6 +76,10 @@ class Request:
     admitted_seq: int = -1  # order of admission into running, for the preemption victim
     # Free-form slot for a policy's own bookkeeping (e.g. a deadline); never read elsewhere.
     policy_state: dict = field(default_factory=dict)
+    # Speculative decoding: the draft tokens proposed after its last step (verified, in
+    # part or whole, at its next), and its per-position [accepted, tried] decayed counts.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_acceptance: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

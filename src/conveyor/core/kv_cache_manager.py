@@ -212,6 +212,23 @@ class KVCacheManager:
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
         return [b.block_id for b in computed.blocks] + [b.block_id for b in new_blocks]
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Release the request's trailing blocks beyond the first ``num_tokens`` slots
+        (lookahead reserved for draft tokens that were rejected); returns how many.
+
+        Those blocks hold no computed token of the request, so none is cached or shared.
+        """
+        blocks = self.req_blocks.get(request.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        assert all(b.ref_cnt == 1 and b.block_hash is None for b in tail), \
+            "a lookahead block is shared or cached"
+        self.pool.release(list(reversed(tail)))
+        return len(tail)
+
     def free(self, request_id: str) -> None:
         """Release every block the request holds (finish or preemption)."""
         blocks = self.req_blocks.pop(request_id, None)

@@ -43,6 +43,7 @@ from conveyor.core.scheduler_output import (
     SchedulerOutput,
 )
 from conveyor.request import Request, RequestStatus
+from conveyor.spec.controller import DraftLengthController, DraftRow, OnlineStepCost, StepCost
 
 # Hot-path comparisons use this module constant: an enum member lookup costs more than the test.
 _RUNNING = RequestStatus.RUNNING
@@ -84,7 +85,11 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 policy: SchedulingPolicy | None = None) -> None:
+                 policy: SchedulingPolicy | None = None,
+                 step_cost: StepCost | None = None) -> None:
+        """``step_cost``: the step-cost model speculative decoding weighs draft tokens
+        with; by default one fitted online to the step times this scheduler sees (the
+        span from ``schedule(now)`` to ``update(..., now)``)."""
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -113,6 +118,17 @@ class Scheduler:
         self._overdue_ids: set[str] = set()
         # Block ids of each request the runner has been told about.
         self._blocks_sent: dict[str, int] = {}
+        # Speculative decoding: the draft-length controller, and this step's decisions
+        # (drafts verified per request, drafts to propose for the next step).
+        self.spec: DraftLengthController | None = None
+        self._online_cost: OnlineStepCost | None = None
+        if config.speculative is not None:
+            if step_cost is None:
+                step_cost = self._online_cost = OnlineStepCost()
+            self.spec = DraftLengthController(config.speculative, step_cost)
+        self._step_spec: dict[str, list[int]] = {}
+        self._step_want: dict[str, int] = {}
+        self._schedule_now: float | None = None
 
     # ---- request lifecycle ---------------------------------------------------------------
     def add_request(self, request: Request, now: float) -> None:
@@ -179,6 +195,7 @@ class Scheduler:
         admit_allowed = self.config.batching == "continuous" or not self.running
 
         self._apply_queue_wait_limit(now)
+        self._schedule_now = now
         budget = self._schedule_running(scheduled, preempted, budget, now)
         if not preempted and admit_allowed:
             self._schedule_waiting(scheduled, preempted, budget, now)
@@ -186,6 +203,7 @@ class Scheduler:
 
     def _schedule_running(self, scheduled: dict[str, int], preempted: list[Request],
                           budget: int, now: float) -> int:
+        decodes: list[Request] = []  # speculative decoding's candidates
         for req in self.policy.order_running(list(self.running)):
             if budget <= 0:
                 break
@@ -206,6 +224,44 @@ class Scheduler:
                 continue
             scheduled[req.request_id] = num_new
             budget -= num_new
+            if num_new == 1 and req.num_uncomputed_tokens == 1:
+                decodes.append(req)
+        if self.spec is not None:
+            budget = self._schedule_drafts(decodes, scheduled, budget)
+        return budget
+
+    def _schedule_drafts(self, decodes: list[Request], scheduled: dict[str, int],
+                         budget: int) -> int:
+        """Give decoding requests their draft tokens (the controller picks how many).
+
+        Drafts never preempt anyone: a request whose draft slots do not fit verifies
+        none. With a draft model, ``k_want`` more slots are reserved as lookahead: its
+        proposals for the next step write K/V there.
+        """
+        spec, lookahead = self.spec, self.config.speculative.writes_draft_kv
+        rows = []
+        for req in decodes:
+            if req.status != _RUNNING:
+                req.spec_token_ids = []
+                continue
+            cap = min(spec.config.num_speculative_tokens,
+                      req.max_tokens - len(req.output_token_ids) - 1,
+                      self.max_model_len - req.num_computed_tokens - 1)
+            rows.append(DraftRow(req, max(cap, 0)))
+        spec.plan(rows, sum(scheduled.values()), len(scheduled), budget)
+        for row in rows:
+            req, k = row.request, row.k_now
+            extra = k + (row.k_want if lookahead else 0)
+            if extra and self.kv.allocate_slots(req, 1 + extra) is None:
+                k, row.k_want = 0, 0
+            rid = req.request_id
+            if k:
+                scheduled[rid] += k
+                budget -= k
+                self._step_spec[rid] = req.spec_token_ids[:k]
+            if row.k_want:
+                self._step_want[rid] = row.k_want
+            req.spec_token_ids = []  # consumed: the next proposals replace them
         return budget
 
     def _pick_victim(self, requester: Request) -> Request:
@@ -221,6 +277,9 @@ class Scheduler:
     def _preempt(self, req: Request, now: float) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
+        req.spec_token_ids = []
+        self._step_spec.pop(req.request_id, None)
+        self._step_want.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -373,9 +432,13 @@ class Scheduler:
         out = SchedulerOutput(num_scheduled_tokens=scheduled,
                               total_num_scheduled_tokens=sum(scheduled.values()),
                               finished_req_ids=self._dropped_ids | self._dropped_preempted,
-                              preempted_req_ids={r.request_id for r in preempted})
+                              preempted_req_ids={r.request_id for r in preempted},
+                              scheduled_spec_tokens=self._step_spec,
+                              num_spec_wanted=self._step_want)
         self._dropped_ids = set()
         self._dropped_preempted = set()
+        spec_tokens = self._step_spec
+        self._step_spec, self._step_want = {}, {}
         # Locals for the per-request loop (it runs for every request of every step).
         requests, known, sent, block_ids_of = (self.requests, self._runner_known,
                                                self._blocks_sent, self.kv.block_ids)
@@ -383,10 +446,13 @@ class Scheduler:
         for rid, n in scheduled.items():
             req = requests[rid]
             if rid in known:
-                # Only the blocks added since the last step (the table is append-only).
-                new_ids = block_ids_of(rid, sent[rid])
-                cached_reqs.append(CachedRequestData(rid, new_ids, req.num_computed_tokens))
-                sent[rid] += len(new_ids)
+                # Only the blocks added since the last step (the table only grows, but
+                # for lookahead blocks speculative decoding gave back: see ``trim``).
+                first = sent[rid]
+                new_ids = block_ids_of(rid, first)
+                cached_reqs.append(CachedRequestData(rid, new_ids, req.num_computed_tokens,
+                                                     first))
+                sent[rid] = first + len(new_ids)
             else:
                 self._runner_known.add(rid)
                 block_ids = self.kv.block_ids(rid)
@@ -398,7 +464,9 @@ class Scheduler:
                 req.first_scheduled_time = now
             on_scheduled(req, n, now)
             req.num_computed_tokens += n
-            if req.num_computed_tokens == len(req.all_token_ids):
+            # Its drafts come after its last real token: it samples if that is reached.
+            num_drafts = len(spec_tokens[rid]) if spec_tokens and rid in spec_tokens else 0
+            if req.num_computed_tokens - num_drafts == len(req.all_token_ids):
                 out.sampling_req_ids.add(rid)
         self.stats.num_steps += 1 if scheduled else 0
         self.stats.total_scheduled_tokens += out.total_num_scheduled_tokens
@@ -413,15 +481,23 @@ class Scheduler:
                now: float) -> list[RequestUpdate]:
         updates = self._pending_updates
         self._pending_updates = []
+        if self._online_cost is not None and self._schedule_now is not None:
+            self._online_cost.observe(out.total_num_scheduled_tokens, now - self._schedule_now)
         # Locals for the per-request loop (it runs for every request of every step).
         get_request, cache_blocks, sampled = (self.requests.get, self.kv.cache_computed_blocks,
                                               run.sampled_token_ids)
+        spec_tokens, proposals = out.scheduled_spec_tokens, run.spec_token_ids
         for rid in out.num_scheduled_tokens:
             req = get_request(rid)
             if req is None or req.status != _RUNNING:
                 continue  # aborted or preempted while the step ran
-            cache_blocks(req)
             new_tokens = sampled.get(rid)
+            if spec_tokens and rid in spec_tokens:
+                self._roll_back_rejected(req, len(spec_tokens[rid]), new_tokens)
+            cache_blocks(req)
+            if proposals and rid in proposals:
+                req.spec_token_ids = proposals[rid]
+                self.spec.metrics.num_proposed_tokens += len(req.spec_token_ids)
             if not new_tokens:
                 continue  # a prefill chunk that did not reach the end
             accepted: list[int] = []
@@ -444,8 +520,30 @@ class Scheduler:
                 req.finished_time = now
                 update.status = status
                 update.stop_reason = req.stop_reason
+            elif spec_tokens or out.num_spec_wanted:
+                self._trim_lookahead(req, out.num_spec_wanted.get(rid, 0))
             updates.append(update)
         return updates
+
+    def _roll_back_rejected(self, req: Request, num_drafts: int,
+                            new_tokens: list[int] | None) -> None:
+        """The one place ``num_computed_tokens`` moves back: the rejected drafts' K/V
+        (computed this step) is void, and the lookahead blocks beyond what the request
+        now needs go back to the pool."""
+        num_accepted = len(new_tokens) - 1 if new_tokens else 0
+        assert 0 <= num_accepted <= num_drafts, (req.request_id, num_drafts, new_tokens)
+        req.num_computed_tokens -= num_drafts - num_accepted
+        self.spec.observe(req, num_drafts, num_accepted)
+
+    def _trim_lookahead(self, req: Request, num_wanted: int) -> None:
+        """Give back the blocks beyond what the request's tokens need (a draft model's
+        lookahead, ``num_wanted`` slots, stays: its proposals' K/V lives there)."""
+        keep = req.num_tokens + (num_wanted if self.config.speculative.writes_draft_kv else 0)
+        if self.kv.trim(req, keep):
+            rid = req.request_id
+            if rid in self._blocks_sent:
+                self._blocks_sent[rid] = min(self._blocks_sent[rid],
+                                             len(self.kv.req_blocks[rid]))
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params

@@ -31,6 +31,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # The table keeps its first this many ids, then ``new_block_ids`` follow (fewer than
+    # it holds after speculative decoding gave lookahead blocks back). None: all of them.
+    num_kept_blocks: int | None = None
 
 
 @dataclass
@@ -45,6 +48,11 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Ids of requests that will sample a token this step (their chunk reaches the end).
     sampling_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: req_id -> the draft tokens it verifies this step. They are part
+    # of its ``num_scheduled_tokens`` (1 + len(drafts)), after its last real token.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> how many drafts to propose for its next step (absent: none).
+    num_spec_wanted: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -59,8 +67,11 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """Sampled tokens per request that reached the end of its tokens this step."""
 
-    # req_id -> sampled token ids (one today; room for speculative decoding's several).
+    # req_id -> sampled token ids: one, or with drafts the accepted ones and then the
+    # target's own (a correction, or the bonus token when every draft survived).
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> draft tokens proposed for its next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> per sampled token: (top token ids, their logprobs, rank of the sampled token,
     # logprob of the sampled token); None unless the request asked for logprobs.
     logprobs: dict[str, list[tuple[list[int], list[float], int, float]]] = field(

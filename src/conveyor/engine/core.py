@@ -240,4 +240,6 @@ class EngineCore:
             "num_batched_rows": s.num_batched_rows,
             "max_model_len": self.max_model_len,
             "policy": self.scheduler.policy.stats(),
+            "spec_decode": (self.scheduler.spec.metrics.as_dict()
+                            if self.scheduler.spec is not None else None),
         }

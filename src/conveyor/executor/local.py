@@ -43,7 +43,8 @@ class LocalExecutor:
         self.runner = ModelRunner(self.model_config, args.cache_config(), self.device,
                                   args.attention_backend, args.linear_backend,
                                   linear_rows=(args.max_num_seqs,
-                                               args.max_num_batched_tokens))
+                                               args.max_num_batched_tokens),
+                                  speculative=args.speculative)
         self.warmup = args.warmup
 
     def determine_num_kv_blocks(self, cache: CacheConfig, model: ModelConfig,

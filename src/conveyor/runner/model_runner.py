@@ -30,6 +30,9 @@ from conveyor.model.loader import DTYPES, load_model
 from conveyor.model.packed_linear import pick_linear_backend
 from conveyor.runner.sampler import Sampler, SamplingRow
 from conveyor.sampling_params import SamplingParams
+from conveyor.spec.config import SpeculativeConfig
+from conveyor.spec.proposers import ProposeItem, Proposer, make_proposer
+from conveyor.spec.verify import VerifyGroup, verify
 from conveyor.timings import PhaseTimings
 
 
@@ -45,6 +48,18 @@ class RequestState:
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # prompt + output in one list, for proposers (kept up to date by ``append``).
+    all_token_ids: list[int] | None = None
+
+    def append(self, tokens: list[int]) -> None:
+        self.output_token_ids.extend(tokens)
+        if self.all_token_ids is not None:
+            self.all_token_ids.extend(tokens)
+
+    def token_ids(self) -> list[int]:
+        if self.all_token_ids is None:
+            self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+        return self.all_token_ids
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids ``[start, end)`` of prompt + output, without joining the two."""
@@ -85,9 +100,11 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig,
                  device: torch.device, attention_backend: str = "auto",
                  linear_backend: str = "auto",
-                 linear_rows: tuple[int, int] = (32, 512)) -> None:
+                 linear_rows: tuple[int, int] = (32, 512),
+                 speculative: SpeculativeConfig | None = None) -> None:
         """``linear_rows``: the decode and prefill row counts ``auto`` times the linear
-        backends at (max_num_seqs, the token budget)."""
+        backends at (max_num_seqs, the token budget). ``speculative``: the proposer runs
+        here, after each step's sampling; its drafts are verified at the next step."""
         self.cfg = model_cfg
         self.cache_cfg = cache_cfg
         self.device = device
@@ -124,6 +141,16 @@ class ModelRunner:
             self.packed_linears = self.linear_backend != "torch"
             if self.packed_linears:
                 self.model.pack_linears(self.linear_backend)
+        self.speculative = speculative
+        self.proposer: Proposer | None = None
+        if speculative is not None:
+            if speculative.method == "draft_model":
+                from conveyor.spec.draft_model import DraftModelProposer
+
+                self.proposer = DraftModelProposer(speculative, model_cfg, cache_cfg, device,
+                                                   attention_backend)
+            else:
+                self.proposer = make_proposer(speculative)
         # Tests set this to read each sampling request's float32 logits of the last step.
         self.timings = PhaseTimings()
         self.record_logits = False
@@ -141,6 +168,8 @@ class ModelRunner:
             for _ in range(self.cfg.num_layers)
         ]
         self.num_blocks = num_blocks
+        if self.proposer is not None and hasattr(self.proposer, "allocate_kv_cache"):
+            self.proposer.allocate_kv_cache(num_blocks)  # the draft's layers, same blocks
         return num_blocks
 
     def warmup(self, num_tokens: int, max_len: int) -> int:
@@ -179,12 +208,16 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for rid in out.finished_req_ids:
             self.requests.pop(rid, None)
+            if self.proposer is not None and rid not in out.preempted_req_ids:
+                self.proposer.finish(rid)
         for new in out.new_reqs:
             self.requests[new.req_id] = RequestState(
                 new.req_id, new.prompt_token_ids, list(new.output_token_ids),
                 new.sampling_params, list(new.block_ids), new.num_computed_tokens)
         for cached in out.cached_reqs:
             state = self.requests[cached.req_id]
+            if cached.num_kept_blocks is not None:
+                del state.block_ids[cached.num_kept_blocks:]  # lookahead given back
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
@@ -195,8 +228,10 @@ class ModelRunner:
         self._update_states(out)
         if out.is_empty:
             return ModelRunnerOutput()
+        spec = out.scheduled_spec_tokens
+        # Decodes first, a request verifying drafts among them (one decode row per token).
         order = sorted(out.num_scheduled_tokens,
-                       key=lambda rid: out.num_scheduled_tokens[rid] != 1)  # decodes first
+                       key=lambda rid: out.num_scheduled_tokens[rid] != 1 and rid not in spec)
         input_ids, positions, meta, logits_rows = self._prepare(order, out)
         t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
@@ -210,18 +245,60 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[idx])  # [N, vocab]
         t3 = time.perf_counter()
         self.timings.add("logits", t3 - t2)
-        states = [self.requests[rid] for _, rid in logits_rows]
-        if self.record_logits:
-            self.last_logits = {s.req_id: logits[i].float().cpu() for i, s in enumerate(states)}
-        sampled = self.sampler(logits, [SamplingRow(s.params, s.prompt_token_ids,
-                                                    s.output_token_ids) for s in states])
-        for state, token, lp in zip(states, sampled.token_ids, sampled.logprobs):
-            state.output_token_ids.append(token)
-            result.sampled_token_ids[state.req_id] = [token]
-            if lp is not None:
-                result.logprobs[state.req_id] = [lp]
-        self.timings.add("sample", time.perf_counter() - t3)
+        if spec:
+            self._verify(logits, logits_rows, spec, result)
+        else:
+            states = [self.requests[rid] for _, rid in logits_rows]
+            if self.record_logits:
+                self.last_logits = {s.req_id: logits[i].float().cpu()
+                                    for i, s in enumerate(states)}
+            sampled = self.sampler(logits, [SamplingRow(s.params, s.prompt_token_ids,
+                                                        s.output_token_ids) for s in states])
+            for state, token, lp in zip(states, sampled.token_ids, sampled.logprobs):
+                state.append([token])
+                result.sampled_token_ids[state.req_id] = [token]
+                if lp is not None:
+                    result.logprobs[state.req_id] = [lp]
+        t4 = time.perf_counter()
+        self.timings.add("sample", t4 - t3)
+        if out.num_spec_wanted and self.proposer is not None:
+            self._propose(out, result)
+            self.timings.add("propose", time.perf_counter() - t4)
         return result
+
+    def _verify(self, logits: torch.Tensor, logits_rows: list[tuple[int, str]],
+                spec: dict[str, list[int]], result: ModelRunnerOutput) -> None:
+        """Sample every sampling request, verifying the drafts of those that have some
+        (its rows are consecutive in ``logits_rows``)."""
+        groups, states = [], []
+        for _, rid in logits_rows:
+            if states and states[-1].req_id == rid:
+                continue
+            state = self.requests[rid]
+            drafts = spec.get(rid, [])
+            outs = state.output_token_ids
+            rows = [SamplingRow(state.params, state.prompt_token_ids,
+                                outs + drafts[:j] if j else outs)
+                    for j in range(len(drafts) + 1)]
+            groups.append(VerifyGroup(rows, drafts))
+            states.append(state)
+        synthetic = (self.speculative.acceptance_rate
+                     if self.speculative.method == "synthetic" else None)
+        res = verify(self.sampler, logits, groups, synthetic)
+        for state, tokens, lps in zip(states, res.token_ids, res.logprobs):
+            state.append(tokens)
+            result.sampled_token_ids[state.req_id] = tokens
+            if lps is not None:
+                result.logprobs[state.req_id] = lps
+
+    def _propose(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        items = []
+        for rid, k in out.num_spec_wanted.items():
+            state = self.requests.get(rid)
+            if state is not None and rid in result.sampled_token_ids:
+                items.append(ProposeItem(rid, state.token_ids(), k, state.block_ids))
+        if items:
+            result.spec_token_ids = self.proposer.propose_batch(items)
 
     def _prepare(self, order: list[str], out: SchedulerOutput
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, str]]]:
@@ -235,11 +312,28 @@ class ModelRunner:
         prefills: list[PrefillSegment] = []
         sampling = out.sampling_req_ids
         cursor = 0
+        spec = out.scheduled_spec_tokens
         for rid in order:
             state = self.requests[rid]
             n = out.num_scheduled_tokens[rid]
             start = state.num_computed_tokens
             ctx = start + n
+            drafts = spec.get(rid) if spec else None
+            if drafts:
+                # Its last real token then its drafts, each a decode row that attends up
+                # to itself (all of the step's K/V is written before attention reads).
+                ids.extend(state.tokens(start, start + 1))
+                ids.extend(drafts)
+                pos = np.arange(start, ctx, dtype=np.int64)
+                table = np.asarray(state.block_ids, dtype=np.int64)
+                pos_chunks.append(pos)
+                slot_chunks.append(table[pos // bs] * bs + pos % bs)
+                for j in range(n):
+                    decode_tables.append(state.block_ids)
+                    decode_ctx.append(start + 1 + j)
+                    logits_rows.append((cursor + j, rid))
+                cursor += n
+                continue
             ids.extend(state.tokens(start, ctx))
             pos = np.arange(start, ctx, dtype=np.int64)
             table = np.asarray(state.block_ids, dtype=np.int64)

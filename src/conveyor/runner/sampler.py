@@ -32,6 +32,10 @@ class SamplerOutput:
     logprobs: list[tuple[list[int], list[float], int, float] | None]
 
 
+# Salt of the acceptance draws' stream (apart from the race noise of the same position).
+_UNIFORM_STREAM = 0x5EC0DE
+
+
 def _seed_for(seed: int, position: int) -> int:
     # A splitmix-style mix so nearby (seed, position) pairs give unrelated streams.
     x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) & ((1 << 64) - 1)
@@ -48,16 +52,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [N, V] in the model's dtype, one row per request that samples."""
-        logits = logits.float()
+        logits, raw_logprobs = self.process(logits, rows)
         params = [r.params for r in rows]
-        want_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = (torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None)
-
-        if any(p.needs_penalties for p in params):
-            logits = self._apply_penalties(logits, rows)
-        if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
-            logits = self._block_stops(logits, rows)
-
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
@@ -65,6 +61,66 @@ class Sampler:
             tokens = self._sample_random(logits, rows, greedy)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, params))
+
+    # ---- the pieces (speculative verification composes the same ones) -------------------
+    def process(self, logits: torch.Tensor, rows: list[SamplingRow]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 logits after penalties and min_tokens, and the raw log-probabilities
+        (None unless a row asked for logprobs)."""
+        logits = logits.float()
+        params = [r.params for r in rows]
+        raw_logprobs = (torch.log_softmax(logits, dim=-1)
+                        if any(p.logprobs is not None for p in params) else None)
+        if any(p.needs_penalties for p in params):
+            logits = self._apply_penalties(logits, rows)
+        if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
+            logits = self._block_stops(logits, rows)
+        return logits, raw_logprobs
+
+    def probs(self, logits: torch.Tensor, params: list[SamplingParams],
+              greedy: list[bool]) -> torch.Tensor:
+        """What a random row samples from: temperature, top-k, top-p, softmax, min-p
+        (greedy rows at temperature 1). Rows are not renormalized after min-p."""
+        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
+                             dtype=logits.dtype, device=self.device)
+        logits = logits / temps.unsqueeze(1)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            logits = self._top_k_top_p(logits, params)
+        probs = torch.softmax(logits, dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype,
+                                 device=self.device)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
+
+    def noise(self, rows: list[SamplingRow], greedy: list[bool], like: torch.Tensor
+              ) -> torch.Tensor:
+        """Exp(1) noise for the race ``argmax(p / q)``: a seeded row's from (seed, its
+        output position) alone, the others' from the engine's generator."""
+        q = torch.empty_like(like)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if unseeded:
+            idx = torch.tensor(unseeded, device=self.device)
+            q[idx] = torch.empty((len(unseeded), like.shape[1]), device=self.device,
+                                 dtype=like.dtype).exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.params.seed is not None and not greedy[i]:
+                self._row_generator.manual_seed(
+                    _seed_for(row.params.seed, len(row.output_token_ids)))
+                q[i].exponential_(generator=self._row_generator)
+        return q
+
+    def uniform(self, rows: list[SamplingRow]) -> torch.Tensor:
+        """One U(0, 1) per row (speculative acceptance), seeded rows from (seed, position)
+        on a stream apart from their noise's."""
+        u = torch.rand(len(rows), generator=self.generator, device=self.device)
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                self._row_generator.manual_seed(
+                    _seed_for(row.params.seed ^ _UNIFORM_STREAM, len(row.output_token_ids)))
+                u[i] = torch.rand(1, generator=self._row_generator, device=self.device)[0]
+        return u
 
     # ---- logits processing ---------------------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -113,29 +169,8 @@ class Sampler:
         params = [r.params for r in rows]
         n = logits.shape[0]
         greedy_tokens = logits.argmax(dim=-1)
-        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                             dtype=logits.dtype, device=self.device)
-        logits = logits / temps.unsqueeze(1)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            logits = self._top_k_top_p(logits, params)
-        probs = torch.softmax(logits, dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype,
-                                 device=self.device)
-            threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        q = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            idx = torch.tensor(unseeded, device=self.device)
-            q[idx] = torch.empty((len(unseeded), probs.shape[1]), device=self.device,
-                                 dtype=probs.dtype).exponential_(generator=self.generator)
-        for i, row in enumerate(rows):
-            if row.params.seed is not None and not greedy[i]:
-                self._row_generator.manual_seed(
-                    _seed_for(row.params.seed, len(row.output_token_ids)))
-                q[i].exponential_(generator=self._row_generator)
-        sampled = (probs / q).argmax(dim=-1)
+        probs = self.probs(logits, params, greedy)
+        sampled = (probs / self.noise(rows, greedy, probs)).argmax(dim=-1)
         is_greedy = torch.tensor(greedy, device=self.device).view(n)
         return torch.where(is_greedy, greedy_tokens, sampled)
 
@@ -158,22 +193,25 @@ class Sampler:
 
     # ---- logprobs ------------------------------------------------------------------------
     @staticmethod
+    def logprob_of(row: torch.Tensor, token: int, params: SamplingParams
+                   ) -> tuple[list[int], list[float], int, float]:
+        """(top ids, top logprobs, rank of ``token``, its logprob) from a raw logprob row."""
+        lp = row[token]
+        rank = int((row > lp).sum().item()) + 1
+        if params.logprobs:
+            top = torch.topk(row, params.logprobs)
+            ids, vals = top.indices.tolist(), top.values.tolist()
+        else:
+            ids, vals = [], []
+        return ids, vals, rank, float(lp.item())
+
+    @staticmethod
     def _logprobs(raw: torch.Tensor | None, tokens: list[int], params: list[SamplingParams]
                   ) -> list[tuple[list[int], list[float], int, float] | None]:
         if raw is None:
             return [None] * len(tokens)
         out: list[tuple[list[int], list[float], int, float] | None] = []
         for i, p in enumerate(params):
-            if p.logprobs is None:
-                out.append(None)
-                continue
-            row = raw[i]
-            lp = row[tokens[i]]
-            rank = int((row > lp).sum().item()) + 1
-            if p.logprobs > 0:
-                top = torch.topk(row, p.logprobs)
-                ids, vals = top.indices.tolist(), top.values.tolist()
-            else:
-                ids, vals = [], []
-            out.append((ids, vals, rank, float(lp.item())))
+            out.append(None if p.logprobs is None
+                       else Sampler.logprob_of(raw[i], tokens[i], p))
         return out

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, the draft-length controller and verification."""

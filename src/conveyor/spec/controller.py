@@ -1,0 +1,223 @@
+"""How many draft tokens each request verifies this step: expected benefit against cost.
+
+Each step the scheduler hands over its decoding requests (after every running request
+got its one token). Draft slot ``j`` of request ``r`` is worth ``P(drafts 1..j of r all
+survive)`` expected tokens; it costs the marginal step time of one more token, from a
+step-cost model. Slots are taken best first while
+
+    P(first j survive) x (T / E)  >=  dT
+
+where ``T / E`` is the step's time per expected token so far (the value of a saved
+step, shared by everyone in the batch) and ``dT`` the time of one more token. The
+step's throughput (expected tokens per second) then only grows. Under saturation the
+average ``T / E`` falls to the marginal ``dT`` and ``k`` falls to 0 by itself; at batch
+1, where a step's fixed cost dominates, nearly every slot pays.
+
+Acceptance is tracked online per position (the probability that draft ``j`` survives
+given drafts ``1..j-1`` did), per request and per proposer, counted the honest way: up
+to the first rejection. No torch and no clock: step times come in as numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from conveyor.request import Request
+from conveyor.spec.config import SpeculativeConfig
+
+# Weight of the proposer-wide estimate in a request's own (pseudo-counts), and how fast
+# a request's old observations fade (per observation).
+_PRIOR_WEIGHT = 2.0
+_REQUEST_DECAY = 0.9
+_GLOBAL_DECAY = 0.995
+
+
+class StepCost(Protocol):
+    def step_s(self, num_tokens: int) -> float | None:
+        """Predicted seconds of a step of ``num_tokens`` tokens (None: not known yet)."""
+        ...
+
+
+class OnlineStepCost:
+    """``T = a + b * tokens`` fitted online (weighted least squares, old steps fading)
+    from the step times the engine core measures on its own clock."""
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self._s = [0.0] * 5  # sum w, w*n, w*n^2, w*t, w*n*t
+        self.num_observed = 0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if not (seconds > 0.0) or num_tokens <= 0:
+            return
+        s, d, n = self._s, self.decay, float(num_tokens)
+        s[0] = s[0] * d + 1.0
+        s[1] = s[1] * d + n
+        s[2] = s[2] * d + n * n
+        s[3] = s[3] * d + seconds
+        s[4] = s[4] * d + n * seconds
+        self.num_observed += 1
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None until two step sizes were seen."""
+        w, sn, snn, st, snt = self._s
+        det = w * snn - sn * sn
+        if self.num_observed < 2 or det <= 1e-9 * max(w * snn, 1e-30):
+            return None
+        b = max((w * snt - sn * st) / det, 0.0)
+        a = max((st - b * sn) / w, 0.0)
+        return a, b
+
+    def step_s(self, num_tokens: int) -> float | None:
+        coef = self.coefficients()
+        return None if coef is None else coef[0] + coef[1] * num_tokens
+
+
+@dataclass
+class SpecMetrics:
+    """Counters for ``stats()`` and ``/metrics`` (aggregates only: bounded in size)."""
+
+    method: str
+    num_speculative_tokens: int
+    num_proposed_tokens: int = 0  # drafts the proposer returned
+    num_draft_tokens: int = 0  # drafts verified by the target
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0  # (request, step) pairs that verified >= 1 draft
+    num_decode_steps: int = 0  # (request, step) pairs of a decode, drafts or not
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    last_num_draft_tokens: int = 0  # in the last step, over every request
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        self.drafted_per_position = [0] * k
+        self.accepted_per_position = [0] * k
+
+    def as_dict(self) -> dict:
+        verified = self.num_draft_tokens
+        steps = self.num_verify_steps
+        return {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "num_proposed_tokens": self.num_proposed_tokens,
+            "num_draft_tokens": verified,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_verify_steps": steps,
+            "num_decode_steps": self.num_decode_steps,
+            "acceptance_rate": self.num_accepted_tokens / verified if verified else 0.0,
+            # Tokens per verifying step, the bonus token included (vLLM's definition).
+            "mean_acceptance_length": (1 + self.num_accepted_tokens / steps) if steps else 0.0,
+            "drafted_per_position": list(self.drafted_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate_per_position": [
+                a / d if d else 0.0
+                for a, d in zip(self.accepted_per_position, self.drafted_per_position)],
+        }
+
+
+@dataclass
+class DraftRow:
+    """A decoding request's draft decision for this step (filled by ``plan``)."""
+
+    request: Request
+    cap: int  # the most drafts its max_tokens / max_model_len allow
+    k_now: int = 0  # drafts verified this step (<= what it has on hand)
+    k_want: int = 0  # drafts to propose for its next step
+
+
+class DraftLengthController:
+    def __init__(self, config: SpeculativeConfig, cost: StepCost | None) -> None:
+        self.config = config
+        self.cost = cost
+        k = config.num_speculative_tokens
+        # Proposer-wide decayed (accepted, tried) per position; the prior says 1 in 2.
+        self._glob_acc = [0.5] * k
+        self._glob_try = [1.0] * k
+        self.metrics = SpecMetrics(config.method, k)
+
+    # ---- acceptance ----------------------------------------------------------------------
+    def acceptance(self, req: Request) -> list[float]:
+        """Estimated P(draft j survives | drafts before it did), j = 1..k."""
+        own = req.spec_acceptance
+        prior = [a / t for a, t in zip(self._glob_acc, self._glob_try)]
+        if own is None:
+            return prior
+        w = _PRIOR_WEIGHT
+        return [(acc + w * p) / (tried + w) for (acc, tried), p in zip(own, prior)]
+
+    def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Fold in one verification: ``num_accepted`` leading drafts of ``num_drafts``."""
+        if num_drafts <= 0:
+            return
+        m = self.metrics
+        m.num_draft_tokens += num_drafts
+        m.num_accepted_tokens += num_accepted
+        m.num_verify_steps += 1
+        own = req.spec_acceptance
+        if own is None:
+            own = req.spec_acceptance = [[0.0, 0.0] for _ in range(self.config.num_speculative_tokens)]
+        for pos in range(len(own)):
+            own[pos][0] *= _REQUEST_DECAY
+            own[pos][1] *= _REQUEST_DECAY
+        # Positions up to the first rejection were tried; the ones after it were not.
+        for j in range(min(num_drafts, num_accepted + 1)):
+            ok = 1.0 if j < num_accepted else 0.0
+            own[j][0] += ok
+            own[j][1] += 1.0
+            self._glob_acc[j] = self._glob_acc[j] * _GLOBAL_DECAY + ok
+            self._glob_try[j] = self._glob_try[j] * _GLOBAL_DECAY + 1.0
+            m.accepted_per_position[j] += int(ok)
+        for j in range(num_drafts):
+            m.drafted_per_position[j] += 1
+
+    # ---- the decision --------------------------------------------------------------------
+    def plan(self, rows: list[DraftRow], num_step_tokens: int, num_expected_tokens: int,
+             budget: int) -> None:
+        """Fill each row's ``k_now`` and ``k_want``.
+
+        ``num_step_tokens``: tokens already in the step (every running request's);
+        ``num_expected_tokens``: tokens the step yields without drafts (its sampling
+        rows); ``budget``: token budget left for drafts.
+        """
+        self.metrics.num_decode_steps += len(rows)
+        if not rows:
+            self.metrics.last_num_draft_tokens = 0
+            return
+        if self.config.adaptive:
+            self._plan_by_benefit(rows, num_step_tokens, max(num_expected_tokens, 1))
+        else:
+            for row in rows:
+                row.k_want = row.cap
+        # This step verifies what each request has on hand, best rows first, within budget.
+        left = max(budget, 0)
+        for row in sorted(rows, key=lambda r: -r.k_want):
+            row.k_now = min(row.k_want, len(row.request.spec_token_ids), left)
+            left -= row.k_now
+        self.metrics.last_num_draft_tokens = sum(r.k_now for r in rows)
+
+    def _plan_by_benefit(self, rows: list[DraftRow], num_tokens: int, expected: int) -> None:
+        cands: list[tuple[float, int, DraftRow]] = []
+        for row in rows:
+            survive = 1.0
+            for j, a in enumerate(self.acceptance(row.request)[:row.cap], start=1):
+                survive *= a
+                cands.append((survive, j, row))
+        if not cands:
+            return
+        cost = self.cost
+        t0 = cost.step_s(num_tokens) if cost is not None else None
+        t1 = cost.step_s(num_tokens + len(cands)) if t0 is not None else None
+        if t0 is None or t1 is None:
+            for row in rows:  # no cost model yet: explore (the steps teach it the slope)
+                row.k_want = row.cap
+            return
+        slope = max((t1 - t0) / len(cands), 0.0)
+        cands.sort(key=lambda c: (-c[0], c[1]))
+        t, e = t0, float(expected)
+        for survive, j, row in cands:
+            if survive * t < slope * e:
+                break  # this token would cost more than the step's average token
+            row.k_want = max(row.k_want, j)
+            t += slope
+            e += survive
