@@ -156,7 +156,8 @@ class DraftLengthController:
         m.num_verify_steps += 1
         own = req.spec_acceptance
         if own is None:
-            own = req.spec_acceptance = [[0.0, 0.0] for _ in range(self.config.num_speculative_tokens)]
+            k = self.config.num_speculative_tokens
+            own = req.spec_acceptance = [[0.0, 0.0] for _ in range(k)]
         for pos in range(len(own)):
             own[pos][0] *= _REQUEST_DECAY
             own[pos][1] *= _REQUEST_DECAY

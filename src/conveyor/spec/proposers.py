@@ -47,7 +47,7 @@ class _NgramIndex:
     are appended. Invariant: n-grams ending before ``seen - 1`` are indexed; the one
     ending at the last token is not (it is the suffix being looked up)."""
 
-    __slots__ = ("seen", "last", "table")
+    __slots__ = ("last", "seen", "table")
 
     def __init__(self) -> None:
         self.seen = 0
