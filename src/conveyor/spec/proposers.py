@@ -103,6 +103,20 @@ class SyntheticProposer(Proposer):
         return [token_ids[-1]] * k if token_ids and k > 0 else []
 
 
+class _Delegate(Proposer):
+    """A proposer object with ``propose``/``finish`` of its own, behind this interface."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def propose(self, req_id: str, token_ids: Sequence[int], k: int) -> list[int]:
+        return self.inner.propose(req_id, token_ids, k)
+
+    def finish(self, req_id: str) -> None:
+        self.inner.finish(req_id)
+
+
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     """A torch-free proposer; ``draft_model`` is built by the runner (it needs a device)."""
     if config.method == "ngram":
@@ -112,9 +126,9 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "suffix":
         from conveyor.spec.suffix import SuffixProposer
 
-        return SuffixProposer(config.num_speculative_tokens,
-                              max_depth=config.suffix_max_depth,
-                              max_cached_requests=config.suffix_max_cached_requests,
-                              min_token_prob=config.suffix_min_token_prob,
-                              max_spec_factor=config.suffix_max_spec_factor)
+        return _Delegate(SuffixProposer(
+            config.num_speculative_tokens, max_depth=config.suffix_max_depth,
+            max_cached_requests=config.suffix_max_cached_requests,
+            min_token_prob=config.suffix_min_token_prob,
+            max_spec_factor=config.suffix_max_spec_factor))
     raise ValueError(f"method {config.method!r} has no torch-free proposer")

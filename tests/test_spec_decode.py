@@ -1,0 +1,134 @@
+"""Speculative decoding end to end: greedy tokens never change (equal transformers'),
+whatever the proposer, chunking, preemption, prefix-cache hits, n > 1 or policy."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+from test_exactness import check_exact, reference
+from test_policies_exactness import POLICY_OPTIONS, workload
+
+from conveyor import LLM, SamplingParams
+
+from helpers import make_checkpoint
+
+HAS_SUFFIX = importlib.util.find_spec("conveyor.spec.suffix") is not None
+# Fixed k, so that how much gets verified does not depend on the machine's step times
+# (the adaptive choice reads them); the adaptive path runs in "adaptive".
+METHODS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+              "adaptive": False},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 3, "adaptive": False},
+}
+CONFIGS = {
+    "default": dict(),
+    "chunked": dict(max_num_batched_tokens=13),
+    "preempt": dict(num_kv_blocks=12, block_size=8),
+    "no_prefix_cache": dict(enable_prefix_caching=False, max_num_seqs=3),
+    "adaptive": dict(),  # k chosen per step from the measured step times
+}
+
+
+def repetitive_batch(n: int = 10, seed: int = 0):
+    """Prompts that repeat themselves (so prompt lookup finds drafts), some sharing a
+    prefix (prefix-cache hits), with greedy and a few long outputs."""
+    rng = random.Random(seed)
+    prompts, params = [], []
+    shared = [rng.randrange(4, 384) for _ in range(20)]
+    for i in range(n):
+        motif = [rng.randrange(4, 384) for _ in range(rng.randint(2, 6))]
+        body = (motif * 12)[:rng.randint(6, 40)]
+        prompts.append(shared + body if i % 3 == 0 else body)
+        params.append(SamplingParams(max_tokens=rng.randint(1, 40), temperature=0.0))
+    return prompts, params
+
+
+def spec_config(method: str, config: str) -> dict:
+    cfg = dict(METHODS[method])
+    if config == "adaptive":
+        cfg["adaptive"] = True
+    return cfg
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_tokens_equal_transformers(method: str, config: str) -> None:
+    if method == "suffix" and not HAS_SUFFIX:
+        pytest.skip("suffix proposer not built")
+    path = make_checkpoint("llama")
+    prompts, params = repetitive_batch()
+    llm = LLM(path, dtype="float32", speculative_config=spec_config(method, config),
+              **CONFIGS[config])
+    outs = llm.generate(prompts, params)
+    check_exact(path, outs, prompts, params)
+    stats = llm.stats()
+    spec = stats["spec_decode"]
+    if config != "adaptive":
+        assert spec["num_draft_tokens"] > 0, "the workload must exercise verification"
+        assert spec["num_accepted_tokens"] > 0
+    assert stats["kv_blocks_in_use"] == 0, "every block must come back"
+    if config == "preempt":
+        assert stats["num_preemptions"] > 0
+
+
+def test_n_greater_than_one_and_logprobs() -> None:
+    path = make_checkpoint("llama")
+    prompts, _ = repetitive_batch(4, seed=3)
+    params = SamplingParams(max_tokens=20, temperature=0.0, n=2, logprobs=2)
+    off = LLM(path, dtype="float32").generate(prompts, params)
+    llm = LLM(path, dtype="float32", speculative_config=METHODS["ngram"])
+    on = llm.generate(prompts, params)
+    for a, b, prompt in zip(off, on, prompts):
+        for sa, sb in zip(a.outputs, b.outputs):
+            assert sa.token_ids == sb.token_ids == reference(path, tuple(prompt), 20)
+            # Logprobs of accepted drafts come from their own rows: the same numbers.
+            for la, lb in zip(sa.logprobs, sb.logprobs):
+                assert la.keys() == lb.keys()
+                for t in la:
+                    assert abs(la[t].logprob - lb[t].logprob) < 1e-4
+    assert llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("policy", list(POLICY_OPTIONS))
+def test_every_policy_keeps_greedy_tokens(policy: str) -> None:
+    path = make_checkpoint("llama")
+    llm = LLM(path, dtype="float32", scheduling_policy=policy, **POLICY_OPTIONS[policy],
+              num_kv_blocks=12, block_size=8, speculative_config=METHODS["ngram"])
+    engine = llm.engine
+    now = [0.0]
+    engine.clock = lambda: now[0]  # virtual time: the same order of work on any machine
+    prompts, params, sched = workload()
+    results = {}
+    for i in range(len(prompts)):
+        engine.add_request({"prompt_token_ids": prompts[i]}, params[i], request_id=str(i),
+                           **sched[i])
+    while engine.has_unfinished_requests():
+        now[0] += 0.005
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+    check_exact(path, [results[str(i)] for i in range(len(prompts))], prompts, params)
+    assert llm.stats()["kv_blocks_in_use"] == 0
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch() -> None:
+    path = make_checkpoint("llama")
+    prompts, _ = repetitive_batch(6, seed=5)
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=7)
+    llm = LLM(path, dtype="float32", speculative_config=METHODS["ngram"])
+    alone = llm.generate([prompts[0]], seeded)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=24, temperature=1.0)] * 5
+    mixed = llm.generate(prompts, [seeded, *others])[0].outputs[0].token_ids
+    assert alone == mixed
+
+
+def test_a_bad_speculative_config_is_refused_before_loading() -> None:
+    with pytest.raises(ValueError, match="method"):
+        LLM("tiny", load_format="dummy", speculative_config={"method": "eagle"})
+    with pytest.raises(ValueError, match="unknown key"):
+        LLM("tiny", load_format="dummy",
+            speculative_config={"method": "ngram", "num_spec_tokens": 3})
+    with pytest.raises(ValueError, match="model"):
+        LLM("tiny", load_format="dummy", speculative_config={"method": "draft_model"})
