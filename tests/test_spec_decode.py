@@ -132,3 +132,68 @@ def test_a_bad_speculative_config_is_refused_before_loading() -> None:
             speculative_config={"method": "ngram", "num_spec_tokens": 3})
     with pytest.raises(ValueError, match="model"):
         LLM("tiny", load_format="dummy", speculative_config={"method": "draft_model"})
+
+
+# ---- draft model ---------------------------------------------------------------------------
+def perturbed_draft(noise: float = 0.03, seed: int = 0) -> str:
+    """The target with noise on its weights: a draft that agrees often but not always."""
+    import shutil
+    import tempfile
+
+    import torch
+    import transformers as tf
+
+    path = make_checkpoint("llama")
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.add_(torch.randn(p.shape, generator=gen) * noise)
+    out = tempfile.mkdtemp(prefix="conveyor-draft-")
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        src = f"{path}/{f}"
+        if __import__("os").path.isfile(src):
+            shutil.copy(src, out)
+    return out
+
+
+def test_draft_model_greedy_tokens_equal_transformers() -> None:
+    path = make_checkpoint("llama")
+    prompts, params = repetitive_batch(seed=1)
+    llm = LLM(path, dtype="float32", num_kv_blocks=24, block_size=8,
+              speculative_config={"method": "draft_model", "model": perturbed_draft(),
+                                  "num_speculative_tokens": 3, "adaptive": False})
+    outs = llm.generate(prompts, params)
+    check_exact(path, outs, prompts, params)
+    spec = llm.stats()["spec_decode"]
+    # Both paths ran: some drafts accepted, some rejected.
+    assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]
+    assert llm.stats()["kv_blocks_in_use"] == 0
+
+
+def test_draft_equal_to_the_target_is_always_accepted() -> None:
+    """Greedy acceptance 100%, and k + 1 tokens per decode step."""
+    path = make_checkpoint("llama")
+    k, new = 3, 41
+    llm = LLM(path, dtype="float32", speculative_config={
+        "method": "draft_model", "model": path, "num_speculative_tokens": k,
+        "adaptive": False})
+    prompt = [5, 9, 14, 3, 77, 120]
+    out = llm.generate([prompt], SamplingParams(max_tokens=new, temperature=0.0,
+                                                 ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == reference(path, tuple(prompt), new)
+    stats = llm.stats()
+    spec = stats["spec_decode"]
+    assert spec["num_accepted_tokens"] == spec["num_draft_tokens"] > 0
+    # One step for the prompt (its first token), then k + 1 tokens per step.
+    assert stats["num_steps"] == 1 + -(-(new - 1) // (k + 1))
+
+
+def test_a_draft_with_another_tokenizer_is_refused() -> None:
+    path = make_checkpoint("llama")
+    other_vocab = make_checkpoint("llama", vocab_size=400)
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        LLM(path, dtype="float32",
+            speculative_config={"method": "draft_model", "model": other_vocab})

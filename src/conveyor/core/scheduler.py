@@ -274,6 +274,24 @@ class Scheduler:
         return [r for r in self.running
                 if limit is None or r.num_preemptions < limit or r is requester]
 
+    def _want_after_prefill(self, out: SchedulerOutput) -> None:
+        """A request whose prompt ends this step decodes next: ask for its first drafts
+        now (as many as this step's decodes got), so that its first decode verifies some.
+        A draft model writes K/V for them: only into slots the request already holds."""
+        k = self.spec.last_k_want
+        if k <= 0:
+            return
+        want, bs = out.num_spec_wanted, self.kv.block_size
+        for rid in out.sampling_req_ids:
+            if rid in want or rid in out.scheduled_spec_tokens:
+                continue
+            n = k
+            if self.config.speculative.writes_draft_kv:
+                held = len(self.kv.req_blocks.get(rid, ())) * bs
+                n = min(n, held - len(self.requests[rid].all_token_ids))
+            if n > 0:
+                want[rid] = n
+
     def _preempt(self, req: Request, now: float) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
@@ -468,6 +486,8 @@ class Scheduler:
             num_drafts = len(spec_tokens[rid]) if spec_tokens and rid in spec_tokens else 0
             if req.num_computed_tokens - num_drafts == len(req.all_token_ids):
                 out.sampling_req_ids.add(rid)
+        if self.spec is not None:
+            self._want_after_prefill(out)
         self.stats.num_steps += 1 if scheduled else 0
         self.stats.total_scheduled_tokens += out.total_num_scheduled_tokens
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))

@@ -49,7 +49,13 @@ class LocalExecutor:
 
     def determine_num_kv_blocks(self, cache: CacheConfig, model: ModelConfig,
                                 max_num_seqs: int) -> int:
-        return num_blocks_for(cache, model, self.device, max_num_seqs)
+        blocks = num_blocks_for(cache, model, self.device, max_num_seqs)
+        draft = getattr(self.runner.proposer, "kv_bytes_per_token", 0)
+        if draft and cache.num_kv_blocks is None:
+            # A block also holds the draft model's layers: the same memory holds fewer.
+            target = model.kv_bytes_per_token
+            blocks = max(1, blocks * target // (target + draft))
+        return blocks
 
     def initialize(self, config: EngineConfig) -> None:
         self.runner.allocate_kv_cache(config.cache.num_kv_blocks)

@@ -135,6 +135,9 @@ class DraftLengthController:
         self._glob_acc = [0.5] * k
         self._glob_try = [1.0] * k
         self.metrics = SpecMetrics(config.method, k)
+        # The largest draft length chosen in the last step (what a request that starts
+        # decoding next step is asked for); k until a step has decided.
+        self.last_k_want = k
 
     # ---- acceptance ----------------------------------------------------------------------
     def acceptance(self, req: Request) -> list[float]:
@@ -196,6 +199,7 @@ class DraftLengthController:
             row.k_now = min(row.k_want, len(row.request.spec_token_ids), left)
             left -= row.k_now
         self.metrics.last_num_draft_tokens = sum(r.k_now for r in rows)
+        self.last_k_want = max(r.k_want for r in rows)
 
     def _plan_by_benefit(self, rows: list[DraftRow], num_tokens: int, expected: int) -> None:
         cands: list[tuple[float, int, DraftRow]] = []
