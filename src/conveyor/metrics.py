@@ -85,6 +85,38 @@ class _EngineStatsCollector(Collector):
         for key, (name, doc) in _STAT_GAUGES.items():
             if key in stats:
                 yield GaugeMetricFamily(PREFIX + name, doc, value=float(stats[key]))
+        spec = stats.get("spec_decode")
+        if spec:
+            yield from _spec_metrics(spec)
+
+
+# spec_decode stats key -> (metric name, help); vLLM's names, labelled by method.
+_SPEC_COUNTERS = {
+    "num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+    "num_accepted_tokens": ("spec_decode_num_accepted_tokens",
+                            "Draft tokens accepted (per position, up to the first rejection)."),
+    "num_verify_steps": ("spec_decode_num_drafts",
+                         "Verifications: (request, step) pairs with at least one draft."),
+    "num_proposed_tokens": ("spec_decode_num_proposed_tokens",
+                            "Draft tokens the proposer returned (some unused by the controller)."),
+}
+
+
+def _spec_metrics(spec: dict[str, Any]) -> Iterator[Metric]:
+    method = [spec["method"]]
+    for key, (name, doc) in _SPEC_COUNTERS.items():
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["method"])
+        c.add_metric(method, float(spec[key]))
+        yield c
+    per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted at each position.",
+                                  labels=["method", "position"])
+    for pos, n in enumerate(spec["accepted_per_position"]):
+        per_pos.add_metric([spec["method"], str(pos)], float(n))
+    yield per_pos
+    yield GaugeMetricFamily(PREFIX + "spec_decode_mean_acceptance_length",
+                            "Tokens per verifying step, the bonus token included.",
+                            value=float(spec["mean_acceptance_length"]))
 
 
 class EngineMetrics:

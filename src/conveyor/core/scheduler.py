@@ -196,14 +196,20 @@ class Scheduler:
 
         self._apply_queue_wait_limit(now)
         self._schedule_now = now
-        budget = self._schedule_running(scheduled, preempted, budget, now)
+        decodes: list[Request] = []
+        budget = self._schedule_running(scheduled, preempted, budget, now, decodes)
         if not preempted and admit_allowed:
-            self._schedule_waiting(scheduled, preempted, budget, now)
+            budget = self._schedule_waiting(scheduled, preempted, budget, now)
+        if self.spec is not None:
+            # Drafts take what prefill left of the budget: a prompt token is certain work,
+            # a draft only probably saves some.
+            self._schedule_drafts(decodes, scheduled, budget)
         return self._build_output(scheduled, preempted, now)
 
     def _schedule_running(self, scheduled: dict[str, int], preempted: list[Request],
-                          budget: int, now: float) -> int:
-        decodes: list[Request] = []  # speculative decoding's candidates
+                          budget: int, now: float, decodes: list[Request]) -> int:
+        """Serve running requests; ``decodes`` collects the decoding ones (draft
+        candidates)."""
         for req in self.policy.order_running(list(self.running)):
             if budget <= 0:
                 break
@@ -226,12 +232,10 @@ class Scheduler:
             budget -= num_new
             if num_new == 1 and req.num_uncomputed_tokens == 1:
                 decodes.append(req)
-        if self.spec is not None:
-            budget = self._schedule_drafts(decodes, scheduled, budget)
         return budget
 
     def _schedule_drafts(self, decodes: list[Request], scheduled: dict[str, int],
-                         budget: int) -> int:
+                         budget: int) -> None:
         """Give decoding requests their draft tokens (the controller picks how many).
 
         Drafts never preempt anyone: a request whose draft slots do not fit verifies
@@ -241,7 +245,7 @@ class Scheduler:
         spec, lookahead = self.spec, self.config.speculative.writes_draft_kv
         rows = []
         for req in decodes:
-            if req.status != _RUNNING:
+            if req.status != _RUNNING:  # preempted for an admission
                 req.spec_token_ids = []
                 continue
             cap = min(spec.config.num_speculative_tokens,
@@ -257,12 +261,10 @@ class Scheduler:
             rid = req.request_id
             if k:
                 scheduled[rid] += k
-                budget -= k
                 self._step_spec[rid] = req.spec_token_ids[:k]
             if row.k_want:
                 self._step_want[rid] = row.k_want
             req.spec_token_ids = []  # consumed: the next proposals replace them
-        return budget
 
     def _pick_victim(self, requester: Request) -> Request:
         victim = self.policy.select_victim(self._preemptible(requester), requester)
@@ -310,8 +312,9 @@ class Scheduler:
         self._track_wait(req, now)
 
     def _schedule_waiting(self, scheduled: dict[str, int], preempted: list[Request],
-                          budget: int, now: float) -> None:
-        """Admit in the policy's order; stop at the first request that cannot get room."""
+                          budget: int, now: float) -> int:
+        """Admit in the policy's order; stop at the first request that cannot get room.
+        Returns the budget left."""
         admitted: set[str] = set()  # admitted in this step: never preempted for another
         while (req := self._next_waiting(now)) is not None:
             computed = self.kv.get_computed_blocks(req)
@@ -330,15 +333,16 @@ class Scheduler:
                     self.kv.cache_computed_blocks(req, req.num_computed_tokens + num_new)
                 continue
             if self.config.batching == "static":
-                return
+                return budget
             victims = self._victims_for(req, computed, budget, scheduled, admitted)
             if not victims:
-                return
+                return budget
             for victim in victims:
                 budget += scheduled.pop(victim.request_id, 0)
                 self._preempt(victim, now)
                 preempted.append(victim)
                 self.stats.num_admission_preemptions += 1
+        return budget
 
     def _admission_tokens(self, req: Request, computed: ComputedBlocks,
                           budget: int) -> int | None:

@@ -8,10 +8,12 @@ the bench's model clock (``clock`` given) moves the clock by the step's cost ins
 
 from __future__ import annotations
 
+import random
 from typing import TYPE_CHECKING, Protocol
 
 from conveyor.config import CacheConfig, EngineConfig, ModelConfig, kv_blocks_for
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from conveyor.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from conveyor.sim.cost_model import CostModel
@@ -28,8 +30,14 @@ def fake_token_for(model: ModelConfig) -> int:
 
 
 class CostModelExecutor:
+    """With speculative decoding, a request verifying ``k`` drafts accepts each with
+    ``speculative_config.acceptance_rate`` given the ones before it were (a float, or one
+    rate per position: the accepted-length distribution measured on real traffic), drawn
+    from a seeded generator; its proposals are always there."""
+
     def __init__(self, cost: CostModel, model: ModelConfig,
-                 clock: AdvancingClock | None = None) -> None:
+                 clock: AdvancingClock | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         from conveyor.sim.batch import batch_shape  # (conveyor.sim imports this module)
 
         self._batch_shape = batch_shape
@@ -37,6 +45,18 @@ class CostModelExecutor:
         self.clock = clock
         self._sampled = [fake_token_for(model)]  # shared: the scheduler only reads it
         self.last_step_s = 0.0
+        self.speculative = speculative
+        self._rates: list[float] = []
+        if speculative is not None:
+            rate = speculative.acceptance_rate
+            if rate is None:
+                raise ValueError("simulating speculative decoding needs "
+                                 "speculative_config.acceptance_rate (a rate, or one per "
+                                 "position): the simulator has no model to verify with")
+            k = speculative.num_speculative_tokens
+            self._rates = list(rate) if isinstance(rate, list | tuple) else [rate] * k
+            self._rates += [self._rates[-1]] * (k - len(self._rates))
+            self._rng = random.Random(speculative.seed)
 
     def determine_num_kv_blocks(self, cache: CacheConfig, model: ModelConfig,
                                 max_num_seqs: int) -> int:
@@ -61,7 +81,20 @@ class CostModelExecutor:
         if self.clock is not None:
             self.clock.add(duration)
         sampled = self._sampled
-        return ModelRunnerOutput({rid: sampled for rid in out.sampling_req_ids})
+        result = ModelRunnerOutput({rid: sampled for rid in out.sampling_req_ids})
+        if self.speculative is not None:
+            self._speculate(out, result)
+        return result
+
+    def _speculate(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        token, rand, rates = self._sampled[0], self._rng.random, self._rates
+        for rid, drafts in out.scheduled_spec_tokens.items():
+            a = 0
+            while a < len(drafts) and rand() < rates[a]:
+                a += 1
+            result.sampled_token_ids[rid] = [token] * (a + 1)
+        for rid, k in out.num_spec_wanted.items():
+            result.spec_token_ids[rid] = [token] * k
 
     def shutdown(self) -> None:
         pass

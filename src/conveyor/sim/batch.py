@@ -44,10 +44,17 @@ class BatchShape(NamedTuple):
 def batch_shape(out: SchedulerOutput) -> BatchShape:
     scheduled = out.num_scheduled_tokens
     p_tokens = p_rows = p_attn = p_ctx = d_rows = d_ctx = d_max = 0
+    spec = out.scheduled_spec_tokens
     for rows in (out.new_reqs, out.cached_reqs):
         for row in rows:
             n = scheduled[row.req_id]
             start = row.num_computed_tokens
+            if spec and row.req_id in spec:
+                # Verifying drafts: one decode row per token, each reading up to itself.
+                d_rows += n
+                d_ctx += n * start + n * (n + 1) // 2
+                d_max = max(d_max, start + n)
+                continue
             if n == 1:
                 d_rows += 1
                 d_ctx += start + 1
@@ -58,5 +65,5 @@ def batch_shape(out: SchedulerOutput) -> BatchShape:
                 p_rows += 1
                 p_attn += n * start + n * (n + 1) // 2
                 p_ctx += start + n
-    return BatchShape(p_tokens, p_rows, p_attn, p_ctx, d_rows, d_ctx, d_max,
-                      len(out.sampling_req_ids))
+    num_sampled = len(out.sampling_req_ids) + sum(len(d) for d in spec.values())
+    return BatchShape(p_tokens, p_rows, p_attn, p_ctx, d_rows, d_ctx, d_max, num_sampled)

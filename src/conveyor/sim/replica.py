@@ -74,7 +74,8 @@ class SimReplica:
         # cannot fill it (see ``Simulator.pool_blocks``); the decisions are the same.
         self.num_kv_blocks = config.cache.num_kv_blocks or 0
         self.clock = VirtualClock()
-        self.executor = CostModelExecutor(cost, config.model)
+        self.executor = CostModelExecutor(cost, config.model,
+                                          speculative=config.scheduler.speculative)
         self.core = EngineCore(config, self.executor, self.clock, num_kv_blocks=pool_blocks)
         self.kv = self.core.kv
         self.scheduler = self.core.scheduler

@@ -136,12 +136,15 @@ class Simulator:
         bs = self.config.cache.block_size
         max_len = self.max_model_len
         need = 0
+        spec = self.config.scheduler.speculative
+        # A draft model's lookahead slots (its proposals' K/V) come on top.
+        lookahead = -(-spec.num_speculative_tokens // bs) if spec and spec.writes_draft_kv else 0
         for item in items:
             prompt = len(item.prompt_token_ids)
             if prompt > max_len:
                 continue  # refused: never takes a block
             tokens = prompt + capped_max_tokens(self.make_params(item), prompt, max_len)
-            need += -(-min(tokens, max_len) // bs) + 1
+            need += -(-min(tokens, max_len) // bs) + 1 + lookahead
             if need >= full:
                 return full
         return max(need, 1)

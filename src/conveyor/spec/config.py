@@ -35,8 +35,9 @@ class SpeculativeConfig:
     suffix_min_token_prob: float = 0.1
     suffix_max_spec_factor: float = 1.0
     # synthetic (benchmarks only, not lossless): each draft token is accepted with this
-    # probability given the ones before it were, whatever the target says.
-    acceptance_rate: float | None = None
+    # probability given the ones before it were, whatever the target says. The simulator
+    # (any method) draws accepted lengths from it, or from one rate per position.
+    acceptance_rate: float | tuple[float, ...] | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -62,10 +63,17 @@ class SpeculativeConfig:
         if self.method == "draft_model":
             _check(isinstance(self.model, str) and bool(self.model), "model",
                    "is required for method 'draft_model' (a Hugging Face checkpoint folder)")
-        if self.method == "synthetic":
-            rate = self.acceptance_rate
-            _check(isinstance(rate, int | float) and math.isfinite(rate) and 0 <= rate <= 1,
-                   "acceptance_rate", f"must be in [0, 1] for method 'synthetic', got {rate!r}")
+        rate = self.acceptance_rate
+        if self.method == "synthetic" or rate is not None:
+            rates = list(rate) if isinstance(rate, list | tuple) else [rate]
+            _check(bool(rates) and all(isinstance(r, int | float) and math.isfinite(r)
+                                       and 0 <= r <= 1 for r in rates), "acceptance_rate",
+                   f"must be a rate in [0, 1] (or one per position) for method "
+                   f"'{self.method}', got {rate!r}")
+            _check(self.method != "synthetic" or not isinstance(rate, list | tuple),
+                   "acceptance_rate", "must be one rate for method 'synthetic'")
+            if isinstance(rate, list):
+                object.__setattr__(self, "acceptance_rate", tuple(rate))
 
     @classmethod
     def from_dict(cls, value: dict[str, Any] | str | SpeculativeConfig | None

@@ -214,9 +214,7 @@ class DraftLengthController:
         t0 = cost.step_s(num_tokens) if cost is not None else None
         t1 = cost.step_s(num_tokens + len(cands)) if t0 is not None else None
         if t0 is None or t1 is None:
-            for row in rows:  # no cost model yet: explore (the steps teach it the slope)
-                row.k_want = row.cap
-            return
+            return  # no cost known yet (two step sizes teach it): no drafts
         slope = max((t1 - t0) / len(cands), 0.0)
         cands.sort(key=lambda c: (-c[0], c[1]))
         t, e = t0, float(expected)

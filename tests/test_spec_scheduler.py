@@ -1,0 +1,230 @@
+"""Speculative decoding in the scheduler, without a model: draft lengths, rollback,
+blocks, and the simulator's accepted-length model (all in virtual time)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sim_helpers import LinearCost, tiny_args
+
+from conveyor.bench.workload import BenchRequest
+from conveyor.config import resolve_engine_config
+from conveyor.core.scheduler import Scheduler
+from conveyor.engine.core import EngineCore
+from conveyor.engine.messages import EngineCoreRequest
+from conveyor.executor.cost_model import CostModelExecutor
+from conveyor.request import Request
+from conveyor.sampling_params import SamplingParams
+from conveyor.sim import Simulator
+from conveyor.sim.model import resolve_sim_model
+from conveyor.spec.config import SpeculativeConfig
+from conveyor.spec.controller import DraftLengthController, DraftRow, OnlineStepCost
+
+
+def spec(rate: float, k: int = 4, adaptive: bool = True, method: str = "synthetic") -> dict:
+    return {"method": method, "num_speculative_tokens": k, "acceptance_rate": rate,
+            "adaptive": adaptive}
+
+
+def work(n: int, gap: float, out_len: int = 40, seed: int = 0) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    return [BenchRequest(f"r{i}", i * gap, [rng.randrange(4, 500) for _ in range(24)],
+                         out_len) for i in range(n)]
+
+
+def sim(work_items, speculative=None, cost=None, **kw):
+    args = tiny_args(num_kv_blocks=2048, max_num_seqs=64, max_num_batched_tokens=512,
+                     speculative_config=speculative, **kw)
+    return Simulator(args, cost or LinearCost()).run(work_items)
+
+
+# ---- the simulator learns speculation --------------------------------------------------
+def test_every_draft_accepted_gives_k_plus_one_tokens_per_step():
+    k, new = 3, 21
+    res = sim([BenchRequest("a", 0.0, list(range(10, 30)), new)], spec(1.0, k, False))
+    # One step for the prompt (and first token), then k + 1 tokens per step.
+    assert res.num_steps == 1 + -(-(new - 1) // (k + 1))
+    assert res.finished["a"].num_generation_tokens == new
+
+
+def test_no_draft_accepted_changes_nothing_but_the_step_sizes():
+    base = sim(work(4, 0.0))
+    none = sim(work(4, 0.0), spec(0.0, 3, False))
+    assert none.num_steps == base.num_steps
+    assert {r: m.num_generation_tokens for r, m in none.finished.items()} == \
+        {r: m.num_generation_tokens for r, m in base.finished.items()}
+
+
+def _gen_time(res) -> float:
+    return max(m.finished_time for m in res.finished.values())
+
+
+@pytest.mark.parametrize("rate", [0.3, 0.6, 0.9])
+def test_adaptive_k_never_loses_and_pays_where_a_step_is_fixed_cost(rate):
+    """A memory-bound step (fixed cost dominates): speculation pays at batch 1. A
+    compute-bound one at batch 64: every token costs its share, so verifying drafts
+    that may fail loses; the adaptive k falls to (nearly) 0 there, fixed k does not."""
+    memory_bound = LinearCost(per_step=0.02, per_token=0.0002)
+    compute_bound = LinearCost(per_step=0.001, per_token=0.001)
+    lone = work(1, 0.0, out_len=200)
+    crowd = work(64, 0.0, out_len=60)
+    for cost, items in ((memory_bound, lone), (compute_bound, crowd)):
+        off = _gen_time(sim(items, cost=cost))
+        adaptive = sim(items, spec(rate), cost=cost)
+        assert _gen_time(adaptive) <= off * 1.03, (cost.describe(), rate)
+    # At batch 1 on the memory-bound step: a real gain that grows with the rate.
+    gain = off_lone = _gen_time(sim(lone, cost=memory_bound))
+    gain = off_lone / _gen_time(sim(lone, spec(rate), cost=memory_bound))
+    expected = sum(rate ** j for j in range(5))  # E[tokens per step], k = 4
+    assert gain > 0.8 * expected
+    # Saturated and compute-bound: fixed k loses where adaptive does not.
+    off = _gen_time(sim(crowd, cost=compute_bound))
+    fixed = _gen_time(sim(crowd, spec(rate, adaptive=False), cost=compute_bound))
+    if rate <= 0.6:
+        assert fixed > off * 1.05
+
+
+# ---- the controller --------------------------------------------------------------------
+class FixedCost:
+    def __init__(self, a: float, b: float) -> None:
+        self.a, self.b = a, b
+
+    def step_s(self, n: int) -> float:
+        return self.a + self.b * n
+
+
+def _rows(n: int, drafts: int = 4, cap: int = 4) -> list[DraftRow]:
+    rows = []
+    for i in range(n):
+        req = Request(f"r{i}", [1, 2, 3], SamplingParams(), 0.0, max_tokens=100)
+        req.spec_token_ids = [7] * drafts
+        rows.append(DraftRow(req, cap))
+    return rows
+
+
+def test_draft_length_falls_with_load_and_rises_with_acceptance():
+    cfg = SpeculativeConfig("ngram", num_speculative_tokens=4)
+    ctl = DraftLengthController(cfg, FixedCost(a=0.05, b=0.001))
+    lone = _rows(1)
+    ctl.plan(lone, 1, 1, 512)
+    assert lone[0].k_now == 4  # batch 1: a step is mostly fixed cost
+    crowd = _rows(64)
+    ctl.plan(crowd, 64, 64, 512)
+    assert sum(r.k_now for r in crowd) == 0  # saturated: no slot pays at the 0.5 prior
+    for _ in range(30):  # a request whose drafts always survive earns them back
+        ctl.observe(crowd[0].request, 4, 4)
+    for row in crowd[1:]:  # (and the others' own failures keep theirs off)
+        for _ in range(3):
+            ctl.observe(row.request, 4, 0)
+    ctl.plan(crowd, 64, 64, 512)
+    assert crowd[0].k_now == 4 and sum(r.k_now for r in crowd[1:]) == 0
+
+
+def test_budget_and_drafts_on_hand_bound_the_draft_length():
+    cfg = SpeculativeConfig("ngram", num_speculative_tokens=4, adaptive=False)
+    ctl = DraftLengthController(cfg, None)
+    rows = _rows(3, drafts=2) + _rows(2, drafts=4, cap=1)
+    ctl.plan(rows, 5, 5, budget=5)
+    assert [r.k_now for r in rows][:3] == [2, 2, 1] or sum(r.k_now for r in rows) == 5
+    assert all(r.k_now <= min(len(r.request.spec_token_ids), r.cap) for r in rows)
+    assert sum(r.k_now for r in rows) == 5
+
+
+def test_acceptance_is_counted_up_to_the_first_rejection():
+    cfg = SpeculativeConfig("ngram", num_speculative_tokens=4)
+    ctl = DraftLengthController(cfg, None)
+    req = _rows(1)[0].request
+    ctl.observe(req, 4, 1)  # draft 1 accepted, draft 2 rejected, 3 and 4 never judged
+    m = ctl.metrics.as_dict()
+    assert m["accepted_per_position"] == [1, 0, 0, 0]
+    assert m["num_draft_tokens"] == 4 and m["num_accepted_tokens"] == 1
+    assert m["mean_acceptance_length"] == 2.0
+    tried = [t for _, t in req.spec_acceptance]
+    assert tried == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_online_step_cost_recovers_a_linear_cost():
+    fit = OnlineStepCost()
+    assert fit.step_s(10) is None
+    for n in [1, 5, 9, 2, 33, 64, 17] * 3:
+        fit.observe(n, 0.004 + 0.0005 * n)
+    a, b = fit.coefficients()
+    assert a == pytest.approx(0.004, rel=1e-6) and b == pytest.approx(0.0005, rel=1e-6)
+
+
+# ---- invariants under rejection, abort and preemption ----------------------------------
+def _core(seed: int, num_blocks: int, k: int, rate: float, adaptive: bool, method: str):
+    cfg = {**spec(rate, k, adaptive, method), "seed": seed}
+    if method == "draft_model":  # simulated: the scheduler reserves its lookahead slots
+        cfg["model"] = "unused-in-simulation"
+    args = tiny_args(num_kv_blocks=num_blocks, block_size=4, max_num_seqs=6,
+                     max_num_batched_tokens=24, speculative_config=cfg)
+    model = resolve_sim_model(args)
+    config = resolve_engine_config(args, model, num_blocks, "simulated")
+    now = [0.0]
+    executor = CostModelExecutor(LinearCost(), config.model,
+                                 speculative=config.scheduler.speculative)
+    return EngineCore(config, executor, clock=lambda: now[0]), now
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), num_blocks=st.integers(12, 40), k=st.integers(1, 5),
+       rate=st.sampled_from([0.0, 0.4, 0.8, 1.0]), adaptive=st.booleans(),
+       method=st.sampled_from(["synthetic", "draft_model"]),
+       abort_p=st.sampled_from([0.0, 0.05]))
+def test_blocks_and_counters_stay_consistent(seed, num_blocks, k, rate, adaptive, method,
+                                             abort_p):
+    rng = random.Random(seed)
+    core, now = _core(seed, num_blocks, k, rate, adaptive, method)
+    max_len = core.max_model_len
+    max_tokens = {}
+    for i in range(10):
+        rid = f"r{i}"
+        prompt = [rng.randrange(4, 200) for _ in range(rng.randint(1, 30))]
+        max_tokens[rid] = rng.randint(1, 30)
+        core.add_request(EngineCoreRequest(
+            rid, prompt,
+            SamplingParams(max_tokens=max_tokens[rid], ignore_eos=True, temperature=0.0),
+            arrival_time=0.0))
+        max_tokens[rid] = min(max_tokens[rid], max_len - len(prompt))  # what it can get
+    produced = {rid: 0 for rid in max_tokens}
+    aborted = set()
+    budget = core.config.scheduler.max_num_batched_tokens
+    for _ in range(2000):
+        if not core.has_unfinished_requests():
+            break
+        sched_out = core.schedule()
+        assert sched_out.total_num_scheduled_tokens <= budget
+        for rid, drafts in sched_out.scheduled_spec_tokens.items():
+            assert 1 <= len(drafts) <= k
+            assert sched_out.num_scheduled_tokens[rid] == 1 + len(drafts)
+        run_out = core.executor.execute_model(sched_out)
+        now[0] += 0.01
+        for out in core.update(sched_out, run_out).outputs:
+            produced[out.request_id] += len(out.new_token_ids)
+        if abort_p and rng.random() < abort_p * 3:
+            victim = rng.choice(sorted(max_tokens))
+            core.abort_requests([victim])
+            aborted.add(victim)
+        core.scheduler.check_invariants()
+        for req in core.scheduler.running:
+            # Rolled back: everything but (at most) the last token has K/V, no draft does.
+            assert req.num_computed_tokens <= req.num_tokens
+            assert len(req.output_token_ids) <= req.max_tokens
+    assert not core.has_unfinished_requests()
+    for rid, n in produced.items():
+        assert n <= max_tokens[rid]
+        if rid not in aborted:
+            assert n == max_tokens[rid]
+    assert core.kv.pool.num_used_blocks == 0
+    assert core.kv.num_free_blocks == num_blocks
+
+
+def test_scheduler_without_speculation_has_no_controller():
+    from helpers import make_scheduler
+
+    sched: Scheduler = make_scheduler()
+    assert sched.spec is None
