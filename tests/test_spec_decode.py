@@ -52,8 +52,11 @@ def spec_config(method: str, config: str) -> dict:
     return cfg
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("method", list(METHODS))
+# Every configuration under ngram; the suffix proposer (the same scheduler path) on two.
+CASES = [("ngram", c) for c in CONFIGS] + [("suffix", "default"), ("suffix", "preempt")]
+
+
+@pytest.mark.parametrize(("method", "config"), CASES)
 def test_greedy_tokens_equal_transformers(method: str, config: str) -> None:
     if method == "suffix" and not HAS_SUFFIX:
         pytest.skip("suffix proposer not built")
@@ -197,3 +200,30 @@ def test_a_draft_with_another_tokenizer_is_refused() -> None:
     with pytest.raises(ValueError, match="share the target's tokenizer"):
         LLM(path, dtype="float32",
             speculative_config={"method": "draft_model", "model": other_vocab})
+
+
+def test_cli_flag_and_metrics() -> None:
+    import argparse
+
+    from conveyor.config import EngineArgs
+    from conveyor.metrics import EngineMetrics
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
+                                 '"prompt_lookup_min": 1, "adaptive": false}']))
+    assert args.speculative.method == "ngram" and args.speculative.num_speculative_tokens == 2
+    path = make_checkpoint("llama")
+    llm = LLM(path, dtype="float32", speculative_config=args.speculative)
+    prompts, params = repetitive_batch(4, seed=2)
+    llm.generate(prompts, params)
+    stats = llm.stats()
+    metrics = EngineMetrics()
+    metrics.update_stats(stats)
+    text = metrics.render().decode()
+    spec = stats["spec_decode"]
+    assert (f'conveyor:spec_decode_num_draft_tokens_total{{method="ngram"}} '
+            f'{float(spec["num_draft_tokens"])}') in text
+    assert (f'conveyor:spec_decode_num_accepted_tokens_total{{method="ngram"}} '
+            f'{float(spec["num_accepted_tokens"])}') in text
+    assert spec["num_draft_tokens"] > 0

@@ -124,8 +124,20 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
                "batching": engine.config.scheduler.batching,
                "max_num_seqs": engine.config.scheduler.max_num_seqs,
                "model": engine.config.model.served_model_name,
-               "dtype": engine.config.model.dtype_label})
+               "dtype": engine.config.model.dtype_label, **spec_figures(stats)})
     return RunResult(label, ordered, summary, sizes, tracer.trace)
+
+
+def spec_figures(stats: dict) -> dict:
+    """Speculative decoding's figures for a summary's ``extra`` (none when it is off)."""
+    spec = stats.get("spec_decode")
+    if not spec:
+        return {}
+    return {"spec_method": spec["method"],
+            "spec_draft_tokens": spec["num_draft_tokens"],
+            "spec_acceptance_rate": spec["acceptance_rate"],
+            "spec_mean_acceptance_length": spec["mean_acceptance_length"],
+            "spec_acceptance_per_position": spec["acceptance_rate_per_position"]}
 
 
 def _insert(pending: list[BenchRequest], start: int, req: BenchRequest,

@@ -38,6 +38,11 @@ def figures(summary: Summary) -> dict[str, tuple[str, float | None]]:
     for key in ("num_steps", "mean_batch_size"):
         if key in s.extra:
             out[key] = (key.replace("num_", "").replace("_", " "), s.extra[key])
+    for key, label in (("spec_draft_tokens", "draft tokens verified"),
+                       ("spec_acceptance_rate", "draft acceptance rate"),
+                       ("spec_mean_acceptance_length", "mean acceptance length")):
+        if key in s.extra:
+            out[key] = (label, s.extra[key])
     return out
 
 

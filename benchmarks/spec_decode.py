@@ -1,0 +1,183 @@
+"""Speculative decoding, measured: tokens/s and accepted length, off vs each method, fixed
+k vs adaptive k, side by side in one run.
+
+Two grids:
+
+* ``pair``: a real target/draft pair trained here on the Python standard library
+  (benchmarks/spec_pair.py, cached), on code-completion prompts cut from held-out files;
+  batch 1, 4, 16, 64; off, ngram, suffix and draft_model, each with k = 4 fixed and
+  with the adaptive k.
+* ``synthetic``: drafts accepted at a fixed rate (0, 0.3, 0.6, 0.9) whatever the target
+  says, at batch 1, 8, 32, on the same target: where speculation pays and where it would
+  lose, and whether the adaptive k keeps it from losing.
+
+Every configuration runs the same prompts in the same round, rounds rotate the order,
+and each (batch, round) gets prompts of its own (the suffix proposer learns from earlier
+requests: it must not meet the same prompt twice). Greedy, fixed output length, prefix
+caching off (prefill is part of end-to-end time).
+
+    python benchmarks/spec_decode.py                      # both grids
+    python benchmarks/spec_decode.py --grid pair --batches 1,4 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+
+from conveyor import LLM, SamplingParams
+
+
+def load_pair_module():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spec_pair.py")
+    spec = importlib.util.spec_from_file_location("spec_pair", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["spec_pair"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def pair_configs(draft_path: str, k: int) -> dict[str, dict | None]:
+    out: dict[str, dict | None] = {"off": None}
+    methods = {"ngram": {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+               "suffix": {"method": "suffix"},
+               "draft": {"method": "draft_model", "model": draft_path}}
+    for name, cfg in methods.items():
+        for adaptive in (False, True):
+            out[f"{name}{'+adaptive' if adaptive else ''}"] = {
+                **cfg, "num_speculative_tokens": k, "adaptive": adaptive}
+    return out
+
+
+def synthetic_configs(k: int, rates: list[float]) -> dict[str, dict | None]:
+    out: dict[str, dict | None] = {"off": None}
+    for rate in rates:
+        for adaptive in (False, True):
+            out[f"rate {rate}{' adaptive' if adaptive else ''}"] = {
+                "method": "synthetic", "acceptance_rate": rate, "num_speculative_tokens": k,
+                "adaptive": adaptive}
+    return out
+
+
+def spec_counts(llm: LLM) -> tuple[int, int, int]:
+    s = llm.stats().get("spec_decode") or {}
+    return (s.get("num_draft_tokens", 0), s.get("num_accepted_tokens", 0),
+            s.get("num_verify_steps", 0))
+
+
+def run_grid(name: str, target: str, configs: dict[str, dict | None], batches: list[int],
+             rounds: int, prompts: list[list[int]], max_tokens: int, threads: int) -> dict:
+    max_batch = max(batches)
+    llms = {}
+    for label, cfg in configs.items():
+        llms[label] = LLM(target, dtype="float32", max_num_seqs=max_batch,
+                          max_num_batched_tokens=1024, enable_prefix_caching=False,
+                          num_threads=threads, speculative_config=cfg)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for llm in llms.values():  # first-call costs out of the way
+        llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0))
+    results: dict[str, dict] = {}
+    cursor = 2
+    for batch in batches:
+        times = {label: [] for label in configs}
+        spec = {label: [0, 0, 0] for label in configs}
+        for r in range(rounds):
+            batch_prompts = prompts[cursor:cursor + batch]
+            cursor += batch
+            if len(batch_prompts) < batch:
+                raise ValueError("not enough prompts: raise --num-prompts")
+            order = list(configs)
+            order = order[r % len(order):] + order[:r % len(order)]
+            for label in order:
+                llm = llms[label]
+                before = spec_counts(llm)
+                t0 = time.perf_counter()
+                outs = llm.generate(batch_prompts, params)
+                dt = time.perf_counter() - t0
+                assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+                times[label].append(dt)
+                after = spec_counts(llm)
+                for i in range(3):
+                    spec[label][i] += after[i] - before[i]
+        off = statistics.median(times["off"])
+        rows = {}
+        for label in configs:
+            t = statistics.median(times[label])
+            drafts, accepted, verifies = spec[label]
+            rows[label] = {
+                "tokens_per_s": batch * max_tokens / t,
+                "speedup": off / t,
+                "mean_acceptance_length": (1 + accepted / verifies) if verifies else None,
+                "acceptance_rate": accepted / drafts if drafts else None,
+                "drafts_per_token": drafts / (batch * max_tokens * rounds),
+            }
+        results[str(batch)] = rows
+        print(f"\n[{name}] batch {batch}: median of {rounds} rounds, {max_tokens} tokens each")
+        print(f"  {'config':<18} {'tokens/s':>9} {'vs off':>7} {'acc.len':>8} "
+              f"{'acc.rate':>8} {'drafts/tok':>10}")
+        for label, row in rows.items():
+            acc = row["mean_acceptance_length"]
+            rate = row["acceptance_rate"]
+            print(f"  {label:<18} {row['tokens_per_s']:>9.1f} {row['speedup']:>6.2f}x "
+                  f"{acc if acc is None else f'{acc:.2f}':>8} "
+                  f"{rate if rate is None else f'{rate:.2f}':>8} "
+                  f"{row['drafts_per_token']:>10.2f}")
+        sys.stdout.flush()
+    return results
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--grid", choices=("pair", "synthetic", "both"), default="both")
+    p.add_argument("--batches", default=None, help="comma-separated (default per grid)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--rates", default="0,0.3,0.6,0.9")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+
+    pair = load_pair_module()
+    manifest = pair.ensure_pair()
+    target, draft = manifest["target_path"], manifest["draft_path"]
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); target {target} "
+          f"(held-out loss {manifest['target'].get('heldout_loss')}), draft {draft} "
+          f"(held-out loss {manifest['draft'].get('heldout_loss')})")
+    out = {"cpu": cpu_model(), "manifest": {k: manifest[k] for k in ("target", "draft")}}
+    grids = ("pair", "synthetic") if args.grid == "both" else (args.grid,)
+    for grid in grids:
+        default = "1,4,16,64" if grid == "pair" else "1,8,32"
+        batches = [int(b) for b in (args.batches or default).split(",")]
+        need = 2 + sum(batches) * args.rounds
+        prompts = pair.code_prompts(target, need, args.prompt_tokens,
+                                    seed=0 if grid == "pair" else 1)
+        configs = (pair_configs(draft, args.k) if grid == "pair" else
+                   synthetic_configs(args.k, [float(r) for r in args.rates.split(",")]))
+        out[grid] = run_grid(grid, target, configs, batches, args.rounds, prompts,
+                             args.max_tokens, args.threads)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
