@@ -227,3 +227,21 @@ def test_cli_flag_and_metrics() -> None:
     assert (f'conveyor:spec_decode_num_accepted_tokens_total{{method="ngram"}} '
             f'{float(spec["num_accepted_tokens"])}') in text
     assert spec["num_draft_tokens"] > 0
+
+
+def test_stop_strings_cut_the_same_text_and_tokens() -> None:
+    """Several tokens arrive per step: the front end still stops at the same place."""
+    path = make_checkpoint("llama")
+    prompts, _ = repetitive_batch(8, seed=4)
+    off = LLM(path, dtype="float32")
+    on = LLM(path, dtype="float32", speculative_config=METHODS["ngram"])
+    base = off.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0))
+    stops = [o.outputs[0].text[len(o.outputs[0].text) // 2:][:3] or "zzz" for o in base]
+    for include in (False, True):
+        params = [SamplingParams(max_tokens=40, temperature=0.0, stop=[s],
+                                 include_stop_str_in_output=include) for s in stops]
+        for a, b in zip(off.generate(prompts, params), on.generate(prompts, params)):
+            assert (a.outputs[0].text, a.outputs[0].token_ids, a.outputs[0].finish_reason) \
+                == (b.outputs[0].text, b.outputs[0].token_ids, b.outputs[0].finish_reason)
+    assert any(o.outputs[0].finish_reason == "stop" for o in on.generate(prompts, params))
+    assert on.stats()["spec_decode"]["num_accepted_tokens"] > 0

@@ -140,10 +140,15 @@ class DraftLengthController:
         self.last_k_want = k
 
     # ---- acceptance ----------------------------------------------------------------------
-    def acceptance(self, req: Request) -> list[float]:
+    def prior(self) -> list[float]:
+        """The proposer-wide estimate per position (every request's, decayed)."""
+        return [a / t for a, t in zip(self._glob_acc, self._glob_try)]
+
+    def acceptance(self, req: Request, prior: list[float] | None = None) -> list[float]:
         """Estimated P(draft j survives | drafts before it did), j = 1..k."""
         own = req.spec_acceptance
-        prior = [a / t for a, t in zip(self._glob_acc, self._glob_try)]
+        if prior is None:
+            prior = self.prior()
         if own is None:
             return prior
         w = _PRIOR_WEIGHT
@@ -203,9 +208,10 @@ class DraftLengthController:
 
     def _plan_by_benefit(self, rows: list[DraftRow], num_tokens: int, expected: int) -> None:
         cands: list[tuple[float, int, DraftRow]] = []
+        prior = self.prior()
         for row in rows:
             survive = 1.0
-            for j, a in enumerate(self.acceptance(row.request)[:row.cap], start=1):
+            for j, a in enumerate(self.acceptance(row.request, prior)[:row.cap], start=1):
                 survive *= a
                 cands.append((survive, j, row))
         if not cands:
