@@ -511,6 +511,9 @@ class Scheduler:
         get_request, cache_blocks, sampled = (self.requests.get, self.kv.cache_computed_blocks,
                                               run.sampled_token_ids)
         spec_tokens, proposals = out.scheduled_spec_tokens, run.spec_token_ids
+        # Requests holding lookahead slots (a draft model's): they may have some to give back.
+        lookahead = (out.num_spec_wanted if self.spec is not None
+                     and self.config.speculative.writes_draft_kv else ())
         for rid in out.num_scheduled_tokens:
             req = get_request(rid)
             if req is None or req.status != _RUNNING:
@@ -544,7 +547,7 @@ class Scheduler:
                 req.finished_time = now
                 update.status = status
                 update.stop_reason = req.stop_reason
-            elif spec_tokens or out.num_spec_wanted:
+            elif (spec_tokens and rid in spec_tokens) or rid in lookahead:
                 self._trim_lookahead(req, out.num_spec_wanted.get(rid, 0))
             updates.append(update)
         return updates
