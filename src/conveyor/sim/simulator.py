@@ -28,7 +28,7 @@ from conveyor.engine.validation import capped_max_tokens
 from conveyor.executor.cost_model import CostModelExecutor
 from conveyor.outputs import RequestMetrics
 from conveyor.sampling_params import SamplingParams
-from conveyor.sim.cost_model import CostModel
+from conveyor.sim.cost_model import CostModel, load_step_cost
 from conveyor.sim.model import resolve_sim_model
 from conveyor.sim.replica import (
     SimReplica,
@@ -111,6 +111,11 @@ class Simulator:
             engine_args.cache_config(), model, engine_args.max_num_seqs)
         self.config: EngineConfig = resolve_engine_config(engine_args, model, num_blocks,
                                                           device="simulated")
+        # The SLO token budget controller's step-cost model: the one named in the engine
+        # args (as the engine loads it), else the simulator's own (exact predictions).
+        self.step_cost = (load_step_cost(engine_args.slo_cost_model, self.config.model)
+                          if engine_args.slo_cost_model
+                          else cost if getattr(cost, "predictive", True) else None)
         eos = frozenset(self.config.model.eos_token_ids)
         self.make_params = make_params or (lambda item: default_params(item, eos))
         self.step_listeners: list[StepListener] = []
@@ -160,7 +165,7 @@ class Simulator:
         _check_unique_ids(items)
         pool = self.pool_blocks(items)
         replicas = [SimReplica(i, self.config, self.cost, self.make_params, self.step_listeners,
-                               pool_blocks=pool)
+                               pool_blocks=pool, step_cost=self.step_cost)
                     for i in range(self.num_replicas)]
         router = make_router(self.router_name)
         finished: dict[str, RequestMetrics] = {}
