@@ -294,3 +294,39 @@ def test_engine_args_reach_the_scheduler_config() -> None:
     assert args.slo_cost_model == "linear:0.002,1e-4,0"
     with pytest.raises(ValueError, match="slo_late_action"):
         PolicyConfig(slo_late_action="drop")
+
+
+# ---- metrics -----------------------------------------------------------------------------
+def test_summary_reports_ttft_and_tpot_attainment_apart() -> None:
+    from conveyor.bench.metrics import RequestRecord, summarize
+
+    def rec(rid, ttft_s, tpot_s, reason="length"):
+        return RequestRecord(rid, 0.0, "t", 0, 10, 5, 5, ttft_s=ttft_s, tpot_s=tpot_s,
+                             e2e_s=1.0, finish_reason=reason, slo_ttft_ms=100,
+                             slo_tpot_ms=10)
+
+    s = summarize([rec("a", 0.05, 0.005), rec("b", 0.5, 0.005), rec("c", 0.05, 0.05),
+                   rec("d", None, None, reason="abort")], 2.0)
+    assert (s.ttft_attainment, s.tpot_attainment, s.slo_attainment) == (0.5, 0.5, 0.25)
+    assert s.goodput == 0.5
+
+
+def test_the_simulator_reports_the_budget_and_rejections() -> None:
+    from sim_helpers import LinearCost, make_workload, tiny_args
+
+    from conveyor.sim import Simulator
+    from conveyor.sim.results import run_result
+
+    work = make_workload(40, seed=3)
+    args = tiny_args(scheduling_policy="slo", default_slo_ttft_ms=20.0,
+                     default_slo_tpot_ms=3.0, slo_late_action="reject",
+                     max_num_batched_tokens=64)
+    sim = Simulator(args, LinearCost(0.002, 5e-5), replicas=2)
+    result = sim.run(work)
+    extra = run_result(work, result, sim).summary.extra
+    budget = extra["token_budget"]
+    assert budget["mode"] == "slo" and budget["num_steps"] == result.num_steps
+    assert sum(budget["histogram"].values()) == budget["num_steps"]
+    assert extra["num_slo_rejected"] == sum(
+        1 for why in result.finished.values() if why.finish_reason == "abort")
+    assert extra["num_slo_rejected"] > 0 and budget["num_time_bound"] > 0

@@ -105,6 +105,7 @@ class BudgetStats:
     num_admitted_extra: int = 0
     num_refused_extra: int = 0
     predicted_s_sum: float = 0.0
+    chosen_sum: int = 0  # chosen budgets summed over steps (the histogram's sum)
     bucket_bounds: list[int] = field(default_factory=list)
     bucket_counts: list[int] = field(default_factory=list)
 
@@ -174,6 +175,7 @@ class BudgetController:
                 s.num_ceiling_bound += 1
             else:
                 s.num_demand_bound += 1
+        s.chosen_sum += chosen
         s.bucket_counts[min(bisect.bisect_left(s.bucket_bounds, chosen),
                             len(s.bucket_counts) - 1)] += 1
 
@@ -291,6 +293,7 @@ class BudgetController:
             "mean_predicted_step_s": s.predicted_s_sum / s.num_steps if s.num_steps else 0.0,
             # chosen budget per step: {bucket upper bound (tokens): steps}
             "histogram": dict(zip(s.bucket_bounds, s.bucket_counts, strict=True)),
+            "histogram_sum": s.chosen_sum,
         }
 
 

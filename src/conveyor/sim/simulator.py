@@ -55,6 +55,8 @@ class ReplicaStats:
     num_kv_blocks: int
     peak_kv_blocks: int
     prefix_cache_hit_rate: float
+    num_slo_rejected: int = 0
+    token_budget: dict | None = None  # EngineCore.token_budget_stats()
 
 
 @dataclass
@@ -261,4 +263,6 @@ def _stats(rep: SimReplica, num_requests: int) -> ReplicaStats:
                         num_preemptions=s.num_preemptions, num_rejected=s.num_rejected,
                         peak_running=s.peak_running, peak_waiting=s.peak_waiting,
                         num_kv_blocks=rep.num_kv_blocks, peak_kv_blocks=rep.kv.peak_used_blocks,
-                        prefix_cache_hit_rate=rep.kv.stats.hit_rate)
+                        prefix_cache_hit_rate=rep.kv.stats.hit_rate,
+                        num_slo_rejected=s.num_slo_rejected,
+                        token_budget=rep.core.token_budget_stats())
