@@ -61,9 +61,10 @@ def test_fit_keeps_the_ceiling_and_a_token_for_every_priced_decode() -> None:
         r.num_computed_tokens = r.num_tokens - 1  # one token left: a decode
     ctrl.begin_step(0.0, decoding)
     assert ctrl.tokens_left == 97 and ctrl.limit_s == math.inf  # no TPOT target: no limit
-    assert ctrl.fit(0, 500, 500) == 97  # the ceiling, minus the decodes' tokens
-    ctrl.add(0, 97, 500)
-    assert ctrl.fit(0, 10, 10) == 0
+    big, small = make_req("big", 500, 1), make_req("small", 10, 1)
+    assert ctrl.fit(big, 0, 500) == 97  # the ceiling, minus the decodes' tokens
+    ctrl.add(big, 0, 97)
+    assert ctrl.fit(small, 0, 10) == 0
 
 
 def test_fit_cuts_the_chunk_to_the_tightest_tpot_deadline() -> None:
@@ -73,7 +74,7 @@ def test_fit_cuts_the_chunk_to_the_tightest_tpot_deadline() -> None:
     r.append_output_token(7)
     r.first_token_time = 1.0
     ctrl.begin_step(1.005, [r])  # due at 1.02: 15 ms left
-    n = ctrl.fit(0, 4000, 4000)
+    n = ctrl.fit(make_req("p", 4000, 1), 0, 4000)
     assert 0 < n < 4000
     assert ctrl.limit_s == pytest.approx(0.015)
     assert ctrl.cost.step_time(BatchShape(n, 1, 0, n, 1, 11, 11, 1)) <= ctrl.limit_s
@@ -82,6 +83,21 @@ def test_fit_cuts_the_chunk_to_the_tightest_tpot_deadline() -> None:
     # protected: its TPOT is lost, and protecting it would only starve prefill.
     ctrl.begin_step(5.0, [r])
     assert ctrl.limit_s == math.inf and ctrl.stats.num_lost_decodes == 1
+
+
+def test_a_prompt_finishing_on_time_caps_the_step_at_its_ttft_deadline() -> None:
+    ctrl = BudgetController(COST, ceiling=4096)
+    ctrl.begin_step(0.0, [])
+    urgent = make_req("urgent", 50, 1, slo_ttft_s=0.02)  # 7 ms alone, due in 20 ms
+    ctrl.add(urgent, 0, 50)
+    assert ctrl.limit_s == pytest.approx(0.02)
+    n = ctrl.fit(make_req("next", 3000, 1, slo_ttft_s=5.0), 0, 3000)
+    assert 0 < n < 3000 and ctrl.cost.step_time(BatchShape(50 + n, 2, 0, 50 + n, 0, 0, 0, 1)
+                                                ) <= 0.02
+    # A first token that is late anyway does not hold the step back.
+    ctrl.begin_step(1.0, [])
+    ctrl.add(make_req("late", 50, 1, slo_ttft_s=0.02), 0, 50)
+    assert ctrl.limit_s == math.inf
 
 
 def test_admit_grows_a_decode_by_draft_tokens_only_while_time_is_left() -> None:

@@ -7,9 +7,12 @@ TTFT. The controller decides, each step, how many prefill tokens the step can ta
     begin_step(now, running)   every running decode is priced first (stall-free); the
                                step's time limit is the least time any of them has left
                                before its next token is due
-    fit(start, upto, total)    the largest chunk (of a request with ``start`` tokens
-                               computed and ``total`` in all) whose step still fits
-    add(start, n, total)       commit a row the scheduler scheduled
+    fit(request, start, upto)  the largest chunk (after ``start`` computed tokens) that
+                               keeps the step within the ceiling and the time limit
+    add(request, start, n)     commit a row the scheduler scheduled; a chunk that ends
+                               the prompt of a request on time for its TTFT target
+                               tightens the limit to that target (it must not be late
+                               because later chunks made the step longer)
     admit(request, extra)      grow a decode row by ``extra`` draft tokens if it fits
                                (speculative decoding: one budget decision for both)
     end_step(num_tokens)       the per-step histogram
@@ -19,7 +22,9 @@ A running request's next token (its k+1-th, k already out) is due at
 the metrics measure) within the target. The step fits if ``cost_scale *
 step_time(shape) <= due - now`` for every running decode with a TPOT target, except one
 that cannot meet its target any more even if every remaining step held decodes only
-(its TPOT is lost: protecting it would only starve prefill). A decode that is behind
+(its TPOT is lost: protecting it would only starve prefill). Likewise, once a chunk
+that completes a prompt is in the step and the step would deliver that first token on
+time, the step may grow no further than the request's TTFT deadline. A decode that is behind
 (its next token due sooner than a decode-only step takes) blocks prefill for this step;
 decode-only steps shorter than its target win the time back, and one longer than its
 target makes it lost, so prefill is never blocked for good.
@@ -129,11 +134,13 @@ class BudgetController:
         self._cut = False  # a chunk was cut or refused for time this step
         self._ceiling_cut = False
         self._decode_rows: dict[str, int] = {}  # request id -> its start (num computed)
+        self._now = 0.0
 
     # ---- the step ------------------------------------------------------------------------
     def begin_step(self, now: float, running: Iterable[Request]) -> None:
         """Price every running decode and set the step's time limit."""
         self._reset(math.inf)
+        self._now = now
         targets: list[tuple[float, int, float]] = []  # (next due, tokens left, tpot)
         for req in running:
             if req.num_uncomputed_tokens != 1:
@@ -202,10 +209,11 @@ class BudgetController:
         """Ceiling tokens not yet taken (every priced decode holds one)."""
         return self.ceiling - self._tokens
 
-    def fit(self, start: int, upto: int, total: int) -> int:
-        """The largest n <= ``upto`` such that a chunk of n tokens after ``start`` computed
-        ones (of ``total``) keeps the step within the ceiling and the time limit; 0 if
-        none does. Does not commit: ``add`` does, once the chunk is scheduled."""
+    def fit(self, request: Request, start: int, upto: int) -> int:
+        """The largest n <= ``upto`` such that a chunk of ``request``'s n tokens after
+        ``start`` computed ones keeps the step within the ceiling and the time limit; 0
+        if none does. Does not commit: ``add`` does, once the chunk is scheduled."""
+        total = request.num_tokens
         n = min(upto, self.tokens_left)
         if n < upto:
             self._ceiling_cut = True
@@ -223,10 +231,17 @@ class BudgetController:
         self._cut = True
         return lo
 
-    def add(self, start: int, n: int, total: int) -> None:
+    def add(self, request: Request, start: int, n: int) -> None:
         """Commit a chunk the scheduler scheduled (after ``fit``)."""
-        if n > 0:
-            self._add_row(start, n, start + n >= total)
+        if n <= 0:
+            return
+        samples = start + n >= request.num_tokens
+        self._add_row(start, n, samples)
+        if samples and request.num_output_tokens == 0 and request.slo_ttft_s is not None:
+            # Its first token comes at the step's end: keep it on time if it is.
+            left = request.arrival_time + request.slo_ttft_s - self._now
+            if self.predicted_step_s <= left < self.limit_s:
+                self.limit_s = left
 
     def admit(self, request: Request, extra_tokens: int) -> bool:
         """Grow ``request``'s decode row by ``extra_tokens`` (speculative decoding's draft

@@ -18,7 +18,9 @@ Shared controls, the same for every policy: ``max_num_seqs`` and
 requests beyond it); ``max_queue_wait_s`` (a request waiting that long since it
 joined the queue is admitted before the policy's choice, or rejected with
 ``queue_wait_action="reject"`` if it never ran); ``max_preemptions_per_request``
-(a request preempted that often is no longer offered as a victim).
+(a request preempted that often is no longer offered as a victim); ``token_budget``
+(``slo``: a ``BudgetController``, core/budget.py, sizes each prefill chunk from TPOT
+targets and a step-cost model, ``max_num_batched_tokens`` the ceiling).
 
 In ``static`` batching mode waiting requests are only admitted when nothing is
 running: the classic baseline that holds a batch until its longest member ends.
@@ -106,7 +108,9 @@ class Scheduler:
             assert step_cost is not None
             self.budget_ctrl = BudgetController(step_cost, config.max_num_batched_tokens,
                                                 config.slo_cost_scale)
-        elif self.policy.name == "slo" or config.token_budget == "slo":
+        elif config.token_budget == "slo" or (config.token_budget == "auto"
+                                              and self.policy.name == "slo"):
+            # Wanted but not possible (no cost model, static batching): say so once.
             logger.warning("token budget: %s", self.budget_reason)
         self.policy.bind(PolicyContext(
             max_model_len=max_model_len, cached_prefix_tokens=self._cached_prefix_tokens,
@@ -224,8 +228,7 @@ class Scheduler:
                           self.max_model_len - req.num_computed_tokens)
             priced = num_new > 1 and self.budget_ctrl is not None  # a prefill chunk
             if priced:
-                num_new = self.budget_ctrl.fit(req.num_computed_tokens, num_new,
-                                               req.num_tokens)
+                num_new = self.budget_ctrl.fit(req, req.num_computed_tokens, num_new)
             if num_new <= 0:
                 continue  # static mode: admitted, waiting for its first chunk
             while self.kv.allocate_slots(req, num_new) is None:
@@ -240,7 +243,7 @@ class Scheduler:
             scheduled[req.request_id] = num_new
             budget -= num_new
             if priced:
-                self.budget_ctrl.add(req.num_computed_tokens, num_new, req.num_tokens)
+                self.budget_ctrl.add(req, req.num_computed_tokens, num_new)
         return budget
 
     def _pick_victim(self, requester: Request) -> Request:
@@ -283,7 +286,7 @@ class Scheduler:
                     scheduled[req.request_id] = num_new
                     budget -= num_new
                     if self.budget_ctrl is not None:
-                        self.budget_ctrl.add(req.num_computed_tokens, num_new, req.num_tokens)
+                        self.budget_ctrl.add(req, req.num_computed_tokens, num_new)
                     # Safe to publish now: an admission is never preempted within its step
                     # (``admitted`` protects it from _victims_for), so these blocks are
                     # computed this step (n > 1 siblings share them at once).
@@ -309,7 +312,7 @@ class Scheduler:
         remaining = req.num_tokens - computed.num_tokens
         num_new = min(remaining, max(budget, 0))
         if num_new > 0 and self.budget_ctrl is not None:
-            num_new = self.budget_ctrl.fit(computed.num_tokens, num_new, req.num_tokens)
+            num_new = self.budget_ctrl.fit(req, computed.num_tokens, num_new)
         if num_new < remaining and not self.config.enable_chunked_prefill:
             num_new = 0
         if num_new == 0 and self.config.batching != "static":
