@@ -20,6 +20,9 @@ POLICY_OPTIONS = {
     "fair": dict(tenant_weights={"t1": 2.0}),
     "edf": dict(default_slo_ttft_ms=50.0),
     "lpm": dict(lpm_window=4),
+    # The budget controller on (a linear step-cost model): it cuts chunks to the targets.
+    "slo": dict(default_slo_ttft_ms=50.0, default_slo_tpot_ms=6.0,
+                slo_cost_model="linear:0.002,2e-4,0"),
 }
 POOLS = {
     "preempt": dict(num_kv_blocks=9, block_size=8),  # 72 slots: running requests collide
@@ -84,3 +87,6 @@ def test_policy_never_changes_tokens(policy: str, pool: str) -> None:
         assert stats["num_admission_preemptions"] > 0, "urgent arrivals should preempt"
     if pool == "chunked":
         assert stats["prefix_cache_hits"] > 0
+    if policy == "slo":
+        assert stats["token_budget"]["num_time_bound"] > 0, "the controller should cut"
+

@@ -117,6 +117,14 @@ CASES = [
     pytest.param(dict(scheduling_policy="edf", default_slo_ttft_ms=30.0,
                       default_slo_tpot_ms=8.0), id="edf-default-slos",
                  marks=pytest.mark.skipif("edf" not in POLICIES, reason="no edf policy")),
+    # The SLO budget controller prices every step with the same linear model in the engine
+    # and in the simulator (a replayed cost cannot answer its "what if" questions).
+    pytest.param(dict(scheduling_policy="slo", default_slo_ttft_ms=30.0,
+                      default_slo_tpot_ms=4.0, slo_cost_model="linear:0.002,1e-4,0"),
+                 id="slo-controller"),
+    pytest.param(dict(scheduling_policy="slo", default_slo_ttft_ms=30.0,
+                      default_slo_tpot_ms=4.0, slo_cost_model="linear:0.002,1e-4,0",
+                      slo_late_action="reject"), id="slo-reject"),
     pytest.param(dict(scheduling_policy="fcfs", batching="static"), id="fcfs-static"),
     pytest.param(dict(scheduling_policy="fcfs", enable_prefix_caching=False,
                       enable_chunked_prefill=False, max_num_batched_tokens=256),
@@ -145,6 +153,10 @@ def test_replayed_step_times_reproduce_every_batch(overrides, clock):
             assert getattr(sim, field.name) == getattr(real, field.name), (rid, field.name)
     assert result.replicas[0].num_preemptions == real_stats["num_preemptions"]
     assert result.num_steps == len(records)
+    if "slo_cost_model" in overrides and clock == "model":  # (wall: any machine's speed)
+        assert real_stats["token_budget"]["num_time_bound"] > 0, "the controller should cut"
+        if overrides.get("slo_late_action") == "reject":
+            assert real_stats["num_slo_rejected"] > 0
 
 
 def test_the_replay_scenario_exercises_the_interesting_decisions():

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.core.budget import TOKEN_BUDGET_MODES
 from conveyor.core.policies import POLICIES, PREDICTORS, PolicyConfig
 from conveyor.spec.config import SpeculativeConfig
 
@@ -100,6 +101,13 @@ class SchedulerConfig:
     max_queue_wait_s: float | None = None
     queue_wait_action: str = "admit"  # admit | reject
     max_preemptions_per_request: int | None = None
+    # The per-step token budget: "fixed" (max_num_batched_tokens), "slo" (chosen each step
+    # from TPOT targets by a step-cost model, max_num_batched_tokens the ceiling), "auto"
+    # (slo for the slo policy). See core/budget.py.
+    token_budget: str = "auto"
+    # The controller multiplies the cost model's predictions by this (1.1: steps run 10%
+    # slower than it says).
+    slo_cost_scale: float = 1.0
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     # Speculative decoding (None: off): the scheduler decides the draft lengths.
     speculative: SpeculativeConfig | None = None
@@ -122,6 +130,12 @@ class SchedulerConfig:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if self.max_queue_wait_s is not None and not self.max_queue_wait_s >= 0:
             raise ValueError(f"max_queue_wait_s must be >= 0, got {self.max_queue_wait_s}")
+        if self.token_budget not in TOKEN_BUDGET_MODES:
+            raise ValueError(f"token_budget must be one of {', '.join(TOKEN_BUDGET_MODES)}, "
+                             f"got {self.token_budget!r}")
+        if not (self.slo_cost_scale > 0 and self.slo_cost_scale < float("inf")):
+            raise ValueError(f"slo_cost_scale must be a finite number > 0, "
+                             f"got {self.slo_cost_scale}")
         if self.max_preemptions_per_request is not None \
                 and self.max_preemptions_per_request < 0:
             raise ValueError(f"max_preemptions_per_request must be >= 0, "
@@ -176,6 +190,15 @@ class EngineArgs:
     default_slo_ttft_ms: float | None = None
     default_slo_tpot_ms: float | None = None
     lpm_window: int = 64
+    token_budget: str = "auto"
+    # The token budget controller's step-cost model: a `conveyor profile` JSON, roofline:HW
+    # (a100, h100, h200, cpu or a hardware JSON) or linear:BASE,PER_TOKEN,PER_SEQ seconds.
+    # The simulator uses its own cost model when this is None.
+    slo_cost_model: str | None = None
+    slo_cost_scale: float = 1.0
+    slo_late_action: str = "serve"
+    slo_tie_break: str = "slack"
+    slo_tie_quantum_ms: float = 50.0
     # {"method": "ngram" | "suffix" | "draft_model" | "synthetic", ...} (spec/config.py),
     # a JSON string of it, or None (off).
     speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
@@ -266,9 +289,9 @@ class EngineArgs:
         g.add_argument("--tenant-weights", type=_parse_weights, default=None,
                        help="per-tenant weights for the fair policy, e.g. a=2,b=1")
         g.add_argument("--default-slo-ttft-ms", type=float, default=None,
-                       help="TTFT target of requests that carry none (edf, metrics)")
+                       help="TTFT target of requests that carry none (edf, slo, metrics)")
         g.add_argument("--default-slo-tpot-ms", type=float, default=None,
-                       help="TPOT target of requests that carry none (edf, metrics)")
+                       help="TPOT target of requests that carry none (edf, slo, metrics)")
         g.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 4}\'; methods ngram, suffix, '
@@ -277,6 +300,27 @@ class EngineArgs:
         g.add_argument("--lpm-window", type=int, default=64,
                        help="lpm: oldest waiting requests compared, and the most overtakes "
                             "any request suffers")
+        g.add_argument("--token-budget", default="auto", choices=TOKEN_BUDGET_MODES,
+                       help="per-step token budget: fixed (--max-num-batched-tokens), slo "
+                            "(chosen each step so that running decodes meet their TPOT "
+                            "targets, --max-num-batched-tokens the ceiling; needs a step-cost "
+                            "model), auto (slo for --scheduling-policy slo)")
+        g.add_argument("--slo-cost-model", default=None, metavar="SPEC",
+                       help="the budget controller's step-cost model: a `conveyor profile` "
+                            "JSON, roofline:HW (a100, h100, h200, cpu, or a hardware JSON), or "
+                            "linear:BASE,PER_TOKEN,PER_SEQ (seconds); conveyor sim defaults "
+                            "to its own cost model")
+        g.add_argument("--slo-cost-scale", type=float, default=1.0,
+                       help="multiply the step-cost model's predictions by this (a margin)")
+        g.add_argument("--slo-late-action", default="serve", choices=("serve", "reject"),
+                       help="slo: a waiting request that can no longer meet its TTFT target "
+                            "is served after the others (serve) or rejected at once "
+                            "(reject: HTTP 429, code slo_unattainable)")
+        g.add_argument("--slo-tie-break", default="slack", choices=("slack", "fair"),
+                       help="slo: order of on-time requests within one --slo-tie-quantum-ms "
+                            "of latest start: by it (slack) or least-served tenant first "
+                            "(fair, VTC counters)")
+        g.add_argument("--slo-tie-quantum-ms", type=float, default=50.0)
         return parser
 
     @classmethod
@@ -298,6 +342,8 @@ class EngineArgs:
             queue_wait_action=self.queue_wait_action,
             max_preemptions_per_request=self.max_preemptions_per_request,
             speculative=self.speculative,
+            token_budget=self.token_budget,
+            slo_cost_scale=self.slo_cost_scale,
             policy=PolicyConfig(
                 sjf_aging_s=self.sjf_aging_s,
                 sjf_predictor=self.sjf_predictor,
@@ -312,6 +358,9 @@ class EngineArgs:
                 default_slo_tpot_s=(self.default_slo_tpot_ms * ms
                                     if self.default_slo_tpot_ms is not None else None),
                 lpm_window=self.lpm_window,
+                slo_late_action=self.slo_late_action,
+                slo_tie_break=self.slo_tie_break,
+                slo_tie_quantum_s=self.slo_tie_quantum_ms * ms,
             ),
         )
 

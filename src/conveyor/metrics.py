@@ -15,7 +15,12 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from conveyor.outputs import RequestMetrics
@@ -53,6 +58,9 @@ _STAT_COUNTERS = {
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "num_step_errors": ("engine_step_errors",
                         "Engine steps that raised (the requests in flight failed)."),
+    "num_slo_rejected": ("num_requests_slo_rejected",
+                         "Requests rejected early: their TTFT target could no longer be met "
+                         "(--scheduling-policy slo --slo-late-action reject)."),
 }
 _STAT_GAUGES = {
     "num_running": ("num_requests_running", "Requests in the running batch."),
@@ -85,6 +93,18 @@ class _EngineStatsCollector(Collector):
         for key, (name, doc) in _STAT_GAUGES.items():
             if key in stats:
                 yield GaugeMetricFamily(PREFIX + name, doc, value=float(stats[key]))
+        budget = stats.get("token_budget") or {}
+        if budget.get("mode") == "slo":
+            # The chosen per-step token budget (buckets in tokens; cumulative counts).
+            buckets, total = [], 0
+            for bound, count in sorted((int(b), c) for b, c in budget["histogram"].items()):
+                total += count
+                buckets.append((str(bound), total))
+            buckets[-1] = ("+Inf", total)
+            yield HistogramMetricFamily(
+                PREFIX + "step_token_budget", "The SLO controller's token budget per step "
+                "(what a step scheduled when TPOT targets bound it, else the ceiling).",
+                buckets=buckets, sum_value=float(budget.get("histogram_sum", 0)))
         spec = stats.get("spec_decode")
         if spec:
             yield from _spec_metrics(spec)
@@ -153,6 +173,10 @@ class EngineMetrics:
                                 ["finished_reason"], registry=r)
         for reason in ("stop", "length", "abort"):
             self.finished.labels(reason)
+        self.slo = Counter(PREFIX + "request_slo",
+                           "Finished requests with a TTFT or TPOT target, by target and "
+                           "whether they met it (attainment = met / all, goodput = the rate "
+                           "of requests meeting both).", ["target", "result"], registry=r)
         self._stats = _EngineStatsCollector()
         r.register(self._stats)
 
@@ -172,6 +196,15 @@ class EngineMetrics:
                 self.queue_time.observe(m.queue_time)
             for gap in m.itls:
                 self.itl.observe(gap)
+            completed = m.finish_reason in ("stop", "length")
+            if m.slo_ttft_s is not None:
+                met = completed and m.ttft is not None and m.ttft <= m.slo_ttft_s
+                self.slo.labels("ttft", "met" if met else "missed").inc()
+            if m.slo_tpot_s is not None:
+                met = completed and (m.tpot is None or m.tpot <= m.slo_tpot_s)
+                self.slo.labels("tpot", "met" if met else "missed").inc()
+            if m.slo_attained is not None:
+                self.slo.labels("both", "met" if m.slo_attained else "missed").inc()
 
     def update_stats(self, stats: dict[str, Any]) -> None:
         self._stats.stats = dict(stats)

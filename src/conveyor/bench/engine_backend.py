@@ -124,7 +124,9 @@ def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = No
                "batching": engine.config.scheduler.batching,
                "max_num_seqs": engine.config.scheduler.max_num_seqs,
                "model": engine.config.model.served_model_name,
-               "dtype": engine.config.model.dtype_label, **spec_figures(stats)})
+               "dtype": engine.config.model.dtype_label,
+               "num_slo_rejected": stats["num_slo_rejected"],
+               "token_budget": stats["token_budget"], **spec_figures(stats)})
     return RunResult(label, ordered, summary, sizes, tracer.trace)
 
 

@@ -54,13 +54,19 @@ class RequestRecord:
 
     @property
     def meets_slo(self) -> bool:
-        if not self.ok:
-            return False
-        if self.slo_ttft_ms is not None and (self.ttft_s is None
-                                             or self.ttft_s * 1e3 > self.slo_ttft_ms):
-            return False
-        return not (self.slo_tpot_ms is not None and self.tpot_s is not None
-                    and self.tpot_s * 1e3 > self.slo_tpot_ms)
+        return self.meets_ttft and self.meets_tpot
+
+    @property
+    def meets_ttft(self) -> bool:
+        """Completed within its TTFT target (or carries none)."""
+        return self.ok and not (self.slo_ttft_ms is not None and (
+            self.ttft_s is None or self.ttft_s * 1e3 > self.slo_ttft_ms))
+
+    @property
+    def meets_tpot(self) -> bool:
+        """Completed within its TPOT target (or carries none; one token meets it)."""
+        return self.ok and not (self.slo_tpot_ms is not None and self.tpot_s is not None
+                                and self.tpot_s * 1e3 > self.slo_tpot_ms)
 
     @classmethod
     def from_metrics(cls, req: BenchRequest, m: RequestMetrics, t0: float) -> RequestRecord:
@@ -146,6 +152,10 @@ class Summary:
     num_preemptions: int | None  # None when the backend can't see them
     peak_kv_usage: float | None  # fraction of the KV pool; None when the backend can't see it
     extra: dict[str, Any] = field(default_factory=dict)
+    # Shares of all requests that completed within the TTFT (TPOT) target they carry;
+    # None when no request carries one.
+    ttft_attainment: float | None = None
+    tpot_attainment: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -188,7 +198,15 @@ def summarize(records: list[RequestRecord], duration_s: float, *,
         slo_attainment=good / len(records) if has_slo and records else None,
         num_preemptions=(num_preemptions if num_preemptions is not None
                          else sum(r.num_preemptions for r in records)),
-        peak_kv_usage=peak_kv_usage, extra=dict(extra or {}))
+        peak_kv_usage=peak_kv_usage, extra=dict(extra or {}),
+        ttft_attainment=_share(records, "meets_ttft", "slo_ttft_ms"),
+        tpot_attainment=_share(records, "meets_tpot", "slo_tpot_ms"))
+
+
+def _share(records: list[RequestRecord], test: str, target: str) -> float | None:
+    if not records or all(getattr(r, target) is None for r in records):
+        return None
+    return sum(getattr(r, test) for r in records) / len(records)
 
 
 @dataclass

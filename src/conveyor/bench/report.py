@@ -25,6 +25,13 @@ def figures(summary: Summary) -> dict[str, tuple[str, float | None]]:
         "output_throughput": ("output tokens/s", s.output_throughput),
         "goodput": ("goodput (req/s in SLO)", s.goodput),
     }
+    for key, label, value in (("slo_attainment", "SLO attainment (%)", s.slo_attainment),
+                              ("ttft_attainment", "TTFT attainment (%)", s.ttft_attainment),
+                              ("tpot_attainment", "TPOT attainment (%)", s.tpot_attainment)):
+        if value is not None:
+            out[key] = (label, 100 * value)
+    if s.extra.get("num_slo_rejected"):
+        out["num_slo_rejected"] = ("rejected early (SLO)", s.extra["num_slo_rejected"])
     for name in LATENCY_METRICS:
         stats = s.latency.get(name)
         if stats is None or stats.count == 0:
@@ -43,6 +50,10 @@ def figures(summary: Summary) -> dict[str, tuple[str, float | None]]:
                        ("spec_mean_acceptance_length", "mean acceptance length")):
         if key in s.extra:
             out[key] = (label, s.extra[key])
+    budget = s.extra.get("token_budget") or {}
+    if budget.get("mode") == "slo" and budget.get("num_steps"):
+        out["budget_time_bound"] = ("steps cut by the SLO budget (%)",
+                                    100 * budget["num_time_bound"] / budget["num_steps"])
     return out
 
 

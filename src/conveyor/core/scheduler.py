@@ -18,7 +18,9 @@ Shared controls, the same for every policy: ``max_num_seqs`` and
 requests beyond it); ``max_queue_wait_s`` (a request waiting that long since it
 joined the queue is admitted before the policy's choice, or rejected with
 ``queue_wait_action="reject"`` if it never ran); ``max_preemptions_per_request``
-(a request preempted that often is no longer offered as a victim).
+(a request preempted that often is no longer offered as a victim); ``token_budget``
+(``slo``: a ``BudgetController``, core/budget.py, sizes each prefill chunk from TPOT
+targets and a step-cost model, ``max_num_batched_tokens`` the ceiling).
 
 In ``static`` batching mode waiting requests are only admitted when nothing is
 running: the classic baseline that holds a batch until its longest member ends.
@@ -30,10 +32,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from conveyor.config import SchedulerConfig
+from conveyor.core.budget import BudgetController, StepCostModel, budget_mode
 from conveyor.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from conveyor.core.policies import PolicyContext, SchedulingPolicy, make_policy
 from conveyor.core.scheduler_output import (
@@ -45,8 +49,13 @@ from conveyor.core.scheduler_output import (
 from conveyor.request import Request, RequestStatus
 from conveyor.spec.controller import DraftLengthController, DraftRow, OnlineStepCost, StepCost
 
+logger = logging.getLogger(__name__)
+
 # Hot-path comparisons use this module constant: an enum member lookup costs more than the test.
 _RUNNING = RequestStatus.RUNNING
+# stop_reason of a request the policy rejected because its TTFT target cannot be met any
+# more (the server answers 429 with this code).
+SLO_REJECTED = "slo_unattainable"
 
 
 @dataclass
@@ -74,6 +83,7 @@ class SchedulerStats:
     num_admission_preemptions: int = 0
     num_rejected: int = 0  # queue full (counted by the engine) or waited too long
     num_wait_rejected: int = 0  # rejected by max_queue_wait_s
+    num_slo_rejected: int = 0  # rejected early by the policy: TTFT target out of reach
     num_overdue: int = 0  # promoted ahead of the policy's order by max_queue_wait_s
     peak_running: int = 0
     peak_waiting: int = 0
@@ -86,16 +96,32 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  policy: SchedulingPolicy | None = None,
-                 step_cost: StepCost | None = None) -> None:
-        """``step_cost``: the step-cost model speculative decoding weighs draft tokens
-        with; by default one fitted online to the step times this scheduler sees (the
-        span from ``schedule(now)`` to ``update(..., now)``)."""
+                 step_cost: StepCostModel | None = None,
+                 spec_cost: StepCost | None = None) -> None:
+        """``step_cost``: the SLO token budget's step-cost model (``core/budget.py``).
+        ``spec_cost``: the one speculative decoding weighs draft tokens with; by default
+        fitted online to the step times this scheduler sees (the span from
+        ``schedule(now)`` to ``update(..., now)``)."""
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.policy = policy or make_policy(config.scheduling_policy, config.policy)
-        self.policy.bind(PolicyContext(max_model_len=max_model_len,
-                                       cached_prefix_tokens=self._cached_prefix_tokens))
+        # The per-step token budget: fixed, or chosen from SLOs by a step-cost model.
+        self.budget_mode, self.budget_reason = budget_mode(
+            config.token_budget, self.policy.name, config.batching, step_cost)
+        self.budget_ctrl: BudgetController | None = None
+        if self.budget_mode == "slo":
+            assert step_cost is not None
+            self.budget_ctrl = BudgetController(step_cost, config.max_num_batched_tokens,
+                                                config.slo_cost_scale)
+        elif config.token_budget == "slo" or (config.token_budget == "auto"
+                                              and self.policy.name == "slo"):
+            # Wanted but not possible (no cost model, static batching): say so once.
+            logger.warning("token budget: %s", self.budget_reason)
+        self.policy.bind(PolicyContext(
+            max_model_len=max_model_len, cached_prefix_tokens=self._cached_prefix_tokens,
+            predict_prefill_s=(self.budget_ctrl.predict_prefill_s if self.budget_ctrl
+                               else None)))
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -123,9 +149,9 @@ class Scheduler:
         self.spec: DraftLengthController | None = None
         self._online_cost: OnlineStepCost | None = None
         if config.speculative is not None:
-            if step_cost is None:
-                step_cost = self._online_cost = OnlineStepCost()
-            self.spec = DraftLengthController(config.speculative, step_cost)
+            if spec_cost is None:
+                spec_cost = self._online_cost = OnlineStepCost()
+            self.spec = DraftLengthController(config.speculative, spec_cost)
         self._step_spec: dict[str, list[int]] = {}
         self._step_want: dict[str, int] = {}
         self._schedule_now: float | None = None
@@ -193,8 +219,13 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         preempted: list[Request] = []
         admit_allowed = self.config.batching == "continuous" or not self.running
+        ctrl = self.budget_ctrl
+        if ctrl is not None:  # the ceiling stays ``budget``; the controller prices chunks
+            ctrl.begin_step(now, self.running)
 
         self._apply_queue_wait_limit(now)
+        for req in self.policy.reject_waiting(now):
+            self._reject(req, now, SLO_REJECTED)
         self._schedule_now = now
         decodes: list[Request] = []
         budget = self._schedule_running(scheduled, preempted, budget, now, decodes)
@@ -204,7 +235,10 @@ class Scheduler:
             # Drafts take what prefill left of the budget: a prompt token is certain work,
             # a draft only probably saves some.
             self._schedule_drafts(decodes, scheduled, budget)
-        return self._build_output(scheduled, preempted, now)
+        out = self._build_output(scheduled, preempted, now)
+        if ctrl is not None:
+            ctrl.end_step(out.total_num_scheduled_tokens)
+        return out
 
     def _schedule_running(self, scheduled: dict[str, int], preempted: list[Request],
                           budget: int, now: float, decodes: list[Request]) -> int:
@@ -217,6 +251,9 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = min(req.num_uncomputed_tokens, budget,
                           self.max_model_len - req.num_computed_tokens)
+            priced = num_new > 1 and self.budget_ctrl is not None  # a prefill chunk
+            if priced:
+                num_new = self.budget_ctrl.fit(req, req.num_computed_tokens, num_new)
             if num_new <= 0:
                 continue  # static mode: admitted, waiting for its first chunk
             while self.kv.allocate_slots(req, num_new) is None:
@@ -230,6 +267,8 @@ class Scheduler:
                 continue
             scheduled[req.request_id] = num_new
             budget -= num_new
+            if priced:
+                self.budget_ctrl.add(req, req.num_computed_tokens, num_new)
             if num_new == 1 and req.num_uncomputed_tokens == 1:
                 decodes.append(req)
         return budget
@@ -255,6 +294,10 @@ class Scheduler:
         spec.plan(rows, sum(scheduled.values()), len(scheduled), budget)
         for row in rows:
             req, k = row.request, row.k_now
+            # Under the SLO budget, drafts and prefill chunks are one decision: a draft
+            # goes in only while the step stays within every decode's TPOT limit.
+            while k and self.budget_ctrl is not None and not self.budget_ctrl.admit(req, k):
+                k -= 1
             extra = k + (row.k_want if lookahead else 0)
             if extra and self.kv.allocate_slots(req, 1 + extra) is None:
                 k, row.k_want = 0, 0
@@ -327,6 +370,8 @@ class Scheduler:
                 if num_new > 0:
                     scheduled[req.request_id] = num_new
                     budget -= num_new
+                    if self.budget_ctrl is not None:
+                        self.budget_ctrl.add(req, req.num_computed_tokens, num_new)
                     # Safe to publish now: an admission is never preempted within its step
                     # (``admitted`` protects it from _victims_for), so these blocks are
                     # computed this step (n > 1 siblings share them at once).
@@ -352,6 +397,8 @@ class Scheduler:
         """
         remaining = req.num_tokens - computed.num_tokens
         num_new = min(remaining, max(budget, 0))
+        if num_new > 0 and self.budget_ctrl is not None:
+            num_new = self.budget_ctrl.fit(req, computed.num_tokens, num_new)
         if num_new < remaining and not self.config.enable_chunked_prefill:
             num_new = 0
         if num_new == 0 and self.config.batching != "static":
@@ -436,18 +483,25 @@ class Scheduler:
                 continue  # admitted or finished since it joined the queue
             del self._wait_entry[req.request_id]
             if self.config.queue_wait_action == "reject" and req.first_scheduled_time is None:
-                self.policy.pop(req)
-                self.stats.num_rejected += 1
                 self.stats.num_wait_rejected += 1
-                self._finish(req, RequestStatus.FINISHED_REJECTED)
-                req.finished_time = now
-                self._pending_updates.append(
-                    RequestUpdate(req.request_id, [], status=RequestStatus.FINISHED_REJECTED,
-                                  request=req))
+                self._reject(req, now)
             else:
                 self.stats.num_overdue += 1
                 self._overdue_ids.add(req.request_id)
                 self._overdue.append(req)
+
+    def _reject(self, req: Request, now: float, reason: str | None = None) -> None:
+        """Finish a waiting request as rejected (reported by the next update)."""
+        self.policy.pop(req)
+        self.stats.num_rejected += 1
+        if reason == SLO_REJECTED:
+            self.stats.num_slo_rejected += 1
+        req.stop_reason = reason
+        self._finish(req, RequestStatus.FINISHED_REJECTED)
+        req.finished_time = now
+        self._pending_updates.append(
+            RequestUpdate(req.request_id, [], status=RequestStatus.FINISHED_REJECTED,
+                          stop_reason=reason, request=req))
 
     def _build_output(self, scheduled: dict[str, int], preempted: list[Request],
                       now: float) -> SchedulerOutput:

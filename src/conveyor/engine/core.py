@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from conveyor.config import EngineConfig, kv_hash_key
+from conveyor.core.budget import StepCostModel
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import RequestUpdate, Scheduler
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -54,9 +55,12 @@ class Executor(Protocol):
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor,
                  clock: Callable[[], float] = time.monotonic,
-                 num_kv_blocks: int | None = None) -> None:
+                 num_kv_blocks: int | None = None,
+                 step_cost: StepCostModel | None = None) -> None:
         """``num_kv_blocks``: allocate fewer blocks than the configured pool (the simulator
-        does when a workload cannot fill it: the decisions are the same)."""
+        does when a workload cannot fill it: the decisions are the same). ``step_cost``:
+        the step-cost model the scheduler's SLO token budget controller prices steps with
+        (``core/budget.py``; None: a fixed budget)."""
         self.config = config
         self.executor = executor
         self.clock = clock
@@ -64,7 +68,8 @@ class EngineCore:
         assert cache.num_kv_blocks is not None, "resolve the KV pool before the core"
         self.kv = KVCacheManager(num_kv_blocks or cache.num_kv_blocks, cache.block_size,
                                  cache.enable_prefix_caching, kv_hash_key(config.model))
-        self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len,
+                                   step_cost=step_cost)
         self.eos_token_ids = frozenset(config.model.eos_token_ids)
         self.num_prompt_tokens = 0  # each admitted prompt once, cache hits included
         self.num_generation_tokens = 0
@@ -217,6 +222,7 @@ class EngineCore:
             "num_admission_preemptions": s.num_admission_preemptions,
             "num_rejected": s.num_rejected,
             "num_wait_rejected": s.num_wait_rejected,
+            "num_slo_rejected": s.num_slo_rejected,
             "num_overdue": s.num_overdue,
             "peak_running": s.peak_running,
             "peak_waiting": s.peak_waiting,
@@ -240,6 +246,15 @@ class EngineCore:
             "num_batched_rows": s.num_batched_rows,
             "max_model_len": self.max_model_len,
             "policy": self.scheduler.policy.stats(),
+            "token_budget": self.token_budget_stats(),
             "spec_decode": (self.scheduler.spec.metrics.as_dict()
                             if self.scheduler.spec is not None else None),
         }
+
+    def token_budget_stats(self) -> dict[str, Any]:
+        """The budget controller's figures, or the fixed budget and why it is fixed."""
+        sched = self.scheduler
+        if sched.budget_ctrl is not None:
+            return sched.budget_ctrl.stats_dict()
+        return {"mode": "fixed", "ceiling": self.config.scheduler.max_num_batched_tokens,
+                "reason": sched.budget_reason}

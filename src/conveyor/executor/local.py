@@ -79,4 +79,9 @@ def build_local_core(args: EngineArgs, clock: Callable[[], float] = time.monoton
     config = resolve_engine_config(args, executor.model_config, num_blocks,
                                    str(executor.device))
     executor.initialize(config)
-    return EngineCore(config, executor, clock)
+    step_cost = None
+    if args.slo_cost_model:  # the SLO token budget controller's cost model (torch-free)
+        from conveyor.sim.cost_model import load_step_cost
+
+        step_cost = load_step_cost(args.slo_cost_model, config.model)
+    return EngineCore(config, executor, clock, step_cost=step_cost)

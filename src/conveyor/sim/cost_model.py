@@ -54,3 +54,20 @@ def make_cost_model(cost: str, model: ModelConfig, *, hardware: str = "h100",
         return profile
     raise ValueError(f"cost model must be 'roofline' or the path of a profile.json from "
                      f"`conveyor profile`, got {cost!r}")
+
+
+def load_step_cost(spec: str, model: ModelConfig):
+    """The SLO token budget controller's step-cost model (``--slo-cost-model``): a
+    ``conveyor profile`` JSON, ``roofline:HW`` (a preset or a hardware JSON, tp 1) or
+    ``linear:BASE,PER_TOKEN,PER_SEQ`` in seconds. Torch-free (a profile needs numpy)."""
+    kind, _, rest = spec.partition(":")
+    if kind == "roofline" and rest:
+        return make_cost_model("roofline", model, hardware=rest)
+    if kind == "linear" and rest:
+        from conveyor.bench.model_clock import StepCostModel
+
+        return StepCostModel.parse(rest)
+    if spec.endswith(".json") or os.path.isfile(spec):
+        return make_cost_model(spec, model)
+    raise ValueError(f"--slo-cost-model must be a `conveyor profile` JSON, roofline:HW or "
+                     f"linear:BASE,PER_TOKEN,PER_SEQ, got {spec!r}")

@@ -77,6 +77,9 @@ class ReplayCostModel:
     """Returns recorded step durations in order, whatever the batch (for replay tests)."""
 
     cap_kv_to_useful = False
+    # Each call consumes a recorded step: it cannot answer the budget controller's "what
+    # if" questions (the simulator then gives the controller no model of its own).
+    predictive = False
 
     def __init__(self, durations: list[float]) -> None:
         self.durations = list(durations)

@@ -65,7 +65,8 @@ class VirtualClock:
 class SimReplica:
     def __init__(self, index: int, config: EngineConfig, cost: CostModel,
                  make_params: Callable[[WorkloadRequest], SamplingParams],
-                 listeners: list[StepListener], pool_blocks: int | None = None) -> None:
+                 listeners: list[StepListener], pool_blocks: int | None = None,
+                 step_cost: CostModel | None = None) -> None:
         self.index = index
         self.config = config
         self.make_params = make_params
@@ -76,7 +77,8 @@ class SimReplica:
         self.clock = VirtualClock()
         self.executor = CostModelExecutor(cost, config.model,
                                           speculative=config.scheduler.speculative)
-        self.core = EngineCore(config, self.executor, self.clock, num_kv_blocks=pool_blocks)
+        self.core = EngineCore(config, self.executor, self.clock, num_kv_blocks=pool_blocks,
+                               step_cost=step_cost)
         self.kv = self.core.kv
         self.scheduler = self.core.scheduler
         policy = config.scheduler.policy

@@ -16,6 +16,24 @@ from conveyor.bench.workload import BenchRequest
 from conveyor.sim.simulator import SimResult, Simulator
 
 
+def merge_budget_stats(per_replica: list[dict]) -> dict:
+    """The replicas' token budget figures summed (modes and ceilings are alike)."""
+    if not per_replica or per_replica[0].get("mode") != "slo":
+        return dict(per_replica[0]) if per_replica else {}
+    out = dict(per_replica[0])
+    for key in ("num_steps", "num_time_bound", "num_ceiling_bound", "num_demand_bound",
+                "num_over_limit", "num_lost_decodes", "num_admitted_extra",
+                "num_refused_extra"):
+        out[key] = sum(r[key] for r in per_replica)
+    out["histogram"] = {b: sum(r["histogram"][b] for r in per_replica)
+                        for b in per_replica[0]["histogram"]}
+    out["histogram_sum"] = sum(r["histogram_sum"] for r in per_replica)
+    steps = out["num_steps"]
+    out["mean_predicted_step_s"] = (sum(r["mean_predicted_step_s"] * r["num_steps"]
+                                        for r in per_replica) / steps if steps else 0.0)
+    return out
+
+
 def run_result(requests: Sequence[BenchRequest], result: SimResult, sim: Simulator,
                label: str = "sim") -> RunResult:
     records = []
@@ -44,5 +62,7 @@ def run_result(requests: Sequence[BenchRequest], result: SimResult, sim: Simulat
                "dtype": sim.config.model.dtype, "cost_model": result.cost_model,
                "replicas": sim.num_replicas, "router": sim.router_name,
                "sim_wall_s": result.wall_s, "sim_events": result.num_events,
-               "sim_events_per_s": result.events_per_s})
+               "sim_events_per_s": result.events_per_s,
+               "num_slo_rejected": sum(r.num_slo_rejected for r in reps),
+               "token_budget": merge_budget_stats([r.token_budget or {} for r in reps])})
     return RunResult(label, records, summary)

@@ -28,7 +28,7 @@ from conveyor.engine.validation import capped_max_tokens
 from conveyor.executor.cost_model import CostModelExecutor
 from conveyor.outputs import RequestMetrics
 from conveyor.sampling_params import SamplingParams
-from conveyor.sim.cost_model import CostModel
+from conveyor.sim.cost_model import CostModel, load_step_cost
 from conveyor.sim.model import resolve_sim_model
 from conveyor.sim.replica import (
     SimReplica,
@@ -55,6 +55,8 @@ class ReplicaStats:
     num_kv_blocks: int
     peak_kv_blocks: int
     prefix_cache_hit_rate: float
+    num_slo_rejected: int = 0
+    token_budget: dict | None = None  # EngineCore.token_budget_stats()
 
 
 @dataclass
@@ -111,6 +113,11 @@ class Simulator:
             engine_args.cache_config(), model, engine_args.max_num_seqs)
         self.config: EngineConfig = resolve_engine_config(engine_args, model, num_blocks,
                                                           device="simulated")
+        # The SLO token budget controller's step-cost model: the one named in the engine
+        # args (as the engine loads it), else the simulator's own (exact predictions).
+        self.step_cost = (load_step_cost(engine_args.slo_cost_model, self.config.model)
+                          if engine_args.slo_cost_model
+                          else cost if getattr(cost, "predictive", True) else None)
         eos = frozenset(self.config.model.eos_token_ids)
         self.make_params = make_params or (lambda item: default_params(item, eos))
         self.step_listeners: list[StepListener] = []
@@ -163,7 +170,7 @@ class Simulator:
         _check_unique_ids(items)
         pool = self.pool_blocks(items)
         replicas = [SimReplica(i, self.config, self.cost, self.make_params, self.step_listeners,
-                               pool_blocks=pool)
+                               pool_blocks=pool, step_cost=self.step_cost)
                     for i in range(self.num_replicas)]
         router = make_router(self.router_name)
         finished: dict[str, RequestMetrics] = {}
@@ -259,4 +266,6 @@ def _stats(rep: SimReplica, num_requests: int) -> ReplicaStats:
                         num_preemptions=s.num_preemptions, num_rejected=s.num_rejected,
                         peak_running=s.peak_running, peak_waiting=s.peak_waiting,
                         num_kv_blocks=rep.num_kv_blocks, peak_kv_blocks=rep.kv.peak_used_blocks,
-                        prefix_cache_hit_rate=rep.kv.stats.hit_rate)
+                        prefix_cache_hit_rate=rep.kv.stats.hit_rate,
+                        num_slo_rejected=s.num_slo_rejected,
+                        token_budget=rep.core.token_budget_stats())

@@ -7,6 +7,8 @@
               most served tenant to admit a less served one
     edf       earliest TTFT / TPOT deadline first, on-time requests before late ones
     lpm       longest cached prefix first within a bounded window of the queue
+    slo       least TTFT slack first, lost requests served last or rejected; the
+              scheduler's token budget controller keeps running decodes within TPOT
 
 See base.py for the protocol and docs/scheduling.md for when to choose which.
 """
@@ -27,6 +29,7 @@ from conveyor.core.policies.lpm import LPMPolicy
 from conveyor.core.policies.predictors import PREDICTORS, register_predictor
 from conveyor.core.policies.priority import PriorityPolicy
 from conveyor.core.policies.sjf import SJFPolicy
+from conveyor.core.policies.slo import SLOPolicy
 
 __all__ = [
     "POLICIES",
@@ -40,6 +43,7 @@ __all__ = [
     "PolicyContext",
     "PriorityPolicy",
     "SJFPolicy",
+    "SLOPolicy",
     "SchedulingPolicy",
     "make_policy",
     "register_policy",

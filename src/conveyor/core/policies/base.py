@@ -52,6 +52,14 @@ class PolicyConfig:
     # lpm: how many of the oldest waiting requests are compared, and how many later
     # requests may overtake any one request.
     lpm_window: int = 64
+    # slo: a waiting request that can no longer meet its TTFT target is served after the
+    # on-time ones ("serve") or rejected early ("reject", HTTP 429 slo_unattainable).
+    slo_late_action: str = "serve"
+    # slo: among on-time requests whose latest start times fall in one window of
+    # slo_tie_quantum_s, the least served tenant (VTC counter) goes first ("fair"), or the
+    # earliest latest start ("slack").
+    slo_tie_break: str = "slack"
+    slo_tie_quantum_s: float = 0.05
 
     def __post_init__(self) -> None:
         _check(self.sjf_aging_s >= 0 and math.isfinite(self.sjf_aging_s), "sjf_aging_s",
@@ -82,6 +90,13 @@ class PolicyConfig:
                 _check(value > 0, name, f"must be > 0, got {value}")
         _check(isinstance(self.lpm_window, int) and self.lpm_window >= 1, "lpm_window",
                f"must be an integer >= 1, got {self.lpm_window}")
+        _check(self.slo_late_action in ("serve", "reject"), "slo_late_action",
+               f"must be 'serve' or 'reject', got {self.slo_late_action!r}")
+        _check(self.slo_tie_break in ("slack", "fair"), "slo_tie_break",
+               f"must be 'slack' or 'fair', got {self.slo_tie_break!r}")
+        _check(self.slo_tie_quantum_s > 0 and math.isfinite(self.slo_tie_quantum_s),
+               "slo_tie_quantum_s", f"must be a finite number > 0, got "
+               f"{self.slo_tie_quantum_s}")
 
 
 def _no_cache(request: Request) -> int:
@@ -96,6 +111,9 @@ class PolicyContext:
     max_model_len: int | None = None
     # Prompt tokens of a waiting request that the prefix cache holds right now.
     cached_prefix_tokens: Callable[[Request], int] = _no_cache
+    # Least seconds to prefill (tokens, after start computed ones) alone, from the token
+    # budget controller's step-cost model; None when the scheduler has none.
+    predict_prefill_s: Callable[[int, int], float] | None = None
 
 
 class SchedulingPolicy(abc.ABC):
@@ -155,6 +173,11 @@ class SchedulingPolicy(abc.ABC):
         the candidate would fit; the scheduler preempts nobody unless it would.
         """
         return None
+
+    def reject_waiting(self, now: float) -> list[Request]:
+        """Waiting requests to reject now (still in the queue: the scheduler pops and
+        finishes them, ``stop_reason`` "slo_unattainable"). Called once per step."""
+        return []
 
     # ---- accounting hooks ----------------------------------------------------------------
     def on_admitted(self, request: Request, now: float) -> None:

@@ -248,6 +248,13 @@ def request_error(e: BaseException) -> OpenAIError:
 def check_not_aborted(outputs: list[RequestOutput]) -> None:
     """An output the server did not abort but the engine did (e.g. queue-wait rejection)."""
     for out in outputs:
+        if any(c.finish_reason == "abort" and c.stop_reason == "slo_unattainable"
+               for c in out.outputs):
+            # --slo-late-action reject: refused before it ran, as a full queue is.
+            raise OpenAIError(429, "the request's TTFT target can no longer be met at the "
+                                   "current load (--scheduling-policy slo, --slo-late-action "
+                                   "reject); retry later or with a looser slo_ttft_ms",
+                              code="slo_unattainable")
         if any(c.finish_reason == "abort" for c in out.outputs):
             raise OpenAIError(503, "the engine aborted the request before it completed (it may "
                                    "have waited in the queue past --max-queue-wait-s)",
