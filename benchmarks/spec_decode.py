@@ -82,13 +82,15 @@ def spec_counts(llm: LLM) -> tuple[int, int, int]:
 
 
 def run_grid(name: str, target: str, configs: dict[str, dict | None], batches: list[int],
-             rounds: int, prompts: list[list[int]], max_tokens: int, threads: int) -> dict:
+             rounds: int, prompts: list[list[int]], max_tokens: int, threads: int,
+             load_format: str = "auto") -> dict:
     max_batch = max(batches)
     llms = {}
     for label, cfg in configs.items():
         llms[label] = LLM(target, dtype="float32", max_num_seqs=max_batch,
                           max_num_batched_tokens=1024, enable_prefix_caching=False,
-                          num_threads=threads, speculative_config=cfg)
+                          num_threads=threads, speculative_config=cfg,
+                          load_format=load_format)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for llm in llms.values():  # first-call costs out of the way
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0))
@@ -152,6 +154,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--rates", default="0,0.3,0.6,0.9")
+    p.add_argument("--synthetic-model", default=None,
+                   help="the synthetic sweep's model: a built-in shape with dummy weights "
+                        "(e.g. smollm2-135m) instead of the trained target")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
 
@@ -171,8 +176,12 @@ def main() -> int:
                                     seed=0 if grid == "pair" else 1)
         configs = (pair_configs(draft, args.k) if grid == "pair" else
                    synthetic_configs(args.k, [float(r) for r in args.rates.split(",")]))
-        out[grid] = run_grid(grid, target, configs, batches, args.rounds, prompts,
-                             args.max_tokens, args.threads)
+        model, load_format = target, "auto"
+        if grid == "synthetic" and args.synthetic_model:
+            model, load_format = args.synthetic_model, "dummy"
+        print(f"\n== {grid}: {model}")
+        out[grid] = run_grid(grid, model, configs, batches, args.rounds, prompts,
+                             args.max_tokens, args.threads, load_format)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

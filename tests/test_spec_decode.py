@@ -113,7 +113,11 @@ def test_every_policy_keeps_greedy_tokens(policy: str) -> None:
             if out.finished:
                 results[out.request_id] = out
     check_exact(path, [results[str(i)] for i in range(len(prompts))], prompts, params)
-    assert llm.stats()["kv_blocks_in_use"] == 0
+    stats = llm.stats()
+    assert stats["kv_blocks_in_use"] == 0
+    if policy == "slo":  # drafts asked the SLO budget controller (one decision with chunks)
+        budget = stats["token_budget"]
+        assert budget["num_admitted_extra"] + budget["num_refused_extra"] > 0
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch() -> None:
