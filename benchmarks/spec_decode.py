@@ -134,12 +134,11 @@ def run_grid(name: str, target: str, configs: dict[str, dict | None], batches: l
         print(f"  {'config':<18} {'tokens/s':>9} {'vs off':>7} {'acc.len':>8} "
               f"{'acc.rate':>8} {'drafts/tok':>10}")
         for label, row in rows.items():
-            acc = row["mean_acceptance_length"]
-            rate = row["acceptance_rate"]
+            acc, rate = row["mean_acceptance_length"], row["acceptance_rate"]
+            acc_s = "-" if acc is None else f"{acc:.2f}"
+            rate_s = "-" if rate is None else f"{rate:.2f}"
             print(f"  {label:<18} {row['tokens_per_s']:>9.1f} {row['speedup']:>6.2f}x "
-                  f"{acc if acc is None else f'{acc:.2f}':>8} "
-                  f"{rate if rate is None else f'{rate:.2f}':>8} "
-                  f"{row['drafts_per_token']:>10.2f}")
+                  f"{acc_s:>8} {rate_s:>8} {row['drafts_per_token']:>10.2f}")
         sys.stdout.flush()
     return results
 
