@@ -1,4 +1,4 @@
-"""``conveyor`` command line: serve | generate | bench | sim | profile.
+"""``conveyor`` command line: serve | router | generate | bench | sim | profile.
 
 Each subcommand lives in its own module and registers itself through
 ``add_parser(subparsers)`` returning the function to run, so this file only
@@ -15,6 +15,7 @@ import sys
 SUBCOMMANDS = {
     "generate": "conveyor.entrypoints.generate",
     "serve": "conveyor.entrypoints.serve",
+    "router": "conveyor.entrypoints.router",
     "bench": "conveyor.bench.cli",
     "sim": "conveyor.sim.cli",
     "profile": "conveyor.sim.profile_cli",
