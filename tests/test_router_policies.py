@@ -79,8 +79,9 @@ def test_prefix_prefers_the_cache_then_spills_when_overloaded() -> None:
     # Replica 1 holds 12 of the 16 blocks; same load: it wins.
     reps = [FakeReplica(1, 64), holding(prompt, 12, num_unfinished=1, num_active_tokens=64)]
     assert policy.choose(req, reps) == 1
-    # Its load in tokens outweighs what it saves: the other one.
-    reps[1].num_active_tokens = 64 + 49
+    # Cost: uncached + (load + uncached). 0: 64 + 128; 1: 16 + 161 + 16 (its load
+    # in tokens outweighs what it saves): the other one.
+    reps[1].num_active_tokens = 161
     assert policy.choose(req, reps) == 0
     # Within the token weighing but more than 2 requests and 1.5x above the least loaded:
     # overloaded, so it is left out however much it holds.

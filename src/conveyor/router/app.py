@@ -147,7 +147,7 @@ class Router:
                               "no_replica_available")
             replica = candidates[self.policy.choose(rreq, candidates) if route
                                  else least_loaded(candidates)]
-            replica.begin(rreq)
+            charged = replica.begin(rreq)
             upstream_req = self.client.build_request(
                 request.method, replica.url + path, content=body, headers=headers,
                 params=request.query_params)
@@ -155,18 +155,18 @@ class Router:
                 upstream = await self.client.send(upstream_req, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 # Nothing reached the replica: out of rotation now, try another.
-                replica.end(rreq)
+                replica.end(charged)
                 replica.mark_down(f"connect failed: {type(e).__name__}: {e}")
                 tried.append(replica)
                 continue
             except httpx.HTTPError as e:
-                replica.end(rreq)
+                replica.end(charged)
                 return self._failed(replica, e)
             break
         out_headers = {k: v for k, v in upstream.headers.items()
                        if k.lower() not in _HOP_HEADERS and k.lower() != "content-encoding"}
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            return _ClosingStreamingResponse(self._relay(upstream, replica, rreq),
+            return _ClosingStreamingResponse(self._relay(upstream, replica, charged),
                                              status_code=upstream.status_code,
                                              headers=out_headers)
         try:
@@ -175,11 +175,11 @@ class Router:
             return self._failed(replica, e)
         finally:
             await upstream.aclose()
-            replica.end(rreq)
+            replica.end(charged)
         return Response(content, status_code=upstream.status_code, headers=out_headers)
 
     async def _relay(self, upstream: httpx.Response, replica: Replica,
-                     rreq: RoutingRequest) -> AsyncIterator[bytes]:
+                     charged: int) -> AsyncIterator[bytes]:
         """The replica's SSE bytes as they come; a replica that fails midway ends the
         stream with an OpenAI error event."""
         try:
@@ -190,7 +190,7 @@ class Router:
             yield f"data: {json.dumps(err.body())}\n\n".encode()
         finally:
             await upstream.aclose()
-            replica.end(rreq)
+            replica.end(charged)
 
     def _error_of(self, replica: Replica, e: Exception) -> OpenAIError:
         replica.num_failed += 1

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from conveyor.router.policies import CacheIndex, RoutingRequest
+from conveyor.router.policies import CacheIndex, RoutingRequest, uncached_tokens
 
 logger = logging.getLogger("conveyor.router")
 
@@ -27,7 +27,8 @@ class Replica:
     url: str
     healthy: bool = False
     reason: str = "not checked yet"  # why it is out of rotation
-    # The router's own tally (exact and immediate) ...
+    # The router's own tally (exact and immediate): requests in flight, and the prompt
+    # tokens they brought that the replica had not cached (the KV they add) ...
     in_flight: int = 0
     in_flight_tokens: int = 0
     # ... and what the replica reported at its last summary (traffic from elsewhere too).
@@ -55,16 +56,19 @@ class Replica:
         return self.cache.num_cached_blocks(hashes) * self.block_size
 
     # ---- the router's bookkeeping --------------------------------------------------------
-    def begin(self, request: RoutingRequest) -> None:
+    def begin(self, request: RoutingRequest) -> int:
+        """Count a request sent here; returns the tokens charged, for ``end``."""
+        charged = uncached_tokens(request, self)
         self.in_flight += 1
-        self.in_flight_tokens += request.num_prompt_tokens
+        self.in_flight_tokens += charged
         self.num_routed += 1
         if self.block_size is not None:
             self.cache.add_routed(request.block_hashes(self.block_size, self.hash_key))
+        return charged
 
-    def end(self, request: RoutingRequest) -> None:
+    def end(self, charged: int) -> None:
         self.in_flight -= 1
-        self.in_flight_tokens -= request.num_prompt_tokens
+        self.in_flight_tokens -= charged
 
     def mark_down(self, reason: str) -> None:
         if self.healthy:

@@ -6,10 +6,11 @@ router app (``app.py``) and the simulator (``sim/router.py``) both call these.
   fewest prompt tokens in flight, then the lowest index.
 - ``prefix``: the lowest cost, where a replica's cost is the prompt tokens it would have
   to prefill (the prompt less the longest run of its leading blocks that replica holds,
-  keyed by the engine's own chained block hashes over the whole prompt) plus its load in
-  tokens (the prompt tokens of its unfinished requests), as NVIDIA Dynamo's KV router
-  scores a worker (prefill blocks plus active blocks). A replica that is overloaded
-  (more than ``balance_abs`` unfinished requests above the least loaded, and more than
+  keyed by the engine's own chained block hashes over the whole prompt) plus its KV load
+  in tokens once it has taken the request (what it holds for its unfinished requests,
+  plus those uncached tokens): NVIDIA Dynamo's KV router cost (prefill blocks plus
+  active blocks, overlap weight 1). A replica that is overloaded (more than
+  ``balance_abs`` unfinished requests above the least loaded, and more than
   ``balance_rel`` times as many: SGLang's thresholds) is not a candidate, so traffic
   spills to the others.
 
@@ -36,7 +37,8 @@ class ReplicaView(Protocol):
 
     @property
     def num_active_tokens(self) -> int:
-        """Prompt tokens of the unfinished requests."""
+        """KV tokens the replica holds or will hold for its unfinished requests (a prefix
+        they share counted once)."""
         ...
 
     def num_cached_tokens(self, request: RoutingRequest) -> int:
@@ -110,7 +112,7 @@ class PrefixAware:
 
     balance_abs: int = 8
     balance_rel: float = 1.5
-    # Weight of a token of load against a token to prefill (Dynamo's overlap weight, inverted).
+    # A token of KV load against a token to prefill (Dynamo's overlap weight, inverted).
     load_weight: float = 1.0
     name: str = "prefix"
     needs_hashes: bool = True
@@ -125,8 +127,8 @@ class PrefixAware:
         return load - lowest > self.balance_abs and load > self.balance_rel * lowest
 
     def cost(self, request: RoutingRequest, replica: ReplicaView) -> float:
-        uncached = max(request.num_prompt_tokens - replica.num_cached_tokens(request), 0)
-        return uncached + self.load_weight * replica.num_active_tokens
+        uncached = uncached_tokens(request, replica)
+        return uncached + self.load_weight * (replica.num_active_tokens + uncached)
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> int:
         if not replicas:
@@ -151,6 +153,11 @@ def make_policy(name: str) -> Policy:
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; valid: "
                          f"{', '.join(sorted(POLICIES))}") from None
+
+
+def uncached_tokens(request: RoutingRequest, replica: ReplicaView) -> int:
+    """The prompt tokens ``replica`` would have to prefill for ``request``."""
+    return max(request.num_prompt_tokens - replica.num_cached_tokens(request), 0)
 
 
 def leading_run(block_hashes: Sequence[bytes], held: Callable[[bytes], bool]) -> int:
