@@ -163,8 +163,10 @@ class Router:
                 replica.end(charged)
                 return self._failed(replica, e)
             break
+        # The router's server writes its own date and server headers.
         out_headers = {k: v for k, v in upstream.headers.items()
-                       if k.lower() not in _HOP_HEADERS and k.lower() != "content-encoding"}
+                       if k.lower() not in _HOP_HEADERS
+                       and k.lower() not in ("content-encoding", "date", "server")}
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
             return _ClosingStreamingResponse(self._relay(upstream, replica, charged),
                                              status_code=upstream.status_code,
