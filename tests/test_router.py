@@ -18,7 +18,14 @@ import pytest
 from conveyor.core.kv_cache_manager import prompt_block_hashes
 
 from helpers import make_checkpoint
-from server_helpers import ServerProcess, engine_core_pid, router, serve, wait_for
+from server_helpers import (
+    ServerProcess,
+    engine_core_pid,
+    engine_frozen,
+    router,
+    serve,
+    wait_for,
+)
 
 MODEL = "tiny-llama"
 BLOCK = 8
@@ -141,6 +148,28 @@ def test_prefix_routing_keeps_a_conversation_on_one_replica(fleet) -> None:
         assert len(where) == 1
         if conv == 1:
             assert where == {1}
+
+
+def aborted(server: ServerProcess) -> float:
+    return server.metrics().get('conveyor:request_success_total{finished_reason="abort"}', 0.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_aborts_its_request_on_the_replica(fleet, stream: bool) -> None:
+    """Both engines stopped: the request is in flight for certain when the client gives up;
+    the replica that had it counts it aborted, and the router holds nothing for it."""
+    r, servers = fleet
+    before = [aborted(s) for s in servers]
+    body = {"model": MODEL, "prompt": "na ne ni no", "max_tokens": 64, "ignore_eos": True,
+            "stream": stream}
+    with contextlib.ExitStack() as frozen:
+        for s in servers:
+            frozen.enter_context(engine_frozen(s))
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(r.url + "/v1/completions", json=body, timeout=httpx.Timeout(1.0))
+    wait_for(lambda: sum(aborted(s) - b for s, b in zip(servers, before)) == 1, 30,
+             "the abort on a replica")
+    wait_for(lambda: sum(x["in_flight"] for x in replica_states(r)) == 0, 30, "nothing held")
 
 
 def test_bad_input_is_the_replicas_clear_error(fleet) -> None:

@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from conveyor.entrypoints.openai.errors import OpenAIError
+from conveyor.entrypoints.openai.serving_common import ClientDisconnected, until_disconnected
 from conveyor.router.health import HealthChecker, Replica
 from conveyor.router.policies import Policy, RoutingRequest, least_loaded, make_policy
 
@@ -152,7 +153,13 @@ class Router:
                 request.method, replica.url + path, content=body, headers=headers,
                 params=request.query_params)
             try:
-                upstream = await self.client.send(upstream_req, stream=True)
+                # A non-streamed answer comes whole: a client that leaves meanwhile closes
+                # the replica's connection, so the replica aborts the request too.
+                upstream = await until_disconnected(
+                    request, self.client.send(upstream_req, stream=True))
+            except ClientDisconnected:
+                replica.end(charged)
+                return Response(status_code=499)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 # Nothing reached the replica: out of rotation now, try another.
                 replica.end(charged)
@@ -172,7 +179,9 @@ class Router:
                                              status_code=upstream.status_code,
                                              headers=out_headers)
         try:
-            content = await upstream.aread()
+            content = await until_disconnected(request, upstream.aread())
+        except ClientDisconnected:
+            return Response(status_code=499)
         except httpx.HTTPError as e:
             return self._failed(replica, e)
         finally:
