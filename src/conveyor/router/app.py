@@ -170,16 +170,16 @@ class Router:
                 replica.end(charged)
                 return self._failed(replica, e)
             break
-        # The router's server writes its own date and server headers.
+        # The body goes as the replica sent it (raw bytes, its content-encoding kept); the
+        # router's server writes its own date and server headers.
         out_headers = {k: v for k, v in upstream.headers.items()
-                       if k.lower() not in _HOP_HEADERS
-                       and k.lower() not in ("content-encoding", "date", "server")}
+                       if k.lower() not in _HOP_HEADERS and k.lower() not in ("date", "server")}
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
             return _ClosingStreamingResponse(self._relay(upstream, replica, charged),
                                              status_code=upstream.status_code,
                                              headers=out_headers)
         try:
-            content = await until_disconnected(request, upstream.aread())
+            content = await until_disconnected(request, _read_raw(upstream))
         except ClientDisconnected:
             return Response(status_code=499)
         except httpx.HTTPError as e:
@@ -226,6 +226,10 @@ class _ClosingStreamingResponse(StreamingResponse):
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()
+
+
+async def _read_raw(response: httpx.Response) -> bytes:
+    return b"".join([chunk async for chunk in response.aiter_raw()])
 
 
 def _auth_only(headers: dict[str, str]) -> dict[str, str]:

@@ -126,19 +126,27 @@ class HealthChecker:
     async def check(self, replica: Replica) -> None:
         try:
             r = await self.client.get(replica.url + "/health", timeout=self.timeout_s)
-            if r.status_code != 200:
-                replica.mark_down(f"/health answered {r.status_code}")
-                return
-            if self.summaries:
-                s = await self.client.get(replica.url + "/v1/kv_summary",
-                                          params={"max_blocks": self.summary_blocks},
-                                          timeout=self.timeout_s)
-                s.raise_for_status()
-                replica.apply_summary(s.json())
-        except (httpx.HTTPError, ValueError) as e:
+        except httpx.HTTPError as e:
             replica.mark_down(f"health check failed: {type(e).__name__}: {e}")
             return
+        if r.status_code != 200:
+            replica.mark_down(f"/health answered {r.status_code}")
+            return
         replica.mark_up()
+        if self.summaries:
+            await self.read_summary(replica)
+
+    async def read_summary(self, replica: Replica) -> None:
+        """A summary waits for the replica's current step (it is read between steps): one
+        that fails or is late keeps the last one and leaves the replica in rotation."""
+        try:
+            s = await self.client.get(replica.url + "/v1/kv_summary",
+                                      params={"max_blocks": self.summary_blocks},
+                                      timeout=self.timeout_s)
+            s.raise_for_status()
+            replica.apply_summary(s.json())
+        except (httpx.HTTPError, ValueError) as e:
+            logger.warning("no KV summary from %s: %s: %s", replica.url, type(e).__name__, e)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in self.replicas))
