@@ -198,3 +198,19 @@ def test_prefix_routing_tokenizes_on_a_replica_and_every_connect_failing_is_a_50
 def test_bad_router_config_is_a_clear_error(replicas, match) -> None:
     with pytest.raises(ValueError, match=match):
         RouterConfig(replicas)
+
+
+def test_a_failing_summary_leaves_the_replica_in_rotation_and_a_failing_health_not() -> None:
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200 if request.url.host == "a" else 503, json={})
+        return httpx.Response(500, json={"error": {"message": "boom"}})
+
+    app = build_router_app(RouterConfig(["http://a:1", "http://b:1"], routing="prefix"),
+                           transport=httpx.MockTransport(handle))
+    asyncio.run(app.state.router.checker.check_all())
+    a, b = app.state.router.replicas
+    assert a.healthy and a.block_size is None  # no summary yet: nothing counted as cached
+    assert not b.healthy and b.reason == "/health answered 503"
+    with pytest.raises(ValueError, match="malformed"):
+        a.apply_summary({"block_size": 16})
