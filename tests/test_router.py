@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from conveyor.core.kv_cache_manager import prompt_block_hashes
+from conveyor.router.launcher import replica_argv
 
 from helpers import make_checkpoint
 from server_helpers import (
@@ -262,3 +263,22 @@ def _status(url: str) -> int | None:
         return httpx.get(url, timeout=2.0).status_code
     except httpx.HTTPError:
         return None
+
+
+def test_replica_argv_drops_the_launchers_own_options() -> None:
+    argv = ["--model", "m", "--data-parallel-size", "2", "--port=9", "--routing", "prefix",
+            "--host", "0.0.0.0", "--num-threads", "1"]
+    assert replica_argv(argv) == ["--model", "m", "--num-threads", "1"]
+
+
+def test_serve_data_parallel_size_is_replicas_behind_a_router(checkpoint: str) -> None:
+    with serve(checkpoint, *REPLICA_ARGS, "--data-parallel-size", "2",
+               "--routing", "round-robin") as s:
+        wait_for(lambda: all(x["healthy"] for x in replica_states(s)), 120, "both replicas")
+        urls = [x["url"] for x in replica_states(s)]
+        texts = {completion(s.url, "ba be bi bo").json()["choices"][0]["text"]
+                 for _ in range(2)}
+        assert len(texts) == 1  # greedy: the same on either replica
+        assert [x["routed"] for x in replica_states(s)] == [1, 1]
+    for url in urls:  # the replicas stopped with the router
+        assert _status(url + "/health") is None

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -249,7 +249,10 @@ def _no_replica_message(replicas: Sequence[Replica]) -> str:
 
 
 def build_router_app(config: RouterConfig,
-                     transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+                     transport: httpx.AsyncBaseTransport | None = None,
+                     on_stop: Callable[[], None] | None = None) -> FastAPI:
+    """``on_stop`` runs (in a thread) when the app stops: uvicorn re-raises the signal
+    that stopped it once it returns, so code after ``uvicorn.run`` may never run."""
     router = Router(config, transport)
 
     @contextlib.asynccontextmanager
@@ -263,6 +266,8 @@ def build_router_app(config: RouterConfig,
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await router.client.aclose()
+            if on_stop is not None:
+                await asyncio.to_thread(on_stop)
 
     app = FastAPI(title="conveyor router", lifespan=lifespan)
     app.state.router = router

@@ -281,6 +281,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="N replicas of this server (each with these options, on loopback "
+                        "ports of their own) behind conveyor router on --host/--port")
+    g.add_argument("--routing", default="prefix",
+                   help="with --data-parallel-size: the router's policy (prefix, "
+                        "least-loaded, round-robin)")
     g.add_argument("--engine-core", default="process", choices=("process", "thread"),
                    help="where the engine loop runs: its own process (default; the model "
                         "never competes with HTTP for the GIL) or a thread of the server")
@@ -292,6 +298,11 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from conveyor.config import EngineArgs
+
+    if args.data_parallel_size != 1:
+        from conveyor.router.launcher import run_data_parallel
+
+        return run_data_parallel(args)
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
