@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv[0] if argv else None)
     # `conveyor bench` with no arguments is the main job; other commands need a subcommand.
     args = parser.parse_args(argv)
-    args.argv = argv[1:]  # the subcommand's own arguments (serve re-launches replicas)
+    if argv and argv[0] == "serve":
+        args.argv = argv[1:]  # --data-parallel-size re-launches replicas with these
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
