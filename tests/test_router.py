@@ -247,6 +247,33 @@ def test_killed_replica_fails_its_requests_cleanly_and_rejoins(checkpoint: str) 
             assert replica_states(r)[0]["routed"] == before + 1
 
 
+def test_a_stalled_replica_is_bounded_by_the_routers_request_timeout(checkpoint: str) -> None:
+    """An engine stopped (its front end still answers /health): the router's deadline
+    fails the request with a 504 (a stream already begun: an error event), and the
+    replica, its connection closed, aborts it."""
+    with replicas(checkpoint, 1) as servers, \
+            router([servers[0].url], "--request-timeout", "3") as r:
+        body = {"model": MODEL, "prompt": "pa pe pi", "max_tokens": 16, "stream": False}
+        with engine_frozen(servers[0]):
+            resp = httpx.post(r.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert resp.status_code == 504, resp.text
+        assert resp.json()["error"]["code"] == "replica_timeout"
+        wait_for(lambda: aborted(servers[0]) == 1, 30, "the abort on the replica")
+        # A stream frozen after its first token: it cannot finish 2,000 more in time.
+        body.update(stream=True, max_tokens=2000, ignore_eos=True)
+        with httpx.stream("POST", r.url + "/v1/completions", json=body,
+                          timeout=TIMEOUT) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            with engine_frozen(servers[0]):
+                rest = [line for line in lines if line]
+        assert resp.status_code == 200
+        assert json.loads(rest[-1].removeprefix("data: "))["error"]["code"] == \
+            "replica_timeout"
+        wait_for(lambda: aborted(servers[0]) == 2, 30, "the stream's abort")
+        assert replica_states(r)[0]["healthy"]  # slow is not dead
+
+
 def test_no_replica_in_rotation_is_a_503(checkpoint: str) -> None:
     dead = "http://127.0.0.1:9"  # discard port: nothing listens
     with router([dead], "--routing", "round-robin", wait=False) as r:

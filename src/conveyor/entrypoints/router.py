@@ -32,6 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--connect-timeout", type=float, default=2.0, metavar="SECONDS",
                    help="a replica that does not accept a connection in this long leaves "
                         "rotation and the request goes to another")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="fail a request (504, or an error event in a stream) that a replica "
+                        "has not finished in this long; the replica's connection is closed, "
+                        "so it aborts the request (default: none; the replicas' own "
+                        "--request-timeout still applies)")
     p.add_argument("--summary-blocks", type=int, default=8192, metavar="N",
                    help="cached block hashes to read from each replica's summary")
     p.add_argument("--replica-api-key", default=None,
@@ -58,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
                               health_timeout_s=args.health_timeout,
                               connect_timeout_s=args.connect_timeout,
                               summary_blocks=args.summary_blocks,
+                              request_timeout_s=args.request_timeout,
                               replica_api_key=args.replica_api_key)
     except ValueError as e:
         raise SystemExit(f"conveyor router: {e}") from None

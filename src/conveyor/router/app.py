@@ -55,6 +55,9 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     summary_blocks: int = 8192
     replica_api_key: str | None = None
+    # A request not answered (or, streamed, not finished) in this long fails with a 504:
+    # what bounds a replica that stalls without closing its connections.
+    request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -67,6 +70,8 @@ class RouterConfig:
         make_policy(self.routing)  # an unknown name fails here
         if self.connect_timeout_s <= 0:
             raise ValueError(f"connect timeout must be > 0, got {self.connect_timeout_s}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request timeout must be > 0, got {self.request_timeout_s}")
 
 
 class Router:
@@ -80,7 +85,7 @@ class Router:
         headers = ({"Authorization": f"Bearer {config.replica_api_key}"}
                    if config.replica_api_key else None)
         # No read timeout: a generation may take minutes; a replica that dies closes the
-        # connection (an error at once), one that stalls is its --request-timeout's job.
+        # connection (an error at once), one that stalls is --request-timeout's job.
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=config.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
@@ -140,6 +145,9 @@ class Router:
                 payload = json.loads(body)
         rreq = (await self.routing_request(path, payload, headers) if route
                 else RoutingRequest(None))
+        loop = asyncio.get_running_loop()
+        timeout = self.config.request_timeout_s
+        deadline = None if timeout is None else loop.time() + timeout
         tried: list[Replica] = []
         while True:
             candidates = self.in_rotation(exclude=tried)
@@ -155,11 +163,15 @@ class Router:
             try:
                 # A non-streamed answer comes whole: a client that leaves meanwhile closes
                 # the replica's connection, so the replica aborts the request too.
-                upstream = await until_disconnected(
-                    request, self.client.send(upstream_req, stream=True))
+                async with asyncio.timeout_at(deadline):
+                    upstream = await until_disconnected(
+                        request, self.client.send(upstream_req, stream=True))
             except ClientDisconnected:
                 replica.end(charged)
                 return Response(status_code=499)
+            except TimeoutError:
+                replica.end(charged)
+                return self._timed_out(replica)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 # Nothing reached the replica: out of rotation now, try another.
                 replica.end(charged)
@@ -175,13 +187,16 @@ class Router:
         out_headers = {k: v for k, v in upstream.headers.items()
                        if k.lower() not in _HOP_HEADERS and k.lower() not in ("date", "server")}
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            return _ClosingStreamingResponse(self._relay(upstream, replica, charged),
+            return _ClosingStreamingResponse(self._relay(upstream, replica, charged, deadline),
                                              status_code=upstream.status_code,
                                              headers=out_headers)
         try:
-            content = await until_disconnected(request, _read_raw(upstream))
+            async with asyncio.timeout_at(deadline):
+                content = await until_disconnected(request, _read_raw(upstream))
         except ClientDisconnected:
             return Response(status_code=499)
+        except TimeoutError:
+            return self._timed_out(replica)
         except httpx.HTTPError as e:
             return self._failed(replica, e)
         finally:
@@ -189,16 +204,24 @@ class Router:
             replica.end(charged)
         return Response(content, status_code=upstream.status_code, headers=out_headers)
 
-    async def _relay(self, upstream: httpx.Response, replica: Replica,
-                     charged: int) -> AsyncIterator[bytes]:
-        """The replica's SSE bytes as they come; a replica that fails midway ends the
-        stream with an OpenAI error event."""
+    async def _relay(self, upstream: httpx.Response, replica: Replica, charged: int,
+                     deadline: float | None) -> AsyncIterator[bytes]:
+        """The replica's SSE bytes as they come; a replica that fails midway, or a stream
+        past the deadline, ends with an OpenAI error event."""
+        chunks = upstream.aiter_raw()
         try:
-            async for chunk in upstream.aiter_raw():
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
                 yield chunk
         except httpx.HTTPError as e:
             err = self._error_of(replica, e)
             yield f"data: {json.dumps(err.body())}\n\n".encode()
+        except TimeoutError:
+            yield f"data: {json.dumps(self._timeout_error(replica).body())}\n\n".encode()
         finally:
             await upstream.aclose()
             replica.end(charged)
@@ -209,6 +232,17 @@ class Router:
         return OpenAIError(502, f"replica {replica.url} failed during the request: "
                                 f"{type(e).__name__}: {e}", code="replica_failed",
                            err_type="server_error")
+
+    def _timeout_error(self, replica: Replica) -> OpenAIError:
+        replica.num_failed += 1
+        return OpenAIError(504, f"replica {replica.url} did not finish the request within "
+                                f"--request-timeout {self.config.request_timeout_s:g} s",
+                           code="replica_timeout", err_type="timeout_error")
+
+    def _timed_out(self, replica: Replica) -> JSONResponse:
+        err = self._timeout_error(replica)
+        logger.warning("%s", err.message)
+        return JSONResponse(err.body(), status_code=504)
 
     def _failed(self, replica: Replica, e: Exception) -> JSONResponse:
         err = self._error_of(replica, e)
