@@ -16,8 +16,10 @@ the checkpoint), at the price of one loopback round trip per request.
 Failures: a failed connect takes that replica out of rotation and the request goes to
 another (nothing reached the first); a replica that fails after the request was sent
 fails that request alone, 502 with an OpenAI error body (in a stream that has begun,
-an error event), and leaves rotation until its health check passes; no replica in
-rotation is a 503.
+an error event), and leaves rotation until its health check passes; past
+``--request-timeout`` a request fails with a 504 and its connection is closed (the
+replica aborts it), the replica staying in rotation; no replica in rotation is a 503.
+A client that leaves closes the replica's connection, streamed or not.
 """
 
 from __future__ import annotations
