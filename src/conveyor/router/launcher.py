@@ -2,7 +2,8 @@
 ``python -m conveyor.serve`` process of its own with the same options on a free loopback
 port, behind the router on ``--host``/``--port``. The replicas join rotation as their
 health checks pass; one that exits leaves it (and is not restarted: a supervisor's job).
-The router stops them all when it stops.
+The router stops them all when it stops, and a launcher killed outright takes them with
+it (Linux: the parent-death signal).
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def replica_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the launcher dies, even by SIGKILL,
+    so that no replica outlives its router."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -65,7 +76,8 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"conveyor serve: {e}") from None
     base = [sys.executable, "-m", "conveyor.serve", *replica_argv(argv), "--host", "127.0.0.1"]
-    procs = [subprocess.Popen([*base, "--port", str(p)]) for p in ports]
+    procs = [subprocess.Popen([*base, "--port", str(p)], preexec_fn=_die_with_parent)
+             for p in ports]
     logger.info("data parallel: %d replicas (%s) behind the router (%s) on http://%s:%d", n,
                 ", ".join(urls), args.routing, args.host, args.port)
 
