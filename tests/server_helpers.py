@@ -86,19 +86,37 @@ class ServerProcess:
 
 @contextlib.contextmanager
 def serve(model: str, *args: str, api_key: str | None = None, wait: bool = True,
-          ready_timeout_s: float = 180.0) -> Iterator[ServerProcess]:
+          ready_timeout_s: float = 180.0, port: int | None = None) -> Iterator[ServerProcess]:
     """``python -m conveyor.serve --model MODEL ARGS`` until the block ends (then SIGTERM).
 
     With ``wait=False`` the caller does other work while the server boots, then calls
-    ``wait_ready``.
+    ``wait_ready``. ``port``: a given one (a replica restarted where it was), else a free one.
     """
-    port = free_port()
-    fd, log_path = tempfile.mkstemp(prefix="conveyor-server-", suffix=".log")
-    cmd = [sys.executable, "-m", "conveyor.serve", "--model", model, "--port", str(port),
+    cmd = [sys.executable, "-m", "conveyor.serve", "--model", model,
            "--dtype", "float32", "--num-threads", str(cpu_threads()), "--log-level", "warning",
            "--attention-backend", ATTENTION_BACKEND, *args]
     if api_key:
         cmd += ["--api-key", api_key]
+    with _spawn(cmd, port, api_key, wait, ready_timeout_s) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def router(replica_urls: list[str], *args: str, wait: bool = True,
+           ready_timeout_s: float = 60.0) -> Iterator[ServerProcess]:
+    """``conveyor router --replica URL ... ARGS`` until the block ends (then SIGTERM)."""
+    cmd = [sys.executable, "-m", "conveyor.entrypoints.cli", "router", "--log-level", "warning",
+           *(a for url in replica_urls for a in ("--replica", url)), *args]
+    with _spawn(cmd, None, None, wait, ready_timeout_s) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def _spawn(cmd: list[str], port: int | None, api_key: str | None, wait: bool,
+           ready_timeout_s: float) -> Iterator[ServerProcess]:
+    port = free_port() if port is None else port
+    cmd = [*cmd, "--port", str(port)]
+    fd, log_path = tempfile.mkstemp(prefix="conveyor-server-", suffix=".log")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC_DIR, env.get("PYTHONPATH")) if p)
     env.pop("CONVEYOR_API_KEY", None)

@@ -103,3 +103,20 @@ def test_prefix_hit_shares_blocks_and_leaves_one_token() -> None:
     kv.free("b")
     kv.check_invariants()
     assert kv.pool.num_evictable_blocks == 3
+
+
+def test_cached_hashes_for_a_router_held_first_then_most_recent_and_capped() -> None:
+    pool = BlockPool(6)
+    blocks = pool.allocate(4)
+    for i, b in enumerate(blocks):
+        pool.cache(b, bytes([i]) * 32)
+    pool.release([blocks[0]])  # evictable, released first (least recent)
+    pool.release([blocks[1]])  # evictable, most recent
+    held = {bytes([2]) * 32, bytes([3]) * 32}
+    got = pool.cached_hashes(10)
+    assert set(got[:2]) == held and got[2:] == [bytes([1]) * 32, bytes([0]) * 32]
+    assert set(pool.cached_hashes(2)) == held
+    assert pool.cached_hashes(3)[2] == bytes([1]) * 32
+    assert pool.cached_hashes(0) == []
+    pool.allocate(3)  # two free blocks, then the least recent cached one is evicted
+    assert bytes([0]) * 32 not in pool.cached_hashes(10)

@@ -55,7 +55,7 @@ def test_prefix_affinity_gives_way_when_replicas_are_out_of_balance():
 
 
 def test_unknown_router_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="least_loaded, prefix_affinity, round_robin"):
+    with pytest.raises(ValueError, match="least_loaded, prefix, prefix_affinity, round_robin"):
         make_router("random")
     with pytest.raises(ValueError, match="valid routers"):
         Simulator(tiny_args(num_kv_blocks=64), LinearCost(), router="random")
@@ -95,7 +95,25 @@ def test_prefix_affinity_raises_the_prefix_hit_rate():
     work = [BenchRequest(f"r{i}", i * 0.05, fam[(i // 2) % 2] + [900 + i] * 5, 4)
             for i in range(24)]
     hit = {}
-    for router in ("round_robin", "prefix_affinity"):
+    for router in ("round_robin", "prefix_affinity", "prefix"):
         res = Simulator(args, LinearCost(), replicas=2, router=router).run(work)
         hit[router] = sum(m.num_cached_tokens for m in res.metrics)
+        if router == "prefix":  # each family on one replica
+            for f in range(2):
+                assert len({res.replica_of[w.request_id] for i, w in enumerate(work)
+                            if (i // 2) % 2 == f}) == 1
     assert hit["prefix_affinity"] > hit["round_robin"]
+    assert hit["prefix"] > hit["round_robin"]
+
+
+def test_prefix_router_counts_prompts_routed_but_not_yet_cached():
+    """A burst of one family at one instant: nothing is cached yet when the second
+    arrives, but the router knows where the first went and sends it there too, until
+    that replica is overloaded (SGLang's thresholds: 8 requests and 1.5x above the least
+    loaded), when it spills to the other."""
+    args = tiny_args(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=512)
+    shared = list(range(10, 266))
+    work = [BenchRequest(f"r{i}", 0.0, shared + [900 + i] * 5, 4) for i in range(12)]
+    res = Simulator(args, LinearCost(), replicas=2, router="prefix").run(work)
+    where = [res.replica_of[w.request_id] for w in work]
+    assert where[:10] == [0] * 9 + [1]

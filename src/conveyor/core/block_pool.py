@@ -62,6 +62,18 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self._cached.get(block_hash)
 
+    def cached_hashes(self, limit: int) -> list[bytes]:
+        """Up to ``limit`` hashes of cached blocks, those least likely to be evicted first:
+        blocks in use, then evictable ones most recently used first (a router's view)."""
+        if limit <= 0:
+            return []
+        out = [h for h, b in self._cached.items() if b.ref_cnt > 0][:limit]
+        for block in reversed(self._free_queue.values()):
+            if len(out) >= limit or block.block_hash is None:
+                break  # uncached free blocks sit at the front: none cached beyond
+            out.append(block.block_hash)
+        return out
+
     # ---- mutations -----------------------------------------------------------------------
     def allocate(self, n: int) -> list[KVBlock] | None:
         """Take ``n`` blocks for new data (evicting cached ones if needed), ref_cnt = 1 each."""

@@ -34,11 +34,31 @@ class ComputedBlocks:
 
 
 _NO_HIT = ComputedBlocks([], 0)
+_INT64_BYTES = array("q").itemsize
 
 
 def chain_hash(parent: bytes, token_ids: list[int], extra_key: bytes) -> bytes:
     """Collision-safe (SHA-256) hash of a full block, chained over its parent's hash."""
     return _hash_block(parent, array("q", token_ids).tobytes(), extra_key)
+
+
+def root_hash(extra_key: bytes) -> bytes:
+    """The parent of a prompt's first block: the chain starts from the salt."""
+    return hashlib.sha256(b"conveyor-kv" + extra_key).digest()
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int, extra_key: bytes) -> list[bytes]:
+    """The chained hashes of the full blocks of ``token_ids``, as the prefix cache keys them
+    (a router asks replicas which of these they hold)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    data = array("q", token_ids).tobytes()
+    width = block_size * _INT64_BYTES
+    parent, out = root_hash(extra_key), []
+    for k in range(len(token_ids) // block_size):
+        parent = _hash_block(parent, data[k * width:(k + 1) * width], extra_key)
+        out.append(parent)
+    return out
 
 
 def _hash_block(parent: bytes, token_bytes: bytes, extra_key: bytes) -> bytes:
@@ -48,8 +68,6 @@ def _hash_block(parent: bytes, token_bytes: bytes, extra_key: bytes) -> bytes:
     h.update(extra_key)
     return h.digest()
 
-
-_INT64_BYTES = array("q").itemsize
 
 
 class KVCacheManager:
@@ -61,7 +79,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         # Anything besides token ids that changes the KV (model id, LoRA, dtype) goes here.
-        self._root = hashlib.sha256(b"conveyor-kv" + extra_hash_key).digest()
+        self._root = root_hash(extra_hash_key)
         self._extra = extra_hash_key
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._req_hashes: dict[str, list[bytes]] = {}
@@ -74,6 +92,11 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def hash_key(self) -> bytes:
+        """The salt of every block hash (``config.kv_hash_key``)."""
+        return self._extra
 
     @property
     def num_free_blocks(self) -> int:

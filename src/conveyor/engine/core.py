@@ -38,6 +38,11 @@ from conveyor.timings import PhaseTimings
 
 __all__ = ["EngineCore", "Executor", "QueueFullError"]
 
+# /v1/kv_summary: hashes cut to 8 bytes (16 hex digits), 8,192 of them unless asked.
+KV_SUMMARY_HASH_BYTES = 8
+KV_SUMMARY_DEFAULT_BLOCKS = 8192
+KV_SUMMARY_MAX_BLOCKS = 65536
+
 _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED,
                   "abort": RequestStatus.FINISHED_ABORTED}
 
@@ -198,10 +203,12 @@ class EngineCore:
             req.finished_time if reason is not None else None)
 
     # ---- introspection -------------------------------------------------------------------
-    def utility(self, method: UtilityMethod) -> Any:
+    def utility(self, method: UtilityMethod, *args: int) -> Any:
         """The typed utility calls a front end may make between steps."""
         if method is UtilityMethod.STATS:
             return self.stats()
+        if method is UtilityMethod.KV_SUMMARY:
+            return self.kv_summary(args[0] if args else KV_SUMMARY_DEFAULT_BLOCKS)
         if method is UtilityMethod.NUM_FREE_BLOCKS:
             return self.kv.num_free_blocks
         if method is UtilityMethod.RESET_PREFIX_CACHE:
@@ -212,6 +219,22 @@ class EngineCore:
             self.scheduler.check_invariants()
             return True
         raise ValueError(f"unknown utility method {method!r}")
+
+    def kv_summary(self, max_blocks: int) -> dict[str, Any]:
+        """The prefix-cache blocks a router may count on, and the load. Hashes are cut to
+        their first ``KV_SUMMARY_HASH_BYTES`` bytes: a collision only misroutes."""
+        hashes = self.kv.pool.cached_hashes(max_blocks) if self.kv.enable_prefix_caching else []
+        return {
+            "block_size": self.kv.block_size,
+            "hash_key": self.kv.hash_key.hex(),
+            "hash_bytes": KV_SUMMARY_HASH_BYTES,
+            "block_hashes": [h[:KV_SUMMARY_HASH_BYTES].hex() for h in hashes],
+            "num_cached_blocks": self.kv.pool.num_cached_blocks,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_blocks_in_use": self.kv.pool.num_used_blocks,
+            "num_kv_blocks": self.kv.num_blocks,
+        }
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats

@@ -128,7 +128,7 @@ class EngineLoop:
         if cmd.method is UtilityMethod.RESUME:
             self.steps_left = None
             return UtilityResult(cmd.call_id, True, True)
-        return self._call(cmd.call_id, lambda c: c.utility(cmd.method))
+        return self._call(cmd.call_id, lambda c: c.utility(cmd.method, *cmd.args))
 
     def _call(self, call_id: int, fn: Callable[[EngineCore], Any]) -> UtilityResult:
         try:

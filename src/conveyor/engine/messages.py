@@ -92,6 +92,8 @@ class UtilityMethod(enum.Enum):
     RESET_PREFIX_CACHE = "reset_prefix_cache"
     HAS_UNFINISHED = "has_unfinished"
     CHECK_INVARIANTS = "check_invariants"  # raise if the scheduler's or pool's are broken
+    # What a router reads: cached block hashes (at most ``args[0]``) and the load.
+    KV_SUMMARY = "kv_summary"
     # The loop's: stop stepping after ``args[0]`` more steps (default 0), and go on again
     # (as vLLM's pause_generation). Commands are still served while paused.
     PAUSE = "pause"

@@ -1,4 +1,4 @@
-"""``conveyor`` command line: serve | generate | bench | sim | profile.
+"""``conveyor`` command line: serve | router | generate | bench | sim | profile.
 
 Each subcommand lives in its own module and registers itself through
 ``add_parser(subparsers)`` returning the function to run, so this file only
@@ -15,6 +15,7 @@ import sys
 SUBCOMMANDS = {
     "generate": "conveyor.entrypoints.generate",
     "serve": "conveyor.entrypoints.serve",
+    "router": "conveyor.entrypoints.router",
     "bench": "conveyor.bench.cli",
     "sim": "conveyor.sim.cli",
     "profile": "conveyor.sim.profile_cli",
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv[0] if argv else None)
     # `conveyor bench` with no arguments is the main job; other commands need a subcommand.
     args = parser.parse_args(argv)
+    if argv and argv[0] == "serve":
+        args.argv = argv[1:]  # --data-parallel-size re-launches replicas with these
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -120,6 +120,12 @@ def _report(args: argparse.Namespace, requests: list[BenchRequest], result, sim,
     from conveyor.sim.results import run_result
 
     run = run_result(requests, result, sim)
+    done = [r for r in run.records if not r.error]
+    prompt = sum(r.prompt_tokens for r in done)
+    # The share of completed requests' prompt tokens served from the prefix cache: what a
+    # router's placement changes.
+    extra["prefix_cache_hit_rate"] = (sum(r.num_cached_tokens for r in done) / prompt
+                                      if prompt else 0.0)
     print()
     print(report.format_summary(run.summary, f"sim run ({sim.num_replicas} replica"
                                              f"{'s' if sim.num_replicas > 1 else ''})"))
@@ -127,6 +133,7 @@ def _report(args: argparse.Namespace, requests: list[BenchRequest], result, sim,
         busy = [f"{r.busy_time / result.sim_time:.0%}" if result.sim_time else "-"
                 for r in result.replicas]
         print(f"replica requests: {[r.num_requests for r in result.replicas]}; busy: {busy}")
+    print(f"prefix cache hit rate: {extra['prefix_cache_hit_rate']:.1%} of prompt tokens")
     failed = [r for r in run.records if r.error]
     if failed:
         print(f"\n{len(failed)} requests failed; first: request {failed[0].request_id}: "

@@ -10,12 +10,29 @@
   ``balance_rel`` times as many), or no replica has seen the prefix: then
   ``least_loaded``. This is the cache-aware routing of SGLang's router, with a hash
   chain standing in for its radix tree.
+- ``prefix``: ``conveyor router --routing prefix``'s own policy
+  (``conveyor.router.policies.PrefixAware``): uncached prefill tokens (by the engine's
+  chained block hashes over the whole prompt) plus load in tokens, overloaded replicas
+  left out. What a replica holds is read from its pool directly (the real router reads a
+  summary each second), plus, as the real router does, the prompts routed to it that it
+  has not cached yet.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from conveyor.router.policies import (
+    CacheIndex,
+    PrefixAware,
+    RoutingRequest,
+    leading_run,
+    uncached_tokens,
+)
+
+if TYPE_CHECKING:
+    from conveyor.sim.replica import SimReplica
 
 
 class LoadView(Protocol):
@@ -26,7 +43,8 @@ class LoadView(Protocol):
 class Router(Protocol):
     name: str
 
-    def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView]) -> int:
+    def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView],
+              request_id: str = "") -> int:
         """Index of the replica that takes the request with this prompt."""
         ...
 
@@ -37,7 +55,8 @@ class RoundRobinRouter:
     def __init__(self) -> None:
         self._next = 0
 
-    def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView]) -> int:
+    def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView],
+              request_id: str = "") -> int:
         i = self._next % len(replicas)
         self._next += 1
         return i
@@ -55,7 +74,8 @@ def least_loaded(replicas: Sequence[LoadView]) -> int:
 class LeastLoadedRouter:
     name = "least_loaded"
 
-    def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView]) -> int:
+    def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView],
+              request_id: str = "") -> int:
         return least_loaded(replicas)
 
 
@@ -80,7 +100,8 @@ class PrefixAffinityRouter:
             hashes.append(h)
         return hashes
 
-    def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView]) -> int:
+    def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView],
+              request_id: str = "") -> int:
         chain = self._chain(prompt_token_ids)
         loads = [r.num_unfinished for r in replicas]
         lo, hi = min(loads), max(loads)
@@ -99,10 +120,68 @@ class PrefixAffinityRouter:
         return choice
 
 
+class _SimReplicaView:
+    """A simulated replica as ``PrefixAware`` sees it. Its load in tokens is what the real
+    router counts (the uncached prompt tokens of its unfinished requests, as estimated
+    when each was routed), or its pool's blocks in use if more."""
+
+    def __init__(self, replica: SimReplica, routed: CacheIndex,
+                 charged: dict[str, int]) -> None:
+        self.replica = replica
+        self.routed = routed
+        self.charged = charged
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.replica.num_unfinished
+
+    @property
+    def num_active_tokens(self) -> int:
+        rep, charged = self.replica, self.charged
+        tally = (sum(charged.get(rid, 0) for rid in rep.scheduler.requests)
+                 + sum(charged.get(w.request_id, 0) for w in rep.inbox))
+        return max(tally, rep.kv.pool.num_used_blocks * rep.kv.block_size)
+
+    def num_cached_tokens(self, request: RoutingRequest) -> int:
+        kv = self.replica.kv
+        if not kv.enable_prefix_caching:
+            return 0
+        hashes = request.block_hashes(kv.block_size, kv.hash_key)
+        pool, routed = kv.pool, self.routed
+        n = leading_run(hashes, lambda h: pool.lookup(h) is not None or routed.held(h))
+        return n * kv.block_size
+
+
+class PrefixRouter:
+    name = "prefix"
+
+    def __init__(self) -> None:
+        self.policy = PrefixAware()
+        self._views: list[_SimReplicaView] = []
+        self._charged: dict[str, int] = {}  # request id -> uncached tokens when routed
+
+    def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView],
+              request_id: str = "") -> int:
+        if len(self._views) != len(replicas):
+            reps: Sequence[SimReplica] = replicas  # type: ignore[assignment]
+
+            def now() -> float:  # the latest time any replica has seen (an idle one's
+                return max(r.clock.now for r in reps)  # clock stands still)
+            self._views = [_SimReplicaView(r, CacheIndex(now), self._charged) for r in reps]
+        request = RoutingRequest(prompt_token_ids)
+        i = self.policy.choose(request, self._views)
+        view = self._views[i]
+        self._charged[request_id] = uncached_tokens(request, view)
+        kv = view.replica.kv
+        view.routed.add_routed(request.block_hashes(kv.block_size, kv.hash_key))
+        return i
+
+
 ROUTERS: dict[str, Callable[[], Router]] = {
     "round_robin": RoundRobinRouter,
     "least_loaded": LeastLoadedRouter,
     "prefix_affinity": PrefixAffinityRouter,
+    "prefix": PrefixRouter,
 }
 
 

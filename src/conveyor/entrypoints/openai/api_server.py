@@ -2,6 +2,7 @@
 
     GET  /health               200 while the engine loop runs, 503 otherwise (no auth)
     GET  /metrics              Prometheus text, prefix ``conveyor:``
+    GET  /v1/kv_summary        cached prefix-block hashes and load, for ``conveyor router``
     GET  /v1/models
     GET  /version
     POST /v1/completions
@@ -33,12 +34,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from conveyor import __version__
 from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.core import KV_SUMMARY_DEFAULT_BLOCKS, KV_SUMMARY_MAX_BLOCKS
+from conveyor.engine.messages import UtilityMethod
 from conveyor.entrypoints.openai.chat_template import (
     ChatTemplate,
     find_chat_template,
     special_tokens_of,
 )
-from conveyor.entrypoints.openai.errors import OpenAIError
+from conveyor.entrypoints.openai.errors import OpenAIError, from_engine_error
 from conveyor.entrypoints.openai.protocol import ModelCard, ModelList
 from conveyor.entrypoints.openai.serving_chat import create_chat_completion
 from conveyor.entrypoints.openai.serving_common import (
@@ -173,6 +176,24 @@ def build_app(state: ServerState) -> FastAPI:
             state.metrics.update_stats(await state.engine.stats())
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/v1/kv_summary")
+    async def kv_summary(max_blocks: str | None = None) -> JSONResponse:
+        limit = KV_SUMMARY_DEFAULT_BLOCKS
+        if max_blocks is not None:
+            try:
+                limit = int(max_blocks)
+            except ValueError:
+                limit = -1
+            if not 0 <= limit <= KV_SUMMARY_MAX_BLOCKS:
+                raise OpenAIError(400, f"max_blocks must be an integer in [0, "
+                                       f"{KV_SUMMARY_MAX_BLOCKS}], got {max_blocks!r}",
+                                  param="max_blocks")
+        try:
+            summary = await state.engine.utility(UtilityMethod.KV_SUMMARY, limit)
+        except Exception as e:
+            raise from_engine_error(e) from None
+        return JSONResponse(summary)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         card = ModelCard(id=state.model_name, root=state.model_root,
@@ -260,6 +281,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="N replicas of this server (each with these options, on loopback "
+                        "ports of their own) behind conveyor router on --host/--port")
+    g.add_argument("--routing", default="prefix",
+                   help="with --data-parallel-size: the router's policy (prefix, "
+                        "least-loaded, round-robin)")
     g.add_argument("--engine-core", default="process", choices=("process", "thread"),
                    help="where the engine loop runs: its own process (default; the model "
                         "never competes with HTTP for the GIL) or a thread of the server")
@@ -271,6 +298,11 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from conveyor.config import EngineArgs
+
+    if args.data_parallel_size != 1:
+        from conveyor.router.launcher import run_data_parallel
+
+        return run_data_parallel(args)
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
