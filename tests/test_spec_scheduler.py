@@ -228,3 +228,25 @@ def test_scheduler_without_speculation_has_no_controller():
 
     sched: Scheduler = make_scheduler()
     assert sched.spec is None
+
+
+def test_proposal_cost_is_fitted_and_weighed():
+    from conveyor.spec.controller import ProposalCost
+
+    fit = ProposalCost()
+    for rounds, tokens in [(1, 1), (4, 4), (4, 64), (2, 30), (3, 12)] * 2:
+        fit.observe(rounds, tokens, 0.002 * rounds + 0.0001 * tokens)
+    a, b = fit.coefficients()
+    assert a == pytest.approx(0.002, rel=1e-6) and b == pytest.approx(0.0001, rel=1e-6)
+    cfg = SpeculativeConfig("draft_model", model="x", num_speculative_tokens=4)
+    cheap = DraftLengthController(cfg, FixedCost(a=0.005, b=0.0001))
+    rows = _rows(1)
+    cheap.plan(rows, 1, 1, 512)
+    assert rows[0].k_want == 4
+    # A draft forward that costs as much as the target's step: no draft pays at batch 1.
+    dear = DraftLengthController(cfg, FixedCost(a=0.005, b=0.0001))
+    for k in (1, 2, 3, 4):
+        dear.observe_proposals({"r0": k, "r1": 1}, 0.005 * k + 0.0001 * (k + 1))
+    rows = _rows(1)
+    dear.plan(rows, 1, 1, 512)
+    assert rows[0].k_want == 0

@@ -559,8 +559,12 @@ class Scheduler:
                now: float) -> list[RequestUpdate]:
         updates = self._pending_updates
         self._pending_updates = []
-        if self._online_cost is not None and self._schedule_now is not None:
-            self._online_cost.observe(out.total_num_scheduled_tokens, now - self._schedule_now)
+        if self.spec is not None and self._schedule_now is not None:
+            # The step's time without the proposer's (priced apart, per draft asked for).
+            self.spec.observe_proposals(out.num_spec_wanted, run.propose_s)
+            if self._online_cost is not None:
+                self._online_cost.observe(out.total_num_scheduled_tokens,
+                                          now - self._schedule_now - run.propose_s)
         # Locals for the per-request loop (it runs for every request of every step).
         get_request, cache_blocks, sampled = (self.requests.get, self.kv.cache_computed_blocks,
                                               run.sampled_token_ids)

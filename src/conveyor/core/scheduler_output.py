@@ -72,6 +72,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> draft tokens proposed for its next step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Seconds the proposer took this step (measured by the executor; data, not a clock).
+    propose_s: float = 0.0
     # req_id -> per sampled token: (top token ids, their logprobs, rank of the sampled token,
     # logprob of the sampled token); None unless the request asked for logprobs.
     logprobs: dict[str, list[tuple[list[int], list[float], int, float]]] = field(

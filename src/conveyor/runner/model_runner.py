@@ -263,7 +263,8 @@ class ModelRunner:
         self.timings.add("sample", t4 - t3)
         if out.num_spec_wanted and self.proposer is not None:
             self._propose(out, result)
-            self.timings.add("propose", time.perf_counter() - t4)
+            result.propose_s = time.perf_counter() - t4
+            self.timings.add("propose", result.propose_s)
         return result
 
     def _verify(self, logits: torch.Tensor, logits_rows: list[tuple[int, str]],

@@ -74,6 +74,40 @@ class OnlineStepCost:
         return None if coef is None else coef[0] + coef[1] * num_tokens
 
 
+class ProposalCost:
+    """Seconds the proposer takes, ``a x rounds + b x tokens`` fitted online: ``rounds``
+    the longest draft asked for (a draft model runs one forward per draft position),
+    ``tokens`` the drafts asked for over all requests. The runner measures the time (an
+    executor may read a clock) and reports it as data in ``ModelRunnerOutput``."""
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self._s = [0.0] * 5  # sum r*r, r*t, t*t, r*s, t*s
+        self.num_observed = 0
+
+    def observe(self, rounds: int, tokens: int, seconds: float) -> None:
+        if rounds <= 0 or tokens <= 0 or not seconds >= 0.0:
+            return
+        s, d, r, t = self._s, self.decay, float(rounds), float(tokens)
+        for i, v in enumerate((r * r, r * t, t * t, r * seconds, t * seconds)):
+            s[i] = s[i] * d + v
+        self.num_observed += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        """(seconds per round, seconds per draft token); (0, 0) before any observation.
+        When rounds and tokens moved together (the same batch), it is all per token."""
+        rr, rt, tt, rs, ts = self._s
+        if self.num_observed == 0:
+            return 0.0, 0.0
+        det = rr * tt - rt * rt
+        if det > 1e-6 * rr * tt:
+            a = (tt * rs - rt * ts) / det
+            b = (rr * ts - rt * rs) / det
+            if a >= 0.0 and b >= 0.0:
+                return a, b
+        return 0.0, max(ts / tt, 0.0) if tt else 0.0
+
+
 @dataclass
 class SpecMetrics:
     """Counters for ``stats()`` and ``/metrics`` (aggregates only: bounded in size)."""
@@ -130,6 +164,7 @@ class DraftLengthController:
     def __init__(self, config: SpeculativeConfig, cost: StepCost | None) -> None:
         self.config = config
         self.cost = cost
+        self.proposal_cost = ProposalCost()
         k = config.num_speculative_tokens
         # Proposer-wide decayed (accepted, tried) per position; the prior says 1 in 2.
         self._glob_acc = [0.5] * k
@@ -153,6 +188,11 @@ class DraftLengthController:
             return prior
         w = _PRIOR_WEIGHT
         return [(acc + w * p) / (tried + w) for (acc, tried), p in zip(own, prior)]
+
+    def observe_proposals(self, wanted: dict[str, int], seconds: float) -> None:
+        """The proposer took ``seconds`` for the drafts ``wanted`` (request -> k)."""
+        if wanted:
+            self.proposal_cost.observe(max(wanted.values()), sum(wanted.values()), seconds)
 
     def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """Fold in one verification: ``num_accepted`` leading drafts of ``num_drafts``."""
@@ -207,8 +247,22 @@ class DraftLengthController:
         self.last_k_want = max(r.k_want for r in rows)
 
     def _plan_by_benefit(self, rows: list[DraftRow], num_tokens: int, expected: int) -> None:
-        cands: list[tuple[float, int, DraftRow]] = []
+        cost = self.cost
+        t0 = cost.step_s(num_tokens) if cost is not None else None
+        t1 = cost.step_s(num_tokens + 1) if t0 is not None else None
+        if t0 is None or t1 is None:
+            return  # no cost known yet (two step sizes teach it): no drafts
+        slope = max(t1 - t0, 0.0)
+        per_round, per_draft = self.proposal_cost.coefficients()
         prior = self.prior()
+        # The best slot of all is some request's first draft: if even that does not pay,
+        # nothing does (the common case under load, decided in O(requests)).
+        w, p0 = _PRIOR_WEIGHT, prior[0]
+        best = max((p0 if (own := r.request.spec_acceptance) is None
+                    else (own[0][0] + w * p0) / (own[0][1] + w)) for r in rows)
+        if best * t0 < (slope + per_draft + per_round) * expected:
+            return
+        cands: list[tuple[float, int, DraftRow]] = []
         for row in rows:
             survive = 1.0
             for j, a in enumerate(self.acceptance(row.request, prior)[:row.cap], start=1):
@@ -216,17 +270,18 @@ class DraftLengthController:
                 cands.append((survive, j, row))
         if not cands:
             return
-        cost = self.cost
-        t0 = cost.step_s(num_tokens) if cost is not None else None
-        t1 = cost.step_s(num_tokens + len(cands)) if t0 is not None else None
-        if t0 is None or t1 is None:
-            return  # no cost known yet (two step sizes teach it): no drafts
-        slope = max((t1 - t0) / len(cands), 0.0)
         cands.sort(key=lambda c: (-c[0], c[1]))
-        t, e = t0, float(expected)
+        t, e, rounds = t0, float(expected), 0
         for survive, j, row in cands:
-            if survive * t < slope * e:
+            if j != row.k_want + 1:
+                continue  # its draft j-1 did not pay: neither does j
+            # Verifying it, and proposing it (one more draft position may cost a round).
+            cost = slope + per_draft + (per_round if j > rounds else 0.0)
+            if survive * t < cost * e:
+                if j > rounds:
+                    continue  # a new round does not pay; shorter drafts still may
                 break  # this token would cost more than the step's average token
-            row.k_want = max(row.k_want, j)
-            t += slope
+            row.k_want = j
+            rounds = max(rounds, j)
+            t += cost
             e += survive
