@@ -92,8 +92,8 @@ class FixedCost:
     def __init__(self, a: float, b: float) -> None:
         self.a, self.b = a, b
 
-    def step_s(self, n: int) -> float:
-        return self.a + self.b * n
+    def step_s(self, p: int, d: int) -> float:
+        return self.a + self.b * (p + d)
 
 
 def _rows(n: int, drafts: int = 4, cap: int = 4) -> list[DraftRow]:
@@ -109,17 +109,17 @@ def test_draft_length_falls_with_load_and_rises_with_acceptance():
     cfg = SpeculativeConfig("ngram", num_speculative_tokens=4)
     ctl = DraftLengthController(cfg, FixedCost(a=0.05, b=0.001))
     lone = _rows(1)
-    ctl.plan(lone, 1, 1, 512)
+    ctl.plan(lone, 0, 1, 1, 512)
     assert lone[0].k_now == 4  # batch 1: a step is mostly fixed cost
     crowd = _rows(64)
-    ctl.plan(crowd, 64, 64, 512)
+    ctl.plan(crowd, 0, 64, 64, 512)
     assert sum(r.k_now for r in crowd) == 0  # saturated: no slot pays at the 0.5 prior
     for _ in range(30):  # a request whose drafts always survive earns them back
         ctl.observe(crowd[0].request, 4, 4)
     for row in crowd[1:]:  # (and the others' own failures keep theirs off)
         for _ in range(3):
             ctl.observe(row.request, 4, 0)
-    ctl.plan(crowd, 64, 64, 512)
+    ctl.plan(crowd, 0, 64, 64, 512)
     assert crowd[0].k_now == 4 and sum(r.k_now for r in crowd[1:]) == 0
 
 
@@ -127,7 +127,7 @@ def test_budget_and_drafts_on_hand_bound_the_draft_length():
     cfg = SpeculativeConfig("ngram", num_speculative_tokens=4, adaptive=False)
     ctl = DraftLengthController(cfg, None)
     rows = _rows(3, drafts=2) + _rows(2, drafts=4, cap=1)
-    ctl.plan(rows, 5, 5, budget=5)
+    ctl.plan(rows, 0, 5, 5, budget=5)
     assert [r.k_now for r in rows][:3] == [2, 2, 1] or sum(r.k_now for r in rows) == 5
     assert all(r.k_now <= min(len(r.request.spec_token_ids), r.cap) for r in rows)
     assert sum(r.k_now for r in rows) == 5
@@ -146,13 +146,19 @@ def test_acceptance_is_counted_up_to_the_first_rejection():
     assert tried == [1.0, 1.0, 0.0, 0.0]
 
 
-def test_online_step_cost_recovers_a_linear_cost():
+def test_online_step_cost_recovers_prefill_and_decode_costs():
     fit = OnlineStepCost()
-    assert fit.step_s(10) is None
-    for n in [1, 5, 9, 2, 33, 64, 17] * 3:
-        fit.observe(n, 0.004 + 0.0005 * n)
-    a, b = fit.coefficients()
-    assert a == pytest.approx(0.004, rel=1e-6) and b == pytest.approx(0.0005, rel=1e-6)
+    assert fit.step_s(0, 10) is None
+    for p, d in [(0, 1), (0, 5), (512, 9), (100, 2), (0, 33), (1024, 64), (7, 17)] * 3:
+        fit.observe(p, d, 0.004 + 0.0001 * p + 0.0005 * d)
+    a, bp, bd = fit.coefficients()
+    assert a == pytest.approx(0.004, rel=1e-3) and bp == pytest.approx(0.0001, rel=1e-3)
+    assert bd == pytest.approx(0.0005, rel=1e-3)
+    only_decode = OnlineStepCost()  # no prefill in sight: the decode slope still fits
+    for d in [1, 4, 9, 16] * 3:
+        only_decode.observe(0, d, 0.002 + 0.0003 * d)
+    a, _, bd = only_decode.coefficients()
+    assert a == pytest.approx(0.002, rel=1e-3) and bd == pytest.approx(0.0003, rel=1e-3)
 
 
 # ---- invariants under rejection, abort and preemption ----------------------------------
@@ -241,12 +247,12 @@ def test_proposal_cost_is_fitted_and_weighed():
     cfg = SpeculativeConfig("draft_model", model="x", num_speculative_tokens=4)
     cheap = DraftLengthController(cfg, FixedCost(a=0.005, b=0.0001))
     rows = _rows(1)
-    cheap.plan(rows, 1, 1, 512)
+    cheap.plan(rows, 0, 1, 1, 512)
     assert rows[0].k_want == 4
     # A draft forward that costs as much as the target's step: no draft pays at batch 1.
     dear = DraftLengthController(cfg, FixedCost(a=0.005, b=0.0001))
     for k in (1, 2, 3, 4):
         dear.observe_proposals({"r0": k, "r1": 1}, 0.005 * k + 0.0001 * (k + 1))
     rows = _rows(1)
-    dear.plan(rows, 1, 1, 512)
+    dear.plan(rows, 0, 1, 1, 512)
     assert rows[0].k_want == 0

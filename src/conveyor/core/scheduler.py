@@ -291,7 +291,9 @@ class Scheduler:
                       req.max_tokens - len(req.output_token_ids) - 1,
                       self.max_model_len - req.num_computed_tokens - 1)
             rows.append(DraftRow(req, max(cap, 0)))
-        spec.plan(rows, sum(scheduled.values()), len(scheduled), budget)
+        num_decode = sum(1 for n in scheduled.values() if n == 1)
+        spec.plan(rows, sum(scheduled.values()) - num_decode, num_decode, len(scheduled),
+                  budget)
         for row in rows:
             req, k = row.request, row.k_now
             # Under the SLO budget, drafts and prefill chunks are one decision: a draft
@@ -563,7 +565,12 @@ class Scheduler:
             # The step's time without the proposer's (priced apart, per draft asked for).
             self.spec.observe_proposals(out.num_spec_wanted, run.propose_s)
             if self._online_cost is not None:
-                self._online_cost.observe(out.total_num_scheduled_tokens,
+                spec_rows = out.scheduled_spec_tokens
+                num_decode = sum(1 for rid, n in out.num_scheduled_tokens.items()
+                                 if n == 1 or rid in spec_rows)
+                num_decode += sum(len(d) for d in spec_rows.values())
+                num_prefill = out.total_num_scheduled_tokens - num_decode
+                self._online_cost.observe(num_prefill, num_decode,
                                           now - self._schedule_now - run.propose_s)
         # Locals for the per-request loop (it runs for every request of every step).
         get_request, cache_blocks, sampled = (self.requests.get, self.kv.cache_computed_blocks,

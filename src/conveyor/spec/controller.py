@@ -34,44 +34,95 @@ _GLOBAL_DECAY = 0.995
 
 
 class StepCost(Protocol):
-    def step_s(self, num_tokens: int) -> float | None:
-        """Predicted seconds of a step of ``num_tokens`` tokens (None: not known yet)."""
+    def step_s(self, num_prefill_tokens: int, num_decode_rows: int) -> float | None:
+        """Predicted seconds of a step (None: not known yet). Prefill tokens and decode
+        rows apart: a decode row (a draft is one) also carries per-row work that a
+        batched prompt token does not (its attention over the cache, its bookkeeping)."""
         ...
 
 
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular."""
+    n = len(v)
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for c in range(n):
+        piv = max(range(c, n), key=lambda r: abs(a[r][c]))
+        if abs(a[piv][c]) < 1e-12:
+            return None
+        a[c], a[piv] = a[piv], a[c]
+        for r in range(n):
+            if r != c:
+                f = a[r][c] / a[c][c]
+                for k in range(c, n + 1):
+                    a[r][k] -= f * a[c][k]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
 class OnlineStepCost:
-    """``T = a + b * tokens`` fitted online (weighted least squares, old steps fading)
-    from the step times the engine core measures on its own clock."""
+    """``T = a + b_p x prefill tokens + b_d x decode rows`` fitted online (weighted least
+    squares, old steps fading, a touch of ridge so that a load without prefill still
+    fits) from the step times the engine core measures on its own clock."""
 
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
-        self._s = [0.0] * 5  # sum w, w*n, w*n^2, w*t, w*n*t
+        self._m = [[0.0] * 3 for _ in range(3)]
+        self._v = [0.0] * 3
         self.num_observed = 0
+        self._totals: set[int] = set()  # distinct step sizes seen (two make a slope)
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        if not (seconds > 0.0) or num_tokens <= 0:
+    def observe(self, num_prefill_tokens: int, num_decode_rows: int, seconds: float) -> None:
+        if not (seconds > 0.0) or num_prefill_tokens + num_decode_rows <= 0:
             return
-        s, d, n = self._s, self.decay, float(num_tokens)
-        s[0] = s[0] * d + 1.0
-        s[1] = s[1] * d + n
-        s[2] = s[2] * d + n * n
-        s[3] = s[3] * d + seconds
-        s[4] = s[4] * d + n * seconds
+        x = (1.0, float(num_prefill_tokens), float(num_decode_rows))
+        d = self.decay
+        for i in range(3):
+            self._v[i] = self._v[i] * d + x[i] * seconds
+            for j in range(3):
+                self._m[i][j] = self._m[i][j] * d + x[i] * x[j]
         self.num_observed += 1
+        if len(self._totals) < 2:
+            self._totals.add(num_prefill_tokens + num_decode_rows)
 
-    def coefficients(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None until two step sizes were seen."""
-        w, sn, snn, st, snt = self._s
-        det = w * snn - sn * sn
-        if self.num_observed < 2 or det <= 1e-9 * max(w * snn, 1e-30):
+    def _combined_slope(self) -> float | None:
+        """Seconds per token of ``T = a + b x (prefill tokens + decode rows)``."""
+        m, v = self._m, self._v
+        w, n, nn = m[0][0], m[0][1] + m[0][2], m[1][1] + 2 * m[1][2] + m[2][2]
+        ny = v[1] + v[2]
+        det = w * nn - n * n
+        if det <= 1e-9 * w * nn:
             return None
-        b = max((w * snt - sn * st) / det, 0.0)
-        a = max((st - b * sn) / w, 0.0)
-        return a, b
+        return max((w * ny - n * v[0]) / det, 0.0)
 
-    def step_s(self, num_tokens: int) -> float | None:
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(fixed s, s per prefill token, s per decode row), or None until two step sizes
+        were seen. The decode row's cost is never taken below the plain per-token slope:
+        where decode rows did not vary apart from prefill, the split is not known."""
+        if len(self._totals) < 2:
+            return None
+        combined = self._combined_slope()
+        if combined is None:
+            return None
+        m = [row[:] for row in self._m]
+        for i in (1, 2):  # ridge on the slopes only, relative to their scale
+            m[i][i] += 1e-6 * m[i][i] + 1e-12
+        sol = _solve(m, self._v)
+        if sol is None:
+            return None
+        a, bp, bd = sol
+        if bp < 0 or bd < 0:  # refit without the feature that went negative
+            keep = [0, 2] if bp < 0 else [0, 1]
+            sub = _solve([[m[i][j] for j in keep] for i in keep], [self._v[i] for i in keep])
+            if sub is None:
+                return None
+            a, b = sub
+            bp, bd = (0.0, b) if bp < 0 else (b, 0.0)
+        return max(a, 0.0), max(bp, 0.0), max(bd, combined)
+
+    def step_s(self, num_prefill_tokens: int, num_decode_rows: int) -> float | None:
         coef = self.coefficients()
-        return None if coef is None else coef[0] + coef[1] * num_tokens
+        if coef is None:
+            return None
+        return coef[0] + coef[1] * num_prefill_tokens + coef[2] * num_decode_rows
 
 
 class ProposalCost:
@@ -221,20 +272,21 @@ class DraftLengthController:
             m.drafted_per_position[j] += 1
 
     # ---- the decision --------------------------------------------------------------------
-    def plan(self, rows: list[DraftRow], num_step_tokens: int, num_expected_tokens: int,
-             budget: int) -> None:
+    def plan(self, rows: list[DraftRow], num_prefill_tokens: int, num_decode_rows: int,
+             num_expected_tokens: int, budget: int) -> None:
         """Fill each row's ``k_now`` and ``k_want``.
 
-        ``num_step_tokens``: tokens already in the step (every running request's);
-        ``num_expected_tokens``: tokens the step yields without drafts (its sampling
-        rows); ``budget``: token budget left for drafts.
+        ``num_prefill_tokens``, ``num_decode_rows``: the step so far (every running
+        request's tokens); ``num_expected_tokens``: tokens it yields without drafts (its
+        sampling rows); ``budget``: token budget left for drafts.
         """
         self.metrics.num_decode_steps += len(rows)
         if not rows:
             self.metrics.last_num_draft_tokens = 0
             return
         if self.config.adaptive:
-            self._plan_by_benefit(rows, num_step_tokens, max(num_expected_tokens, 1))
+            self._plan_by_benefit(rows, num_prefill_tokens, num_decode_rows,
+                                  max(num_expected_tokens, 1))
         else:
             for row in rows:
                 row.k_want = row.cap
@@ -246,10 +298,11 @@ class DraftLengthController:
         self.metrics.last_num_draft_tokens = sum(r.k_now for r in rows)
         self.last_k_want = max(r.k_want for r in rows)
 
-    def _plan_by_benefit(self, rows: list[DraftRow], num_tokens: int, expected: int) -> None:
+    def _plan_by_benefit(self, rows: list[DraftRow], num_prefill: int, num_decode: int,
+                         expected: int) -> None:
         cost = self.cost
-        t0 = cost.step_s(num_tokens) if cost is not None else None
-        t1 = cost.step_s(num_tokens + 1) if t0 is not None else None
+        t0 = cost.step_s(num_prefill, num_decode) if cost is not None else None
+        t1 = cost.step_s(num_prefill, num_decode + 1) if t0 is not None else None
         if t0 is None or t1 is None:
             return  # no cost known yet (two step sizes teach it): no drafts
         slope = max(t1 - t0, 0.0)
