@@ -131,7 +131,9 @@ class ProposalCost:
     ``tokens`` the drafts asked for over all requests. The runner measures the time (an
     executor may read a clock) and reports it as data in ``ModelRunnerOutput``."""
 
-    def __init__(self, decay: float = 0.95) -> None:
+    def __init__(self, decay: float = 0.8) -> None:
+        # Fast fading: a request's first proposal pays one-time work (a draft model's
+        # prefill, a suffix tree's build) that later ones do not.
         self.decay = decay
         self._s = [0.0] * 5  # sum r*r, r*t, t*t, r*s, t*s
         self.num_observed = 0
@@ -216,6 +218,7 @@ class DraftLengthController:
         self.config = config
         self.cost = cost
         self.proposal_cost = ProposalCost()
+        self._idle_steps = 0  # steps in a row that asked for no proposal
         k = config.num_speculative_tokens
         # Proposer-wide decayed (accepted, tried) per position; the prior says 1 in 2.
         self._glob_acc = [0.5] * k
@@ -290,6 +293,8 @@ class DraftLengthController:
         else:
             for row in rows:
                 row.k_want = row.cap
+        if self.config.adaptive:
+            self._explore(rows)
         # This step verifies what each request has on hand, best rows first, within budget.
         left = max(budget, 0)
         for row in sorted(rows, key=lambda r: -r.k_want):
@@ -297,6 +302,22 @@ class DraftLengthController:
             left -= row.k_now
         self.metrics.last_num_draft_tokens = sum(r.k_now for r in rows)
         self.last_k_want = max(r.k_want for r in rows)
+
+    EXPLORE_EVERY = 16
+
+    def _explore(self, rows: list[DraftRow]) -> None:
+        """After this many steps without a proposal, ask one request for one draft: the
+        proposer's cost and the acceptance stay measured, so a choice of no drafts made
+        on stale figures does not last."""
+        if any(r.k_want for r in rows):
+            self._idle_steps = 0
+            return
+        self._idle_steps += 1
+        if self._idle_steps >= self.EXPLORE_EVERY:
+            self._idle_steps = 0
+            row = max(rows, key=lambda r: r.cap > 0)
+            if row.cap > 0:
+                row.k_want = 1
 
     def _plan_by_benefit(self, rows: list[DraftRow], num_prefill: int, num_decode: int,
                          expected: int) -> None:
