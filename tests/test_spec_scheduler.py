@@ -240,7 +240,9 @@ def test_proposal_cost_is_fitted_and_weighed():
     from conveyor.spec.controller import ProposalCost
 
     fit = ProposalCost()
-    for rounds, tokens in [(1, 1), (4, 4), (4, 64), (2, 30), (3, 12)] * 2:
+    assert fit.coefficients() == (0.0, 0.0)  # not measured yet: proposing looks free
+    fit.observe(1, 1, 0.5)  # a first proposal's one-time work: left out
+    for rounds, tokens in [(4, 4), (4, 64), (2, 30), (3, 12), (1, 2), (2, 9), (4, 40)]:
         fit.observe(rounds, tokens, 0.002 * rounds + 0.0001 * tokens)
     a, b = fit.coefficients()
     assert a == pytest.approx(0.002, rel=1e-6) and b == pytest.approx(0.0001, rel=1e-6)

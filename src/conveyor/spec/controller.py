@@ -20,6 +20,7 @@ to the first rejection. No torch and no clock: step times come in as numbers.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -126,39 +127,46 @@ class OnlineStepCost:
 
 
 class ProposalCost:
-    """Seconds the proposer takes, ``a x rounds + b x tokens`` fitted online: ``rounds``
-    the longest draft asked for (a draft model runs one forward per draft position),
-    ``tokens`` the drafts asked for over all requests. The runner measures the time (an
-    executor may read a clock) and reports it as data in ``ModelRunnerOutput``."""
+    """Seconds the proposer takes, ``a x rounds + b x tokens`` fitted to its last few
+    steps: ``rounds`` the longest draft asked for (a draft model runs one forward per
+    draft position), ``tokens`` the drafts asked for over all requests. The runner
+    measures the time (an executor may read a clock) and reports it as data.
 
-    def __init__(self, decay: float = 0.8) -> None:
-        # Fast fading: a request's first proposal pays one-time work (a draft model's
-        # prefill, a suffix tree's build) that later ones do not.
-        self.decay = decay
-        self._s = [0.0] * 5  # sum r*r, r*t, t*t, r*s, t*s
-        self.num_observed = 0
+    A request's first proposal pays one-time work (a draft model's prefill of its
+    prompt, a suffix tree's build) that later ones do not: the fit waits for a few
+    steps and leaves out the dearest one per token, so that one spike does not switch
+    speculation off for good."""
+
+    WINDOW = 8
+    MIN_STEPS = 4
+
+    def __init__(self) -> None:
+        self._recent: deque[tuple[float, float, float]] = deque(maxlen=self.WINDOW)
 
     def observe(self, rounds: int, tokens: int, seconds: float) -> None:
-        if rounds <= 0 or tokens <= 0 or not seconds >= 0.0:
-            return
-        s, d, r, t = self._s, self.decay, float(rounds), float(tokens)
-        for i, v in enumerate((r * r, r * t, t * t, r * seconds, t * seconds)):
-            s[i] = s[i] * d + v
-        self.num_observed += 1
+        if rounds > 0 and tokens > 0 and seconds >= 0.0:
+            self._recent.append((float(rounds), float(tokens), seconds))
 
     def coefficients(self) -> tuple[float, float]:
-        """(seconds per round, seconds per draft token); (0, 0) before any observation.
-        When rounds and tokens moved together (the same batch), it is all per token."""
-        rr, rt, tt, rs, ts = self._s
-        if self.num_observed == 0:
+        """(seconds per round, seconds per draft token); (0, 0) until a few steps were
+        seen (proposing looks free until measured). When rounds and tokens moved
+        together (the same batch), it is all per token."""
+        obs = list(self._recent)
+        if len(obs) < self.MIN_STEPS:
             return 0.0, 0.0
+        obs.remove(max(obs, key=lambda o: o[2] / o[1]))
+        rr = sum(r * r for r, _, _ in obs)
+        rt = sum(r * t for r, t, _ in obs)
+        tt = sum(t * t for _, t, _ in obs)
+        rs = sum(r * x for r, _, x in obs)
+        ts = sum(t * x for _, t, x in obs)
         det = rr * tt - rt * rt
         if det > 1e-6 * rr * tt:
             a = (tt * rs - rt * ts) / det
             b = (rr * ts - rt * rs) / det
             if a >= 0.0 and b >= 0.0:
                 return a, b
-        return 0.0, max(ts / tt, 0.0) if tt else 0.0
+        return 0.0, max(ts / tt, 0.0)
 
 
 @dataclass
