@@ -226,7 +226,6 @@ class DraftLengthController:
         self.config = config
         self.cost = cost
         self.proposal_cost = ProposalCost()
-        self._idle_steps = 0  # steps in a row that asked for no proposal
         k = config.num_speculative_tokens
         # Proposer-wide decayed (accepted, tried) per position; the prior says 1 in 2.
         self._glob_acc = [0.5] * k
@@ -301,8 +300,6 @@ class DraftLengthController:
         else:
             for row in rows:
                 row.k_want = row.cap
-        if self.config.adaptive:
-            self._explore(rows)
         # This step verifies what each request has on hand, best rows first, within budget.
         left = max(budget, 0)
         for row in sorted(rows, key=lambda r: -r.k_want):
@@ -310,22 +307,6 @@ class DraftLengthController:
             left -= row.k_now
         self.metrics.last_num_draft_tokens = sum(r.k_now for r in rows)
         self.last_k_want = max(r.k_want for r in rows)
-
-    EXPLORE_EVERY = 16
-
-    def _explore(self, rows: list[DraftRow]) -> None:
-        """After this many steps without a proposal, ask one request for one draft: the
-        proposer's cost and the acceptance stay measured, so a choice of no drafts made
-        on stale figures does not last."""
-        if any(r.k_want for r in rows):
-            self._idle_steps = 0
-            return
-        self._idle_steps += 1
-        if self._idle_steps >= self.EXPLORE_EVERY:
-            self._idle_steps = 0
-            row = max(rows, key=lambda r: r.cap > 0)
-            if row.cap > 0:
-                row.k_want = 1
 
     def _plan_by_benefit(self, rows: list[DraftRow], num_prefill: int, num_decode: int,
                          expected: int) -> None:
