@@ -92,7 +92,7 @@ class FixedCost:
     def __init__(self, a: float, b: float) -> None:
         self.a, self.b = a, b
 
-    def step_s(self, p: int, d: int) -> float:
+    def step_s(self, p: int, d: int, batch: int = 0) -> float:
         return self.a + self.b * (p + d)
 
 
@@ -144,6 +144,25 @@ def test_acceptance_is_counted_up_to_the_first_rejection():
     assert m["mean_acceptance_length"] == 2.0
     tried = [t for _, t in req.spec_acceptance]
     assert tried == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_draft_cost_is_priced_at_the_batch_size_it_runs_at():
+    """A roofline-shaped step (flat until 8 rows, linear after): a fit over every size
+    would price a batch-32 draft at batch 1's slope; the per-size fit does not."""
+    from conveyor.spec.controller import BatchStepCost
+
+    def step(d):
+        return 0.02 + 0.002 * max(d - 8, 0)
+
+    cost = BatchStepCost()
+    for d in (1, 2, 3, 5):
+        cost.observe(0, d, step(d), batch=1)
+    for d in (32, 40, 64, 96):
+        cost.observe(0, d, step(d), batch=32)
+    slope_32 = cost.step_s(0, 33, 32) - cost.step_s(0, 32, 32)
+    assert slope_32 == pytest.approx(0.002, rel=1e-3)
+    assert cost.step_s(0, 2, 1) - cost.step_s(0, 1, 1) == pytest.approx(0.0, abs=1e-6)
+    assert cost.step_s(0, 16, 16) is not None  # an unseen size: the overall fit answers
 
 
 def test_online_step_cost_recovers_prefill_and_decode_costs():

@@ -47,7 +47,7 @@ from conveyor.core.scheduler_output import (
     SchedulerOutput,
 )
 from conveyor.request import Request, RequestStatus
-from conveyor.spec.controller import DraftLengthController, DraftRow, OnlineStepCost, StepCost
+from conveyor.spec.controller import BatchStepCost, DraftLengthController, DraftRow, StepCost
 
 logger = logging.getLogger(__name__)
 
@@ -147,10 +147,10 @@ class Scheduler:
         # Speculative decoding: the draft-length controller, and this step's decisions
         # (drafts verified per request, drafts to propose for the next step).
         self.spec: DraftLengthController | None = None
-        self._online_cost: OnlineStepCost | None = None
+        self._online_cost: BatchStepCost | None = None
         if config.speculative is not None:
             if spec_cost is None:
-                spec_cost = self._online_cost = OnlineStepCost()
+                spec_cost = self._online_cost = BatchStepCost()
             self.spec = DraftLengthController(config.speculative, spec_cost)
         self._step_spec: dict[str, list[int]] = {}
         self._step_want: dict[str, int] = {}
@@ -566,12 +566,12 @@ class Scheduler:
             self.spec.observe_proposals(out.num_spec_wanted, run.propose_s)
             if self._online_cost is not None:
                 spec_rows = out.scheduled_spec_tokens
-                num_decode = sum(1 for rid, n in out.num_scheduled_tokens.items()
-                                 if n == 1 or rid in spec_rows)
-                num_decode += sum(len(d) for d in spec_rows.values())
+                batch = sum(1 for rid, n in out.num_scheduled_tokens.items()
+                            if n == 1 or rid in spec_rows)
+                num_decode = batch + sum(len(d) for d in spec_rows.values())
                 num_prefill = out.total_num_scheduled_tokens - num_decode
                 self._online_cost.observe(num_prefill, num_decode,
-                                          now - self._schedule_now - run.propose_s)
+                                          now - self._schedule_now - run.propose_s, batch)
         # Locals for the per-request loop (it runs for every request of every step).
         get_request, cache_blocks, sampled = (self.requests.get, self.kv.cache_computed_blocks,
                                               run.sampled_token_ids)

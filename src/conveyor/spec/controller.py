@@ -35,10 +35,12 @@ _GLOBAL_DECAY = 0.995
 
 
 class StepCost(Protocol):
-    def step_s(self, num_prefill_tokens: int, num_decode_rows: int) -> float | None:
+    def step_s(self, num_prefill_tokens: int, num_decode_rows: int,
+               batch: int = 0) -> float | None:
         """Predicted seconds of a step (None: not known yet). Prefill tokens and decode
         rows apart: a decode row (a draft is one) also carries per-row work that a
-        batched prompt token does not (its attention over the cache, its bookkeeping)."""
+        batched prompt token does not (its attention over the cache, its bookkeeping).
+        ``batch``: decoding requests in the step (a fit local to that size may answer)."""
         ...
 
 
@@ -119,8 +121,42 @@ class OnlineStepCost:
             bp, bd = (0.0, b) if bp < 0 else (b, 0.0)
         return max(a, 0.0), max(bp, 0.0), max(bd, combined)
 
-    def step_s(self, num_prefill_tokens: int, num_decode_rows: int) -> float | None:
+    def step_s(self, num_prefill_tokens: int, num_decode_rows: int,
+               batch: int = 0) -> float | None:
         coef = self.coefficients()
+        if coef is None:
+            return None
+        return coef[0] + coef[1] * num_prefill_tokens + coef[2] * num_decode_rows
+
+
+class BatchStepCost:
+    """One ``OnlineStepCost`` per batch size (power-of-two buckets of decoding requests)
+    over one for all steps. A CPU or GPU step is not linear across batch sizes (flat
+    while weights are read, linear once compute-bound: a roofline's knee), and a draft's
+    marginal cost is wanted at this step's size: a fit over every size would price a
+    batch-32 draft at the slope it had at batch 1. The overall fit answers until the
+    bucket's own can."""
+
+    def __init__(self) -> None:
+        self.overall = OnlineStepCost()
+        self._by_batch: dict[int, OnlineStepCost] = {}
+
+    def observe(self, num_prefill_tokens: int, num_decode_rows: int, seconds: float,
+                batch: int = 0) -> None:
+        self.overall.observe(num_prefill_tokens, num_decode_rows, seconds)
+        fit = self._by_batch.get(batch.bit_length())
+        if fit is None:
+            fit = self._by_batch[batch.bit_length()] = OnlineStepCost()
+        fit.observe(num_prefill_tokens, num_decode_rows, seconds)
+
+    def coefficients(self, batch: int = 0) -> tuple[float, float, float] | None:
+        fit = self._by_batch.get(batch.bit_length())
+        coef = fit.coefficients() if fit is not None else None
+        return coef if coef is not None else self.overall.coefficients()
+
+    def step_s(self, num_prefill_tokens: int, num_decode_rows: int,
+               batch: int = 0) -> float | None:
+        coef = self.coefficients(batch)
         if coef is None:
             return None
         return coef[0] + coef[1] * num_prefill_tokens + coef[2] * num_decode_rows
@@ -311,8 +347,9 @@ class DraftLengthController:
     def _plan_by_benefit(self, rows: list[DraftRow], num_prefill: int, num_decode: int,
                          expected: int) -> None:
         cost = self.cost
-        t0 = cost.step_s(num_prefill, num_decode) if cost is not None else None
-        t1 = cost.step_s(num_prefill, num_decode + 1) if t0 is not None else None
+        batch = len(rows)
+        t0 = cost.step_s(num_prefill, num_decode, batch) if cost is not None else None
+        t1 = cost.step_s(num_prefill, num_decode + 1, batch) if t0 is not None else None
         if t0 is None or t1 is None:
             return  # no cost known yet (two step sizes teach it): no drafts
         slope = max(t1 - t0, 0.0)
