@@ -42,17 +42,6 @@ def load_pair_module():
     return mod
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def pair_configs(draft_path: str, k: int) -> dict[str, dict | None]:
     out: dict[str, dict | None] = {"off": None}
     methods = {"ngram": {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5},
@@ -160,6 +149,7 @@ def main() -> int:
     args = p.parse_args()
 
     pair = load_pair_module()
+    cpu_model = pair.cpu_model_name
     manifest = pair.ensure_pair()
     target, draft = manifest["target_path"], manifest["draft_path"]
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); target {target} "
