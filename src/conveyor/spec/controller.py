@@ -137,17 +137,33 @@ class BatchStepCost:
     batch-32 draft at the slope it had at batch 1. The overall fit answers until the
     bucket's own can."""
 
+    # A bucket's fit is anchored by a step without drafts at most this many steps old:
+    # fitted on steps full of drafts alone, it extrapolates what a step without them
+    # costs, and a high intercept there makes drafts look cheap.
+    ANCHOR_EVERY = 64
+
     def __init__(self) -> None:
         self.overall = OnlineStepCost()
         self._by_batch: dict[int, OnlineStepCost] = {}
+        self._anchor_age: dict[int, int] = {}  # bucket -> steps since a draft-free one
 
     def observe(self, num_prefill_tokens: int, num_decode_rows: int, seconds: float,
                 batch: int = 0) -> None:
         self.overall.observe(num_prefill_tokens, num_decode_rows, seconds)
-        fit = self._by_batch.get(batch.bit_length())
+        key = batch.bit_length()
+        fit = self._by_batch.get(key)
         if fit is None:
-            fit = self._by_batch[batch.bit_length()] = OnlineStepCost()
+            fit = self._by_batch[key] = OnlineStepCost()
         fit.observe(num_prefill_tokens, num_decode_rows, seconds)
+        if num_decode_rows == batch:
+            self._anchor_age[key] = 0
+        elif key in self._anchor_age:
+            self._anchor_age[key] += 1
+
+    def needs_anchor(self, batch: int) -> bool:
+        """Whether this batch size's next step should verify no draft (see above)."""
+        age = self._anchor_age.get(batch.bit_length())
+        return age is None or age >= self.ANCHOR_EVERY
 
     def coefficients(self, batch: int = 0) -> tuple[float, float, float] | None:
         fit = self._by_batch.get(batch.bit_length())
@@ -333,6 +349,9 @@ class DraftLengthController:
         if self.config.adaptive:
             self._plan_by_benefit(rows, num_prefill_tokens, num_decode_rows,
                                   max(num_expected_tokens, 1))
+            needs_anchor = getattr(self.cost, "needs_anchor", None)
+            if needs_anchor is not None and needs_anchor(len(rows)):
+                budget = 0  # verify none this step (proposals go on: no step is lost twice)
         else:
             for row in rows:
                 row.k_want = row.cap
