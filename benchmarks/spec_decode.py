@@ -74,12 +74,15 @@ def run_grid(name: str, target: str, configs: dict[str, dict | None], batches: l
              rounds: int, prompts: list[list[int]], max_tokens: int, threads: int,
              load_format: str = "auto") -> dict:
     max_batch = max(batches)
+    # Every request fits in this: the KV pool (sized from it) stays small, so that a
+    # dozen engines side by side fit in memory.
+    max_len = len(prompts[0]) + max_tokens + 16
     llms = {}
     for label, cfg in configs.items():
         llms[label] = LLM(target, dtype="float32", max_num_seqs=max_batch,
                           max_num_batched_tokens=1024, enable_prefix_caching=False,
                           num_threads=threads, speculative_config=cfg,
-                          load_format=load_format)
+                          load_format=load_format, max_model_len=max_len)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for llm in llms.values():  # first-call costs out of the way
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0))
