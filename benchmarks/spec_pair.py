@@ -316,14 +316,9 @@ def default_cache_dir() -> str:
 
 
 def cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from conveyor.model.linear_choice import cpu_model_name as conveyor_cpu_model
+
+    return conveyor_cpu_model()
 
 
 def _sha256_dir(path: str, names: list[str]) -> str:

@@ -37,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from conveyor.config import SchedulerConfig
+from conveyor.core.batch_shape import batch_shape
 from conveyor.core.budget import BudgetController, StepCostModel, budget_mode
 from conveyor.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from conveyor.core.policies import PolicyContext, SchedulingPolicy, make_policy
@@ -565,12 +566,10 @@ class Scheduler:
             # The step's time without the proposer's (priced apart, per draft asked for).
             self.spec.observe_proposals(out.num_spec_wanted, run.propose_s)
             if self._online_cost is not None:
-                spec_rows = out.scheduled_spec_tokens
-                batch = sum(1 for rid, n in out.num_scheduled_tokens.items()
-                            if n == 1 or rid in spec_rows)
-                num_decode = batch + sum(len(d) for d in spec_rows.values())
-                num_prefill = out.total_num_scheduled_tokens - num_decode
-                self._online_cost.observe(num_prefill, num_decode,
+                # The runner's split: verify rows are decode rows (core/batch_shape.py).
+                shape = batch_shape(out)
+                batch = shape.num_decodes - sum(map(len, out.scheduled_spec_tokens.values()))
+                self._online_cost.observe(shape.num_prefill_tokens, shape.num_decodes,
                                           now - self._schedule_now - run.propose_s, batch)
         # Locals for the per-request loop (it runs for every request of every step).
         get_request, cache_blocks, sampled = (self.requests.get, self.kv.cache_computed_blocks,
@@ -620,8 +619,7 @@ class Scheduler:
     def _roll_back_rejected(self, req: Request, num_drafts: int,
                             new_tokens: list[int] | None) -> None:
         """The one place ``num_computed_tokens`` moves back: the rejected drafts' K/V
-        (computed this step) is void, and the lookahead blocks beyond what the request
-        now needs go back to the pool."""
+        (computed this step) is void. (Their blocks go back in ``_trim_lookahead``.)"""
         num_accepted = len(new_tokens) - 1 if new_tokens else 0
         assert 0 <= num_accepted <= num_drafts, (req.request_id, num_drafts, new_tokens)
         req.num_computed_tokens -= num_drafts - num_accepted

@@ -61,7 +61,8 @@ def model_shapes(model: nn.Module, lm_head: torch.Tensor) -> list[LinearShape]:
     return sorted(shapes, key=lambda s: s.key)
 
 
-def _cpu_model() -> str:
+def cpu_model_name() -> str:
+    """/proc/cpuinfo's model name (what every measured figure is labelled with)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -74,7 +75,7 @@ def _cpu_model() -> str:
 
 def _cache_key(shapes: list[LinearShape], dtype: torch.dtype, rows: tuple[int, int],
                candidates: list[str]) -> str:
-    parts = [_cpu_model(), " ".join(sorted(cpu_flags() or ())), torch.__version__,
+    parts = [cpu_model_name(), " ".join(sorted(cpu_flags() or ())), torch.__version__,
              str(torch.get_num_threads()), str(dtype), repr(rows), ",".join(candidates),
              ",".join(s.key for s in shapes)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
@@ -146,10 +147,10 @@ def choose(shapes: list[LinearShape], backends: dict[str, object], device: torch
     timings = measure(shapes, backends, device, dtype, decode_rows, prefill_rows)
     choice = {k: min(times, key=times.get) for k, times in timings.items()}
     logger.info("linear backends measured in %.1f s on %s (%d decode, %d prefill rows): "
-                "%s; ms per shape: %s", time.perf_counter() - t0, _cpu_model(), decode_rows,
+                "%s; ms per shape: %s", time.perf_counter() - t0, cpu_model_name(), decode_rows,
                 prefill_rows, choice,
                 {k: {n: round(1e3 * t, 3) for n, t in v.items()} for k, v in timings.items()})
-    cache[key] = {"choice": choice, "cpu": _cpu_model(), "timings_s": timings}
+    cache[key] = {"choice": choice, "cpu": cpu_model_name(), "timings_s": timings}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"

@@ -70,7 +70,6 @@ class OnlineStepCost:
         self.decay = decay
         self._m = [[0.0] * 3 for _ in range(3)]
         self._v = [0.0] * 3
-        self.num_observed = 0
         self._totals: set[int] = set()  # distinct step sizes seen (two make a slope)
 
     def observe(self, num_prefill_tokens: int, num_decode_rows: int, seconds: float) -> None:
@@ -82,7 +81,6 @@ class OnlineStepCost:
             self._v[i] = self._v[i] * d + x[i] * seconds
             for j in range(3):
                 self._m[i][j] = self._m[i][j] * d + x[i] * x[j]
-        self.num_observed += 1
         if len(self._totals) < 2:
             self._totals.add(num_prefill_tokens + num_decode_rows)
 
