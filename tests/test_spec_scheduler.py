@@ -277,3 +277,75 @@ def test_proposal_cost_is_fitted_and_weighed():
     rows = _rows(1)
     dear.plan(rows, 0, 1, 1, 512)
     assert rows[0].k_want == 0
+
+
+# ---- the outcome guard -----------------------------------------------------------------
+def test_outcome_guard_switches_a_losing_batch_size_off_and_tries_again():
+    from conveyor.spec.controller import OutcomeGuard
+
+    g = OutcomeGuard()
+    for _ in range(OutcomeGuard.MIN_OFF):
+        g.observe(8, 0, 0, 8, 0.010, 0.0)  # draft-free: 1.25 ms a token
+    for i in range(OutcomeGuard.MIN_ON):
+        assert g.allows(8), i
+        g.observe(8, 0, 8, 10, 0.012, 0.002)  # drafted: 1.4 ms a token, proposer included
+    assert not g.allows(8) and g.num_switched_off == 1
+    assert g.allows(1) and g.allows(64)  # other batch sizes keep their own verdicts
+    assert g.allows(9) is False  # 8..15 share a bucket
+    for _ in range(OutcomeGuard.COOL_OFF):
+        g.observe(8, 0, 0, 8, 0.010, 0.0)
+    assert g.allows(8)  # the cool-off is over: tried afresh
+    for _ in range(OutcomeGuard.MIN_ON):
+        g.observe(8, 0, 8, 10, 0.012, 0.002)
+    assert not g.allows(8) and g.num_switched_off == 2
+    steps = 0
+    while not g.allows(8):
+        g.observe(8, 0, 0, 8, 0.010, 0.0)
+        steps += 1
+    assert steps == 2 * OutcomeGuard.COOL_OFF  # a second loss waits twice as long
+
+
+def test_outcome_guard_keeps_drafts_that_pay_and_ignores_prefill_steps():
+    from conveyor.spec.controller import OutcomeGuard
+
+    g = OutcomeGuard()
+    for _ in range(OutcomeGuard.MIN_OFF):
+        g.observe(4, 0, 0, 4, 0.010, 0.0)  # 2.5 ms a token
+    for _ in range(10 * OutcomeGuard.MIN_ON):
+        g.observe(4, 0, 8, 9, 0.012, 0.003)  # 1.7 ms a token: pays
+        g.observe(4, 300, 0, 4, 0.5, 0.0)  # a prefill step: not the drafts' cost
+    assert g.allows(4) and g.num_switched_off == 0
+    # The proposer's time counts against the drafts: the same steps with a dear proposer.
+    for _ in range(OutcomeGuard.MIN_ON):
+        g.observe(4, 0, 8, 9, 0.012, 0.020)  # 3.6 ms a token
+    assert not g.allows(4)
+
+
+def test_a_measured_loss_overrules_a_wrong_cost_estimate():
+    """The step-cost estimate says drafts are nearly free (a big fixed cost per step);
+    the steps as measured say a drafted step costs more per token than a plain one. The
+    measurement wins: no drafts and no proposals at that batch size, others unaffected."""
+    cfg = SpeculativeConfig("ngram", num_speculative_tokens=4)
+    ctl = DraftLengthController(cfg, FixedCost(a=0.05, b=0.0001))
+    rows = _rows(4)
+    ctl.plan(rows, 0, 4, 4, 512)
+    assert all(r.k_want == 4 and r.k_now == 4 for r in rows)  # the estimate: drafts pay
+    for _ in range(2):
+        ctl.observe_step(4, 0, 0, 4, 0.010, 0.0)
+    for _ in range(16):
+        ctl.observe_step(4, 0, 16, 6, 0.018, 0.001)  # 3.2 ms a token against 2.5
+    rows = _rows(4)
+    ctl.plan(rows, 0, 4, 4, 512)
+    assert all(r.k_want == 0 and r.k_now == 0 for r in rows) and ctl.last_k_want == 0
+    m = ctl.metrics.as_dict()
+    assert m["num_guard_switch_offs"] == 1 and m["num_guard_off_steps"] == 1
+    rows = _rows(1)  # batch 1 has its own verdict (none yet): the estimate decides
+    ctl.plan(rows, 0, 1, 1, 512)
+    assert rows[0].k_want == 4
+    fixed = DraftLengthController(SpeculativeConfig("ngram", num_speculative_tokens=4,
+                                                    adaptive=False), None)
+    for _ in range(16):
+        fixed.observe_step(4, 0, 16, 6, 0.018, 0.001)
+    rows = _rows(4)
+    fixed.plan(rows, 0, 4, 4, 512)
+    assert all(r.k_now == 4 for r in rows)  # a fixed k is what the user asked for

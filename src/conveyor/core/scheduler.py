@@ -565,12 +565,17 @@ class Scheduler:
         if self.spec is not None and self._schedule_now is not None:
             # The step's time without the proposer's (priced apart, per draft asked for).
             self.spec.observe_proposals(out.num_spec_wanted, run.propose_s)
+            # The runner's split: verify rows are decode rows (core/batch_shape.py).
+            shape = batch_shape(out)
+            num_drafts = sum(map(len, out.scheduled_spec_tokens.values()))
+            batch = shape.num_decodes - num_drafts
+            step_s = now - self._schedule_now - run.propose_s
             if self._online_cost is not None:
-                # The runner's split: verify rows are decode rows (core/batch_shape.py).
-                shape = batch_shape(out)
-                batch = shape.num_decodes - sum(map(len, out.scheduled_spec_tokens.values()))
                 self._online_cost.observe(shape.num_prefill_tokens, shape.num_decodes,
-                                          now - self._schedule_now - run.propose_s, batch)
+                                          step_s, batch)
+            self.spec.observe_step(batch, shape.num_prefill_tokens, num_drafts,
+                                   sum(map(len, run.sampled_token_ids.values())),
+                                   step_s, run.propose_s)
         # Locals for the per-request loop (it runs for every request of every step).
         get_request, cache_blocks, sampled = (self.requests.get, self.kv.cache_computed_blocks,
                                               run.sampled_token_ids)

@@ -219,6 +219,76 @@ class ProposalCost:
         return 0.0, max(ts / tt, 0.0)
 
 
+class OutcomeGuard:
+    """Speculation's measured outcome per batch size, the check on the benefit rule.
+
+    The rule decides from estimates (acceptance, a step-cost fit, the proposer's fitted
+    time); what it must never do is lose. So each power-of-two bucket of decoding
+    requests keeps the seconds per emitted token of its decode-only steps two ways:
+    steps that verified drafts (the proposer's time included) and steps that verified
+    none (the proposer's time left out: the step as it costs with speculation off; the
+    step-cost fit's anchors provide them while drafting is on). When drafted steps cost
+    more per token than draft-free ones, the bucket is switched off (no drafts, no
+    proposals) for a cool-off that doubles at every loss, then tried afresh; a trial
+    that pays resets the cool-off. Steps with prefill in them are not compared (their
+    cost is not the drafts')."""
+
+    MIN_ON = 16  # drafted steps before a verdict
+    MIN_OFF = 2  # draft-free steps before a verdict
+    COOL_OFF = 256  # steps a bucket stays off after its first loss
+    MAX_COOL_OFF = 4096
+    DECAY_ON = 0.95  # per observation: the last ~20 drafted steps
+    DECAY_OFF = 0.8  # draft-free steps are sparse while drafting is on (anchors)
+
+    @dataclass
+    class _Bucket:
+        on_s: float = 0.0
+        on_tokens: float = 0.0
+        num_on: int = 0
+        off_s: float = 0.0
+        off_tokens: float = 0.0
+        num_off: int = 0
+        off_until: int = 0  # step index at which drafting may resume
+        cool_off: int = 0
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, OutcomeGuard._Bucket] = {}
+        self.step = 0
+        self.num_switched_off = 0  # verdicts against speculation, all buckets
+
+    def allows(self, batch: int) -> bool:
+        b = self._buckets.get(batch.bit_length())
+        return b is None or self.step >= b.off_until
+
+    def observe(self, batch: int, num_prefill_tokens: int, num_drafts: int,
+                num_emitted: int, step_s: float, propose_s: float) -> None:
+        """One step: ``step_s`` without the proposer's ``propose_s``."""
+        self.step += 1
+        if num_prefill_tokens or batch <= 0 or num_emitted <= 0 or not step_s > 0.0:
+            return
+        b = self._buckets.setdefault(batch.bit_length(), OutcomeGuard._Bucket())
+        if num_drafts:
+            d = self.DECAY_ON
+            b.on_s = b.on_s * d + step_s + propose_s
+            b.on_tokens = b.on_tokens * d + num_emitted
+            b.num_on += 1
+        else:
+            d = self.DECAY_OFF
+            b.off_s = b.off_s * d + step_s
+            b.off_tokens = b.off_tokens * d + num_emitted
+            b.num_off += 1
+        if b.num_on < self.MIN_ON or b.num_off < self.MIN_OFF:
+            return
+        if b.on_s * b.off_tokens > b.off_s * b.on_tokens:  # on per token > off per token
+            b.cool_off = min(2 * b.cool_off, self.MAX_COOL_OFF) or self.COOL_OFF
+            b.off_until = self.step + b.cool_off
+            self.num_switched_off += 1
+        else:
+            b.cool_off = 0
+        b.on_s = b.on_tokens = 0.0  # the next verdict is on fresh drafted steps
+        b.num_on = 0
+
+
 @dataclass
 class SpecMetrics:
     """Counters for ``stats()`` and ``/metrics`` (aggregates only: bounded in size)."""
@@ -233,6 +303,8 @@ class SpecMetrics:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     last_num_draft_tokens: int = 0  # in the last step, over every request
+    num_guard_switch_offs: int = 0  # times the outcome guard found drafts losing
+    num_guard_off_steps: int = 0  # steps with decodes in which the guard kept drafts off
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -253,6 +325,8 @@ class SpecMetrics:
             "acceptance_rate": self.num_accepted_tokens / verified if verified else 0.0,
             # Tokens per verifying step, the bonus token included (vLLM's definition).
             "mean_acceptance_length": (1 + self.num_accepted_tokens / steps) if steps else 0.0,
+            "num_guard_switch_offs": self.num_guard_switch_offs,
+            "num_guard_off_steps": self.num_guard_off_steps,
             "drafted_per_position": list(self.drafted_per_position),
             "accepted_per_position": list(self.accepted_per_position),
             "acceptance_rate_per_position": [
@@ -276,6 +350,7 @@ class DraftLengthController:
         self.config = config
         self.cost = cost
         self.proposal_cost = ProposalCost()
+        self.guard = OutcomeGuard()
         k = config.num_speculative_tokens
         # Proposer-wide decayed (accepted, tried) per position; the prior says 1 in 2.
         self._glob_acc = [0.5] * k
@@ -304,6 +379,14 @@ class DraftLengthController:
         """The proposer took ``seconds`` for the drafts ``wanted`` (request -> k)."""
         if wanted:
             self.proposal_cost.observe(max(wanted.values()), sum(wanted.values()), seconds)
+
+    def observe_step(self, batch: int, num_prefill_tokens: int, num_drafts: int,
+                     num_emitted: int, step_s: float, propose_s: float) -> None:
+        """A finished step, for the outcome guard (``step_s`` without ``propose_s``)."""
+        if self.config.adaptive:
+            self.guard.observe(batch, num_prefill_tokens, num_drafts, num_emitted,
+                               step_s, propose_s)
+            self.metrics.num_guard_switch_offs = self.guard.num_switched_off
 
     def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """Fold in one verification: ``num_accepted`` leading drafts of ``num_drafts``."""
@@ -343,6 +426,12 @@ class DraftLengthController:
         self.metrics.num_decode_steps += len(rows)
         if not rows:
             self.metrics.last_num_draft_tokens = 0
+            return
+        if self.config.adaptive and not self.guard.allows(len(rows)):
+            # Drafts were measured to lose at this batch size: none, and no proposals.
+            self.metrics.num_guard_off_steps += 1
+            self.metrics.last_num_draft_tokens = 0
+            self.last_k_want = 0
             return
         if self.config.adaptive:
             self._plan_by_benefit(rows, num_prefill_tokens, num_decode_rows,

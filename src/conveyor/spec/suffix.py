@@ -286,6 +286,7 @@ class SuffixProposer:
     """
 
     name = "suffix"
+    FLUSH_TOKENS = 4096  # finished tokens inserted into the global tree per proposal, at most
 
     def __init__(self, num_speculative_tokens: int, *, max_depth: int = 32,
                  max_cached_requests: int = 1000, min_token_prob: float = 0.1,
@@ -312,6 +313,11 @@ class SuffixProposer:
         self._global = SuffixTrie(self._depth)
         self._cached: deque[list[int]] = deque()  # FIFO of finished sequences in _global
         self._cached_tokens = 0
+        # Finished sequences not in _global yet (oldest first). A request's end only queues
+        # its tokens; the next proposal inserts them (a bounded amount per call), so the
+        # tree's upkeep is paid inside the time the runner measures as proposing (the
+        # draft-length controller prices it) and not at all while nobody proposes.
+        self._pending: deque[list[int]] = deque()
         self._gen = 0  # bumped at every change of _global: invalidates requests' matches
         self._requests: dict[str, _Request] = {}
 
@@ -320,6 +326,8 @@ class SuffixProposer:
     def propose(self, req_id: str, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to min(k, num_speculative_tokens) draft tokens continuing token_ids (prompt +
         output so far)."""
+        if self._pending:
+            self._flush(self.FLUSH_TOKENS)
         st = self._requests.get(req_id)
         n = len(token_ids)
         if st is not None:
@@ -366,21 +374,42 @@ class SuffixProposer:
         return best
 
     def finish(self, req_id: str) -> None:
-        """The request ended: drop its own tree and add its tokens to the global tree."""
+        """The request ended: drop its own tree and queue its tokens for the global tree.
+        O(1): what a FIFO of ``max_cached_requests`` would evict unseen is dropped here."""
         st = self._requests.pop(req_id, None)
         if st is None or self.max_cached_requests == 0:
             return
-        seq = st.tokens  # no longer appended to: the global trie may reference it
-        self._global.insert(seq)
-        self._cached.append(seq)
-        self._cached_tokens += len(seq)
-        while len(self._cached) > self.max_cached_requests:
-            old = self._cached.popleft()
+        self._pending.append(st.tokens)  # no longer appended to: the trie may reference it
+        while len(self._pending) > self.max_cached_requests:
+            self._pending.popleft()  # would be inserted, then evicted before any lookup
+
+    def _flush(self, max_tokens: int | None = None) -> None:
+        """Insert queued sequences, oldest first, until ``max_tokens`` were inserted (one
+        sequence at least; all if None), evicting FIFO beyond ``max_cached_requests``.
+        The lookups see exactly the FIFO once the queue is empty."""
+        done = 0
+        cached, pending = self._cached, self._pending
+        # Cached sequences the queue will push out anyway go first: no insert is wasted.
+        while cached and len(cached) + len(pending) > self.max_cached_requests:
+            old = cached.popleft()
             self._global.remove(old)
             self._cached_tokens -= len(old)
+        while pending and (max_tokens is None or done < max_tokens):
+            seq = pending.popleft()
+            self._global.insert(seq)
+            cached.append(seq)
+            self._cached_tokens += len(seq)
+            done += len(seq) + 1
+            while len(cached) > self.max_cached_requests:
+                old = cached.popleft()
+                self._global.remove(old)
+                self._cached_tokens -= len(old)
         self._gen += 1
 
     def stats(self) -> dict:
+        """The trees' sizes once the queue of finished requests is in (introspection)."""
+        if self._pending:
+            self._flush()
         return {
             "global_nodes": self._global.num_nodes,
             "global_leaves": self._global.num_leaves,
