@@ -101,7 +101,9 @@ def test_attention_backend_brings_its_prefill_kernel_and_layer_ops() -> None:
     assert isinstance(fp32.prefill_kernel(), NativePrefill)
     assert isinstance(fp32.layer_ops(), NativeOps)
     bf16 = select_attention_backend("native", CPU, torch.bfloat16, 8, 2)
-    assert bf16.prefill_kernel() is None and bf16.layer_ops() is None
+    assert bf16.prefill_kernel() is None and isinstance(bf16.layer_ops(), NativeOps)
+    fp16 = select_attention_backend("sdpa", CPU, torch.float16, 8, 2)
+    assert fp16.layer_ops() is None
 
 
 def test_forced_attention_backend_that_does_not_apply_says_why() -> None:

@@ -336,3 +336,43 @@ def test_packed_gemm_checks_its_input_and_its_operands_once() -> None:
     x = torch.randn(3, 24)
     g, u = F.linear(x, w).split(20, dim=-1)
     torch.testing.assert_close(gu(x), F.silu(g) * u, atol=1e-4, rtol=1e-4)
+
+
+@native
+@pytest.mark.parametrize("via", list(CALLS))
+def test_bf16_elementwise_ops_track_the_torch_reference(via: str) -> None:
+    """bf16 in, bf16 out, fp32 inside, rounded where ``TorchOps`` on bf16 tensors rounds:
+    nearly every element equal to the reference's, the rest one rounding away."""
+    from conveyor.model.layer_ops import TorchOps
+    from conveyor.model.llama import RMSNorm, RotaryEmbedding
+
+    call, ref = CALLS[via], TorchOps()
+    g = torch.Generator().manual_seed(3)
+    bf = torch.bfloat16
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = (1 + 0.3 * torch.randn(96, generator=g)).to(bf)
+
+    def check(got: torch.Tensor, want: torch.Tensor) -> None:
+        assert got.dtype is bf and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-3)
+        assert (got == want).float().mean() > 0.9  # the same roundings, not just close
+
+    x = (3 * torch.randn(33, 96, generator=g)).to(bf)
+    check(call("rms_norm")(x, norm.weight, norm.eps), ref.rms_norm(x, norm))
+    res = torch.randn(33, 96, generator=g).to(bf)
+    want_out, want_res = ref.add_rms_norm(x, res.clone(), norm)
+    got_res = res.clone()
+    check(call("add_rms_norm_")(x, got_res, norm.weight, norm.eps), want_out)
+    assert torch.equal(got_res, want_res)  # one rounded add: bit for bit
+    gate_up = (2 * torch.randn(33, 2 * 40, generator=g)).to(bf)
+    check(call("silu_mul")(gate_up, 40), ref.silu_mul(gate_up, 40))
+    rope = RotaryEmbedding({"rope_theta": 10000.0}, 16, 64)
+    positions = torch.randint(0, 64, (9,), generator=g)
+    qkv = torch.randn(9, (4 + 2 * 2) * 16, generator=g).to(bf)
+    want_q, want_k, want_v = ref.rope_(rope, positions, qkv.clone(), 4, 2, 16)
+    got = qkv.clone()
+    assert call("rope_")(got, positions, rope.cos, rope.sin, 6, 16) is None
+    heads = got.view(9, 8, 16)
+    check(heads[:, :4], want_q)
+    check(heads[:, 4:6], want_k)
+    assert torch.equal(heads[:, 6:], want_v)  # v untouched

@@ -188,7 +188,9 @@ class NativeAttentionBackend(AttentionBackend):
         return NativePrefill(self.lib) if self.dtype == torch.float32 else None
 
     def layer_ops(self) -> NativeOps | None:
-        return NativeOps(self.lib) if self.dtype == torch.float32 else None
+        # bfloat16 too: the kernels compute in fp32 and round where TorchOps does.
+        return (NativeOps(self.lib) if self.dtype in (torch.float32, torch.bfloat16)
+                else None)
 
 
 @register_attention_backend

@@ -1,7 +1,7 @@
 """The decoder layer's elementwise steps, in PyTorch or as fused native kernels.
 
 ``TorchOps`` is the reference, for any device and dtype. ``NativeOps`` runs the same
-arithmetic as single-pass C kernels (float32 on CPU), where eager PyTorch would spend
+arithmetic as single-pass C kernels (float32 or bfloat16 on CPU), where eager PyTorch would spend
 more time dispatching small ops than computing at decode batch sizes.
 """
 
@@ -46,7 +46,8 @@ class TorchOps:
 
 
 class NativeOps(TorchOps):
-    """Fused C kernels (``kernels/elementwise.c``) for float32 tensors on CPU, called
+    """Fused C kernels (``kernels/elementwise.c``) for float32 or bfloat16 tensors on CPU
+    (bf16: fp32 inside, rounded where TorchOps rounds), called
     through the checked entry points of ``kernels/ops.py``: a tensor they cannot take
     raises a ValueError instead of reaching the C code."""
 

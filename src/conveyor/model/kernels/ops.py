@@ -83,6 +83,7 @@ def _refuse(op: str, args: tuple, shapes: Callable[[], str]) -> ValueError:
 
 F32, BF16, I32, I64 = torch.float32, torch.bfloat16, torch.int32, torch.int64
 _F32, _I32, _I64, _KV = (F32,), (I32,), (I64,), (F32, BF16)
+_ACT = (F32, BF16)  # the elementwise ops' activations: float32, or bfloat16 (fp32 inside)
 
 # Each op first evaluates one fast condition over all its arguments (attribute reads
 # only: a call costs well under a microsecond more than the bare ctypes call); only when
@@ -92,20 +93,26 @@ _F32, _I32, _I64, _KV = (F32,), (I32,), (I64,), (F32, BF16)
 # --- elementwise.c -------------------------------------------------------------------
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / rms(x)`` over the last dim of x [rows, dim] (float32)."""
+    """``weight * x / rms(x)`` over the last dim of x [rows, dim] (float32, or bfloat16
+    with x and weight alike)."""
     try:
         rows, dim = x.shape
-        ok = (x.dtype is F32 and weight.dtype is F32 and x.is_cpu and weight.is_cpu
-              and x.is_contiguous() and weight.is_contiguous() and weight.shape == (dim,))
+        dt = x.dtype
+        ok = ((dt is F32 or dt is BF16) and weight.dtype is dt and x.is_cpu
+              and weight.is_cpu and x.is_contiguous() and weight.is_contiguous()
+              and weight.shape == (dim,))
     except (AttributeError, ValueError):
         ok = False
     if not ok:
-        raise _refuse("rms_norm", (("x", x, _F32, 2, "contiguous"),
-                                   ("weight", weight, _F32, 1, "contiguous")),
-                      lambda: f"weight has {weight.shape[0]} elements, x rows {x.shape[1]}")
+        raise _refuse("rms_norm", (("x", x, _ACT, 2, "contiguous"),
+                                   ("weight", weight, _ACT, 1, "contiguous")),
+                      lambda: f"weight has {weight.shape[0]} elements and dtype "
+                              f"{_dtype_name(weight.dtype)}; x rows {x.shape[1]}, "
+                              f"{_dtype_name(x.dtype)}")
     out = torch.empty_like(x)
-    (_lib or _native()).rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows,
-                                     dim, eps)
+    lib = _lib or _native()
+    (lib.rms_norm_f32 if dt is F32 else lib.rms_norm_bf16)(
+        x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, dim, eps)
     return out
 
 
@@ -114,21 +121,23 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """``residual += x`` in place, returns ``rms_norm(residual)``; x, residual [rows, dim]."""
     try:
         rows, dim = shape = x.shape
-        ok = (x.dtype is F32 and residual.dtype is F32 and weight.dtype is F32 and x.is_cpu
-              and residual.is_cpu and weight.is_cpu and x.is_contiguous()
+        dt = x.dtype
+        ok = ((dt is F32 or dt is BF16) and residual.dtype is dt and weight.dtype is dt
+              and x.is_cpu and residual.is_cpu and weight.is_cpu and x.is_contiguous()
               and residual.is_contiguous() and weight.is_contiguous()
               and residual.shape == shape and weight.shape == (dim,))
     except (AttributeError, ValueError):
         ok = False
     if not ok:
-        raise _refuse("add_rms_norm_", (("x", x, _F32, 2, "contiguous"),
-                                        ("residual", residual, _F32, 2, "contiguous"),
-                                        ("weight", weight, _F32, 1, "contiguous")),
+        raise _refuse("add_rms_norm_", (("x", x, _ACT, 2, "contiguous"),
+                                        ("residual", residual, _ACT, 2, "contiguous"),
+                                        ("weight", weight, _ACT, 1, "contiguous")),
                       lambda: f"x {tuple(x.shape)}, residual {tuple(residual.shape)} and "
-                              f"weight {tuple(weight.shape)} disagree")
+                              f"weight {tuple(weight.shape)} disagree (or their dtypes)")
     out = torch.empty_like(x)
-    (_lib or _native()).add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
-                                         out.data_ptr(), rows, dim, eps)
+    lib = _lib or _native()
+    (lib.add_rms_norm_f32 if dt is F32 else lib.add_rms_norm_bf16)(
+        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, dim, eps)
     return out
 
 
@@ -136,16 +145,19 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     """``silu(gate) * up`` of gate_up = [gate | up], [rows, 2 * intermediate]."""
     try:
         rows, cols = gate_up.shape
-        ok = (gate_up.dtype is F32 and gate_up.is_cpu and gate_up.is_contiguous()
+        dt = gate_up.dtype
+        ok = ((dt is F32 or dt is BF16) and gate_up.is_cpu and gate_up.is_contiguous()
               and cols == 2 * intermediate)
     except (AttributeError, ValueError):
         ok = False
     if not ok:
-        raise _refuse("silu_mul", (("gate_up", gate_up, _F32, 2, "contiguous"),),
+        raise _refuse("silu_mul", (("gate_up", gate_up, _ACT, 2, "contiguous"),),
                       lambda: f"gate_up has {gate_up.shape[1]} columns, not 2 * intermediate "
                               f"= {2 * intermediate}")
-    out = torch.empty((rows, intermediate), dtype=F32)
-    (_lib or _native()).silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, intermediate)
+    out = torch.empty((rows, intermediate), dtype=dt)
+    lib = _lib or _native()
+    (lib.silu_mul_f32 if dt is F32 else lib.silu_mul_bf16)(
+        gate_up.data_ptr(), out.data_ptr(), rows, intermediate)
     return out
 
 
@@ -156,7 +168,8 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     try:
         t, row = qkv.shape
         _, table_dim = table = cos.shape
-        ok = (qkv.dtype is F32 and positions.dtype is I64 and cos.dtype is F32
+        dt = qkv.dtype
+        ok = ((dt is F32 or dt is BF16) and positions.dtype is I64 and cos.dtype is F32
               and sin.dtype is F32 and qkv.is_cpu and positions.is_cpu and cos.is_cpu
               and sin.is_cpu and qkv.stride(1) == 1 and positions.is_contiguous()
               and cos.is_contiguous() and sin.is_contiguous() and positions.shape == (t,)
@@ -165,7 +178,7 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     except (AttributeError, ValueError):
         ok = False
     if not ok:
-        raise _refuse("rope_", (("qkv", qkv, _F32, 2, "rows"),
+        raise _refuse("rope_", (("qkv", qkv, _ACT, 2, "rows"),
                                 ("positions", positions, _I64, 1, "contiguous"),
                                 ("cos", cos, _F32, 2, "contiguous"),
                                 ("sin", sin, _F32, 2, "contiguous")),
@@ -173,8 +186,10 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
                               f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} do not fit "
                               f"[T, row], [T], [max_pos, head_dim] x2 with {heads} heads of "
                               f"head_dim={head_dim} (even) in a row")
-    (_lib or _native()).rope_f32(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(),
-                                 sin.data_ptr(), t, heads, qkv.stride(0), head_dim)
+    lib = _lib or _native()
+    (lib.rope_f32 if dt is F32 else lib.rope_bf16)(
+        qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, heads,
+        qkv.stride(0), head_dim)
 
 
 # --- decode_attention.c, prefill_attention.c ------------------------------------------
