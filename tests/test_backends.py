@@ -30,6 +30,7 @@ from conveyor.model.decode_attention import (
     pick_decode_kernel,
     sdpa_decode,
 )
+from conveyor.model.dtypes import cpu_has_native_bf16
 from conveyor.model.layer_ops import NativeOps
 from conveyor.model.packed_linear import (
     native_gemm_lib,
@@ -133,11 +134,13 @@ def test_auto_linears_and_forced_errors() -> None:
                 else "onednn" if onednn_available() else "torch")
     assert pick_linear_backend("auto", CPU, torch.float32) == expected
     assert select_linear_backend("auto", "cpu", torch.float32).name == expected
-    assert pick_linear_backend("auto", CPU, torch.bfloat16) == "torch"
+    bf16_packs = onednn_available() and cpu_has_native_bf16()
+    assert pick_linear_backend("auto", CPU, torch.bfloat16) == (
+        "onednn" if bf16_packs else "torch")
     assert pick_linear_backend("auto", torch.device("cuda"), torch.float32) == "torch"
     with pytest.raises(BackendUnavailableError, match="linear_backend='onednn': needs a "
-                       "float32 model on CPU"):
-        pick_linear_backend("onednn", CPU, torch.bfloat16)
+                       "float32 model"):
+        pick_linear_backend("onednn", CPU, torch.float16)
     with pytest.raises(ValueError, match="needs a float32 model on a CPU with AVX2"):
         pick_linear_backend("native", torch.device("cuda"), torch.float32)
     with pytest.raises(ValueError, match="no packed linear for backend 'torch'"):

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.model.dtypes import cpu_has_native_bf16
 from conveyor.model.packed_linear import (
     NativeLinear,
     PackedLinear,
@@ -50,6 +51,24 @@ def _as_exact_as_fp32_allows(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor
                              b: torch.Tensor | None = None) -> None:
     exact = F.linear(x.double(), w.double(), None if b is None else b.double())
     _within(got, exact, _dot_error_bound(x, w, b))
+
+
+@needs_onednn
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="the CPU has no native bf16")
+@pytest.mark.parametrize("rows", [1, 32, 300])
+def test_packed_bf16_linear_matches_f_linear(rows: int) -> None:
+    """oneDNN's packed bf16 GEMM accumulates in fp32 and rounds once, as F.linear's."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 200, generator=gen).to(torch.bfloat16)
+    b = torch.randn(96, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 200, generator=gen).to(torch.bfloat16)
+    got = PackedLinear(w, b)(x)
+    assert got.dtype is torch.bfloat16
+    exact = F.linear(x.double(), w.double(), b.double())
+    # One bf16 rounding of an fp32-accumulated dot product: 2^-8 relative, plus the sum's.
+    err = (got.double() - exact).abs()
+    bound = exact.abs() * 2.0 ** -8 + _dot_error_bound(x.float(), w.float(), b.float())
+    assert (err <= bound).all(), float((err - bound).max())
 
 
 @needs_onednn
@@ -127,13 +146,18 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_function() -> None:
 def test_backend_choice() -> None:
     cpu = torch.device("cpu")
     assert pick_linear_backend("torch", cpu, torch.float32) == "torch"
-    assert pick_linear_backend("auto", cpu, torch.bfloat16) == "torch"
+    bf16_packs = onednn_available() and cpu_has_native_bf16()
+    assert pick_linear_backend("auto", cpu, torch.bfloat16) == (
+        "onednn" if bf16_packs else "torch")
     assert pick_linear_backend("auto", torch.device("cuda"), torch.float32) == "torch"
     expected = ("native" if native_gemm_lib() is not None
                 else "onednn" if onednn_available() else "torch")
     assert pick_linear_backend("auto", cpu, torch.float32) == expected
-    with pytest.raises(ValueError, match="needs a float32 model on CPU"):
-        pick_linear_backend("onednn", cpu, torch.bfloat16)
+    if not bf16_packs:
+        with pytest.raises(ValueError, match=r"needs a float32 model \(or bfloat16"):
+            pick_linear_backend("onednn", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="needs a float32 model"):
+        pick_linear_backend("onednn", cpu, torch.float16)
     with pytest.raises(ValueError, match="needs a float32 model on a CPU with AVX2"):
         pick_linear_backend("native", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="linear_backend must be one of"):
