@@ -15,7 +15,7 @@ from helpers import make_request
 def test_allocate_release_and_double_free() -> None:
     pool = BlockPool(4)
     blocks = pool.allocate(3)
-    assert [b.ref_cnt for b in blocks] == [1, 1, 1] and pool.num_free_blocks == 1
+    assert [pool.ref_cnt[b] for b in blocks] == [1, 1, 1] and pool.num_free_blocks == 1
     assert pool.allocate(2) is None, "cannot hand out more than is free"
     pool.release(blocks)
     assert pool.num_free_blocks == 4
@@ -36,10 +36,10 @@ def test_cached_blocks_are_evicted_lru_and_free_ones_first() -> None:
     pool.check_invariants()
     assert pool.num_evictable_blocks == 2
     first, second = pool.allocate(2)
-    assert {first.block_id, second.block_id} == {c.block_id, d.block_id}
+    assert {first, second} == {c, d}
     third = pool.allocate(1)[0]
-    assert third is a and pool.lookup(b"a") is None, "least recently used cached block first"
-    assert pool.lookup(b"b") is b
+    assert third == a and pool.lookup(b"a") is None, "least recently used cached block first"
+    assert pool.lookup(b"b") == b
 
 
 @settings(max_examples=150, deadline=None)
@@ -98,7 +98,7 @@ def test_prefix_hit_shares_blocks_and_leaves_one_token() -> None:
     assert hit.num_tokens == 8, "12 tokens: 2 full blocks reused, the last block recomputed"
     kv.allocate_slots(second, 4, hit)
     assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
-    assert [kv.pool.blocks[i].ref_cnt for i in kv.block_ids("b")[:2]] == [2, 2]
+    assert [kv.pool.ref_cnt[i] for i in kv.block_ids("b")[:2]] == [2, 2]
     kv.free("a")
     kv.free("b")
     kv.check_invariants()
@@ -120,3 +120,22 @@ def test_cached_hashes_for_a_router_held_first_then_most_recent_and_capped() -> 
     assert pool.cached_hashes(0) == []
     pool.allocate(3)  # two free blocks, then the least recent cached one is evicted
     assert bytes([0]) * 32 not in pool.cached_hashes(10)
+
+
+def test_a_million_blocks_are_arrays_not_objects() -> None:
+    """A GPU with a small model holds millions of blocks: the pool's state is three int
+    arrays (12 bytes a block) and dicts of the cached blocks only."""
+    import tracemalloc
+
+    tracemalloc.start()
+    pool = BlockPool(1_000_000)
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert size < 16 * 2**20, size
+    taken = pool.allocate(999_999)
+    assert taken[:3] == [0, 1, 2] and taken[-1] == 999_998 and pool.num_free_blocks == 1
+    pool.cache(taken[5], b"h")
+    pool.release(taken[::-1])
+    assert pool.num_free_blocks == 1_000_000 and pool.lookup(b"h") == 5
+    assert pool.free_queue()[-1] == 5  # the cached block is evicted last
+    assert pool.allocate(1_000_000)[-1] == 5 and pool.lookup(b"h") is None

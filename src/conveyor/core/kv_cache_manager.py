@@ -11,7 +11,7 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
-from conveyor.core.block_pool import BlockPool, KVBlock
+from conveyor.core.block_pool import BlockPool
 from conveyor.request import Request
 
 
@@ -27,9 +27,9 @@ class PrefixCacheStats:
 
 @dataclass
 class ComputedBlocks:
-    """Result of a prefix-cache lookup: blocks to share and the tokens they cover."""
+    """Result of a prefix-cache lookup: blocks (ids) to share and the tokens they cover."""
 
-    blocks: list[KVBlock]
+    blocks: list[int]
     num_tokens: int
 
 
@@ -81,7 +81,7 @@ class KVCacheManager:
         # Anything besides token ids that changes the KV (model id, LoRA, dtype) goes here.
         self._root = root_hash(extra_hash_key)
         self._extra = extra_hash_key
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_blocks: dict[str, list[int]] = {}  # request -> its block table (ids)
         self._req_hashes: dict[str, list[bytes]] = {}
         # Leading blocks of each request that hold their own hash: they stay cached while
         # held, so cache_computed_blocks need not look at them again.
@@ -114,7 +114,7 @@ class KVCacheManager:
         blocks = self.req_blocks.get(request_id, ())
         if start >= len(blocks):
             return []  # nothing new (most steps)
-        return [b.block_id for b in blocks[start:]]
+        return blocks[start:]
 
     # ---- prefix cache --------------------------------------------------------------------
     def _block_hashes(self, request: Request) -> list[bytes]:
@@ -138,7 +138,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.num_computed_tokens > 0:
             return _NO_HIT
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
+        hits: list[int] = []
         for block_hash in self._block_hashes(request)[:max_blocks]:
             block = self.pool.lookup(block_hash)
             if block is None:
@@ -174,7 +174,8 @@ class KVCacheManager:
             self.pool.cache(blocks[i], hashes[i])
         # A block whose content another block already caches stays unregistered (and is
         # retried every step, as that other block may be evicted meanwhile).
-        while start < num_full and blocks[start].block_hash is not None:
+        hash_of = self.pool.block_hash
+        while start < num_full and hash_of(blocks[start]) is not None:
             start += 1
         self._num_registered[request.request_id] = start
 
@@ -190,7 +191,8 @@ class KVCacheManager:
         total_tokens = request.num_computed_tokens + computed.num_tokens + num_new_tokens
         n_new = max(0, self.blocks_needed(total_tokens) - len(held) - len(computed.blocks))
         # Hits with no other holder sit in the free queue: taking them shrinks what is free.
-        n_hits_free = sum(1 for b in computed.blocks if b.ref_cnt == 0)
+        ref = self.pool.ref_cnt
+        n_hits_free = sum(1 for b in computed.blocks if ref[b] == 0)
         return n_new, n_hits_free
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int,
@@ -207,7 +209,8 @@ class KVCacheManager:
 
     def num_exclusive_blocks(self, request_id: str) -> int:
         """Blocks only this request holds: what freeing it gives back to the free queue."""
-        return sum(1 for b in self.req_blocks.get(request_id, ()) if b.ref_cnt == 1)
+        ref = self.pool.ref_cnt
+        return sum(1 for b in self.req_blocks.get(request_id, ()) if ref[b] == 1)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: ComputedBlocks = _NO_HIT) -> list[int] | None:
@@ -233,7 +236,7 @@ class KVCacheManager:
         assert new_blocks is not None
         table.extend(new_blocks)
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
-        return [b.block_id for b in computed.blocks] + [b.block_id for b in new_blocks]
+        return computed.blocks + new_blocks
 
     def trim(self, request: Request, num_tokens: int) -> int:
         """Release the request's trailing blocks beyond the first ``num_tokens`` slots
@@ -247,7 +250,8 @@ class KVCacheManager:
             return 0
         tail = blocks[keep:]
         del blocks[keep:]
-        assert all(b.ref_cnt == 1 and b.block_hash is None for b in tail), \
+        ref, hash_of = self.pool.ref_cnt, self.pool.block_hash
+        assert all(ref[b] == 1 and hash_of(b) is None for b in tail), \
             "a lookahead block is shared or cached"
         self.pool.release(list(reversed(tail)))
         return len(tail)
@@ -267,11 +271,9 @@ class KVCacheManager:
         self.pool.check_invariants()
         refs: dict[int, int] = {}
         for blocks in self.req_blocks.values():
-            ids = [b.block_id for b in blocks]
-            assert len(ids) == len(set(ids)), "a block appears twice in one block table"
+            assert len(blocks) == len(set(blocks)), "a block appears twice in one block table"
             for b in blocks:
-                refs[b.block_id] = refs.get(b.block_id, 0) + 1
-        for block in self.pool.blocks:
-            assert block.ref_cnt == refs.get(block.block_id, 0), (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} but held by "
-                f"{refs.get(block.block_id, 0)} block tables")
+                refs[b] = refs.get(b, 0) + 1
+        for b, count in enumerate(self.pool.ref_cnt):
+            assert count == refs.get(b, 0), (
+                f"block {b}: ref_cnt {count} but held by {refs.get(b, 0)} block tables")
