@@ -10,3 +10,19 @@ from hypothesis import settings as _hyp_settings
 
 _hyp_settings.register_profile("conveyor", derandomize=True)
 _hyp_settings.load_profile("conveyor")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` tests need a CUDA device: skipped cleanly without one."""
+    marked = [item for item in items if "gpu" in item.keywords]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    import pytest
+
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in marked:
+        item.add_marker(skip)

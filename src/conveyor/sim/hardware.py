@@ -14,6 +14,11 @@ argued with:
 - ``step_overhead_ms``: per-step time outside the kernels (scheduling, input
   preparation, sampling, launches) for an engine with CUDA graphs; on the CPU preset
   it is the Python overhead of conveyor's own step on this class of machine.
+
+The GPU presets describe an engine with paged attention kernels and CUDA graphs, not
+conveyor's GPU path as it is (eager PyTorch, never measured on a GPU: see the README's
+simulator section and ``scripts/gpu_check.sh``). They answer scheduling questions at GPU
+scale; they are not conveyor's GPU speed.
 """
 
 from __future__ import annotations

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The GPU issue's device check, one command on a bare CUDA machine (torch with CUDA,
+# transformers installed; the tree carries the rest): the gpu tests, then the decode
+# step against the HBM roofline and a short `conveyor bench` run per model shape, bf16,
+# dummy weights. Budget: under 8 minutes on an H200.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(), torch.__version__)"
+python -m pytest -q -m gpu tests/test_gpu.py
+for model in qwen3-0.6b llama3-8b; do
+    timeout 240 python benchmarks/gpu_decode.py --model "$model" --batches 1,8,64,256 --steps 10
+    timeout 120 python -m conveyor.entrypoints.cli bench --model "$model" --load-format dummy \
+        --device cuda --dtype bfloat16 --num-requests 64 --input-len fixed:512 --output-len fixed:128 \
+        --max-num-seqs 64
+done
