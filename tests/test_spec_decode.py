@@ -249,3 +249,58 @@ def test_stop_strings_cut_the_same_text_and_tokens() -> None:
                 == (b.outputs[0].text, b.outputs[0].token_ids, b.outputs[0].finish_reason)
     assert any(o.outputs[0].finish_reason == "stop" for o in on.generate(prompts, params))
     assert on.stats()["spec_decode"]["num_accepted_tokens"] > 0
+
+
+def test_draft_model_draws_from_its_distribution_at_temperature() -> None:
+    """A random request's drafts come from the draft's q, verified with min(1, p / q):
+    with the target as its own draft nearly every draft survives (p == q up to the
+    rounding of a batched forward), where argmax drafts survive only as often as the
+    argmax is what the target samples."""
+    path = make_checkpoint("llama")
+    cfg = {"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+           "adaptive": False}
+    prompts = [[5, 9, 14, 3, 77, 120], [8, 8, 30, 2], [100, 7, 61]]
+    hot = SamplingParams(max_tokens=30, temperature=2.0, ignore_eos=True)
+    llm = LLM(path, dtype="float32", speculative_config=cfg)
+    llm.generate(prompts, hot)
+    drawn = llm.stats()["spec_decode"]
+    assert drawn["num_draft_tokens"] > 40 and drawn["acceptance_rate"] > 0.95
+    argmax = LLM(path, dtype="float32", speculative_config=cfg)
+    argmax.engine.runner.proposer._draw = lambda *a, **k: None  # keep the argmax drafts
+    argmax.engine.runner.proposer.last_probs = {}
+    real_batch = argmax.engine.runner.proposer.propose_batch
+
+    def one_hot(items):
+        out = real_batch(items)
+        argmax.engine.runner.proposer.last_probs = {}  # verified as one-hot proposals
+        return out
+
+    argmax.engine.runner.proposer.propose_batch = one_hot
+    argmax.generate(prompts, hot)
+    assert argmax.stats()["spec_decode"]["acceptance_rate"] < 0.8
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "draft_adaptive"])
+def test_seeded_sampling_with_speculation_equals_it_without(method: str) -> None:
+    """A seeded request's output is its output without speculation, token for token
+    (verification is coupled to the sampler's own draws), whatever the batch, the draft
+    length or the proposer; the others in the batch are merely random."""
+    path = make_checkpoint("llama")
+    if method.startswith("draft"):
+        cfg = {"method": "draft_model", "model": perturbed_draft(), "num_speculative_tokens": 3,
+               "adaptive": method == "draft_adaptive"}
+    else:
+        cfg = METHODS[method]
+    prompts, _ = repetitive_batch(5, seed=3)
+    seeded = [SamplingParams(max_tokens=20, temperature=t, seed=11 + i, top_k=k)
+              for i, (t, k) in enumerate([(0.9, 0), (1.3, 0), (0.7, 5)])]
+    off = LLM(path, dtype="float32")
+    want = [o.outputs[0].token_ids for o in off.generate(prompts[:3], seeded)]
+    llm = LLM(path, dtype="float32", speculative_config=cfg)
+    alone = llm.generate([prompts[0]], seeded[0])[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=20, temperature=1.0)] * 2
+    mixed = [o.outputs[0].token_ids for o in llm.generate(prompts, [*seeded, *others])]
+    assert alone == want[0] and mixed[:3] == want
+    spec = llm.stats()["spec_decode"]
+    assert spec["num_accepted_tokens"] > 0  # speculation did produce some of them
+    assert llm.stats()["kv_blocks_in_use"] == 0

@@ -50,6 +50,9 @@ class RequestState:
     num_computed_tokens: int
     # prompt + output in one list, for proposers (kept up to date by ``append``).
     all_token_ids: list[int] | None = None
+    # The last proposal's drafts and their [k, V] probabilities, where the proposer has a
+    # distribution (a draft model for a random request); verified against next step.
+    draft_q: tuple[list[int], torch.Tensor] | None = None
 
     def append(self, tokens: list[int]) -> None:
         self.output_token_ids.extend(tokens)
@@ -281,7 +284,14 @@ class ModelRunner:
             rows = [SamplingRow(state.params, state.prompt_token_ids,
                                 outs + drafts[:j] if j else outs)
                     for j in range(len(drafts) + 1)]
-            groups.append(VerifyGroup(rows, drafts))
+            q = None
+            if state.draft_q is not None and drafts:
+                proposed, probs = state.draft_q
+                # The scheduler verifies a prefix of what was proposed, never other tokens:
+                # drafts drawn from q and checked as one-hot would not be lossless.
+                assert proposed[:len(drafts)] == drafts, (state.req_id, proposed, drafts)
+                q = probs[:len(drafts)].to(logits.device)
+            groups.append(VerifyGroup(rows, drafts, q))
             states.append(state)
         synthetic = (self.speculative.acceptance_rate
                      if self.speculative.method == "synthetic" else None)
@@ -297,9 +307,14 @@ class ModelRunner:
         for rid, k in out.num_spec_wanted.items():
             state = self.requests.get(rid)
             if state is not None and rid in result.sampled_token_ids:
-                items.append(ProposeItem(rid, state.token_ids(), k, state.block_ids))
+                items.append(ProposeItem(rid, state.token_ids(), k, state.block_ids,
+                                         state.params, len(state.prompt_token_ids)))
+                state.draft_q = None
         if items:
             result.spec_token_ids = self.proposer.propose_batch(items)
+            for rid, probs in getattr(self.proposer, "last_probs", {}).items():
+                if rid in result.spec_token_ids:
+                    self.requests[rid].draft_q = (result.spec_token_ids[rid], probs)
 
     def _prepare(self, order: list[str], out: SchedulerOutput
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, str]]]:

@@ -9,7 +9,15 @@ Proposing for a request of ``L`` real tokens: one forward over the tokens whose 
 K/V is not valid yet (the prompt the first time, then the 1-2 tokens the last step
 added) gives draft 1; each further draft is one single-token forward. Draft K/V of a
 proposal that the target accepted stays valid, so the next catch-up starts after it.
-Drafts are the draft's argmax (a one-hot proposal: lossless for any sampling).
+For a greedy request the drafts are the draft's argmax (a one-hot proposal). For a
+random one they are drawn from the draft's own distribution ``q`` (its logits through the
+request's temperature, top-k, top-p and min-p, as the target's rows are), and ``q`` goes
+with them (``last_probs``) so that verification accepts with ``min(1, p / q)``: more
+drafts survive than argmax drafts would (a draft equal to the target: all of them), and
+the output still follows the target. A seeded request's drafts are coupled to the
+target's sampling instead: drawn with the noise the target's sampler uses at that
+position, verified by equality (spec/verify.py), so its output is exactly its output
+without speculation.
 """
 
 from __future__ import annotations
@@ -78,7 +86,11 @@ class DraftModelProposer(Proposer):
         check_shared_tokenizer(target, draft)
         self.config = draft
         self.runner = ModelRunner(draft, cache, device, attention_backend)
+        self.runner.record_logits = True  # q for random requests comes from these
         self._states: dict[str, _DraftState] = {}
+        self._generator = torch.Generator(device=device).manual_seed(target.seed + 1)
+        # Request -> [k, V] proposal probabilities of the last drafts (random requests).
+        self.last_probs: dict[str, torch.Tensor] = {}
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -93,6 +105,10 @@ class DraftModelProposer(Proposer):
     def propose_batch(self, items: list[ProposeItem]) -> dict[str, list[int]]:
         runner = self.runner
         from conveyor.runner.model_runner import RequestState
+
+        self.last_probs = {}
+        random_items = [it for it in items if it.params is not None and not it.params.greedy]
+        qs: dict[str, list[torch.Tensor]] = {it.req_id: [] for it in random_items}
 
         first: dict[str, int] = {}
         for it in items:
@@ -114,6 +130,7 @@ class DraftModelProposer(Proposer):
                                                       it.block_ids, valid)
             first[it.req_id] = n - valid
         self._run(first)
+        self._draw(random_items, 0, qs)
         longest = max(it.k for it in items)
         for r in range(1, longest):
             step = {}
@@ -123,13 +140,47 @@ class DraftModelProposer(Proposer):
                     state.num_computed_tokens = len(it.token_ids) + r - 1
                     step[it.req_id] = 1
             self._run(step)
+            self._draw([it for it in random_items if it.k > r], r, qs)
         out = {}
         for it in items:
             drafts = runner.requests.pop(it.req_id).output_token_ids[:it.k]
             st = self._states[it.req_id]
             st.real_len, st.fed = len(it.token_ids), drafts[:-1]
             out[it.req_id] = drafts
+            if qs.get(it.req_id):
+                self.last_probs[it.req_id] = torch.stack(qs[it.req_id][:len(drafts)])
         return out
+
+    def _draw(self, items: list[ProposeItem], r: int, qs: dict[str, list[torch.Tensor]]
+              ) -> None:
+        """Replace the argmax the draft runner appended (draft ``r``) by a draw from ``q``,
+        the draft's distribution under the request's own sampling parameters. A seeded
+        request's draw is coupled to the target's: the exponential race with the noise
+        the target's sampler uses at that output position (spec/verify.py)."""
+        if not items:
+            return
+        from conveyor.runner.sampler import SamplingRow
+
+        runner = self.runner
+        logits = torch.stack([runner.last_logits[it.req_id] for it in items])
+        params = [it.params for it in items]
+        raw = runner.sampler.probs(logits, params, [False] * len(items))
+        probs = raw / raw.sum(dim=-1, keepdim=True)  # min-p leaves rows unnormalized
+        for i, it in enumerate(items):
+            if it.params.seed is not None:
+                # The draft's position in the request's output: the noise of (seed, it).
+                position = len(it.token_ids) - it.num_prompt_tokens + r
+                row = SamplingRow(it.params, [], _Positions(position))
+                noise = runner.sampler.noise([row], [False], raw[i:i + 1])[0]
+                tok = int((raw[i] / noise).argmax())
+            else:
+                tok = int(torch.multinomial(probs[i], 1, generator=self._generator))
+            state = runner.requests[it.req_id]
+            state.output_token_ids[-1] = tok
+            if state.all_token_ids is not None:
+                state.all_token_ids[-1] = tok
+            qs[it.req_id].append(probs[i])
+
 
     def _run(self, scheduled: dict[str, int]) -> None:
         if scheduled:
@@ -137,6 +188,18 @@ class DraftModelProposer(Proposer):
                 num_scheduled_tokens=scheduled,
                 total_num_scheduled_tokens=sum(scheduled.values()),
                 sampling_req_ids=set(scheduled)))
+
+
+class _Positions:
+    """Stands for an output of ``n`` tokens where only its length is read (the noise)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
 
 
 def _with_compute_dtype(cfg: ModelConfig, math_dtype: str) -> ModelConfig:

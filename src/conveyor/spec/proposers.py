@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from conveyor.sampling_params import SamplingParams
 from conveyor.spec.config import SpeculativeConfig
 
 
@@ -22,6 +23,9 @@ class ProposeItem:
     token_ids: Sequence[int]  # prompt + output so far
     k: int  # drafts wanted (>= 1)
     block_ids: list[int]  # its KV block table (a draft model writes its own K/V there)
+    # The request's sampling (a proposer with a distribution draws from it under these).
+    params: SamplingParams | None = None
+    num_prompt_tokens: int = 0
 
 
 class Proposer:

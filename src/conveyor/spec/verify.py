@@ -15,6 +15,14 @@ min-p), so that:
   survives a bonus token is drawn from ``p``. The output then follows ``p`` exactly.
   A proposer without a distribution (n-gram, suffix, a greedy draft) is a one-hot
   ``q``: accept with probability ``p(d)``, recover from ``p`` with ``d`` removed.
+* seeded random rows (coupled): the target's token at each position is the one the
+  sampler would draw there without speculation (``argmax(p / E)``, its exponential race
+  with the noise ``E`` of (seed, output position)); a draft is accepted iff it equals
+  that token, and the first token that differs is that token. A seeded request's output
+  is then exactly its output without speculation, whatever the proposer, the draft
+  length or the batch. A proposer with a distribution draws its drafts with the same
+  noise (``argmax(q / E)``: the Gumbel coupling), so a draft close to the target is
+  accepted about as often as under the rule above.
 * synthetic (benchmarks): each draft survives with a fixed probability, whatever the
   target says; not lossless, for sweeping acceptance without a trained drafter.
 
@@ -56,10 +64,15 @@ def verify(sampler: Sampler, logits: torch.Tensor, groups: list[VerifyGroup],
     greedy = [p.greedy for p in params]
     argmax = logits.argmax(dim=-1)
     random_rows = not all(greedy)
+    # Seeded random rows verify by coupling (see above), unless acceptance is synthetic.
+    coupled_rows = [synthetic_rate is None and not g and r.params.seed is not None
+                    for g, r in zip(greedy, rows)]
     probs = None
     if random_rows:
-        probs = sampler.probs(logits, params, greedy)
-        probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves rows unnormalized
+        # As the sampler leaves them (the coupled race uses these: the very same numbers
+        # as sampling without speculation), and normalized (min-p leaves rows unnormalized).
+        raw_probs = sampler.probs(logits, params, greedy)
+        probs = raw_probs / raw_probs.sum(dim=-1, keepdim=True)
 
     # Row index of each draft, and the draft checked there.
     starts, pos = [], 0
@@ -84,6 +97,14 @@ def verify(sampler: Sampler, logits: torch.Tensor, groups: list[VerifyGroup],
                 rand_ok = u * q_d < p_d  # u < min(1, p/q)
                 is_greedy = torch.tensor([greedy[i] for i in draft_rows], device=ok.device)
                 ok = torch.where(is_greedy, ok, rand_ok)
+                coupled = [j for j, i in enumerate(draft_rows) if coupled_rows[i]]
+                if coupled:
+                    # Accepted iff the draft is the token the sampler draws there.
+                    cidx = idx[coupled]
+                    crows = [rows[draft_rows[j]] for j in coupled]
+                    cp = raw_probs[cidx]
+                    race = (cp / sampler.noise(crows, [False] * len(crows), cp)).argmax(dim=-1)
+                    ok[coupled] = race == toks[coupled]
         accept = ok.tolist()
 
     # Leading accepts per group; the row after them yields the target's token.
@@ -105,7 +126,10 @@ def verify(sampler: Sampler, logits: torch.Tensor, groups: list[VerifyGroup],
         fp = probs[fidx].clone()
         if synthetic_rate is None:
             for i, (g, a, rej) in enumerate(zip(groups, num_accepted, rejected_at)):
-                if rej and not greedy[final_rows[i]]:
+                f = final_rows[i]
+                if coupled_rows[f]:
+                    fp[i] = raw_probs[f]  # the sampler's own draw at this position
+                elif rej and not greedy[f]:
                     fp[i] = _residual(fp[i], g, a)
         frows = [rows[i] for i in final_rows]
         fgreedy = [greedy[i] for i in final_rows]
