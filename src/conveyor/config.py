@@ -88,6 +88,9 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes; None: a share of free memory
     enable_prefix_caching: bool = True
+    # CUDA: the share of the device's memory the engine may use (weights, a full step's
+    # activations as profiled, and the KV pool: the rest), as vLLM's flag.
+    gpu_memory_utilization: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     batching: str = "continuous"
@@ -206,6 +210,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         # Parsed (and checked) at once: a bad config fails before any model loads.
         self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -252,6 +259,10 @@ class EngineArgs:
                        help="KV pool size in bytes (suffixes K, M, G accepted)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True)
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="CUDA: the share of the device's memory for the engine: weights, "
+                            "a full step's activations (profiled at start) and the KV pool, "
+                            "which gets the rest")
         g.add_argument("--max-num-seqs", type=int, default=32)
         g.add_argument("--max-num-batched-tokens", type=int, default=512)
         g.add_argument("--batching", default="continuous", choices=("continuous", "static"))
@@ -367,7 +378,8 @@ class EngineArgs:
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                            kv_cache_memory=self.kv_cache_memory,
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           gpu_memory_utilization=self.gpu_memory_utilization)
 
     def resolve_model(self) -> ModelConfig:
         from conveyor.model.presets import PRESETS, resolve_model_path
@@ -397,6 +409,24 @@ def kv_hash_key(model: ModelConfig) -> bytes:
     """What the prefix cache's block hashes are salted with: the same tokens under another
     checkpoint, arithmetic dtype, weights or seed have other K/V."""
     return f"{model.path}|{model.math_dtype}|{model.load_format}|{model.seed}".encode()
+
+
+def gpu_kv_cache_bytes(total: int, utilization: float, peak_torch: int,
+                       non_torch: int) -> int:
+    """What a CUDA device leaves the KV pool (vLLM's rule): ``utilization`` of its memory,
+    less the peak torch allocated through a full dummy step (weights and activations)
+    and what others hold outside torch's allocator (the CUDA context, NCCL buffers)."""
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    left = int(total * utilization) - peak_torch - non_torch
+    if left <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} gives the engine "
+            f"{total * utilization / 2**30:.2f} GiB of {total / 2**30:.2f} GiB, but the "
+            f"weights and a full step's activations peaked at {peak_torch / 2**30:.2f} GiB "
+            f"(plus {non_torch / 2**30:.2f} GiB outside torch): no room for a KV cache; "
+            "raise it, or lower --max-num-batched-tokens")
+    return left
 
 
 def kv_blocks_for(cache: CacheConfig, model: ModelConfig, max_num_seqs: int, *,

@@ -46,10 +46,17 @@ class LocalExecutor:
                                                args.max_num_batched_tokens),
                                   speculative=args.speculative)
         self.warmup = args.warmup
+        self._profile_tokens = args.max_num_batched_tokens  # a full step, for the KV sizing
 
     def determine_num_kv_blocks(self, cache: CacheConfig, model: ModelConfig,
                                 max_num_seqs: int) -> int:
-        blocks = num_blocks_for(cache, model, self.device, max_num_seqs)
+        peak = None
+        if self.device.type == "cuda" and cache.num_kv_blocks is None \
+                and cache.kv_cache_memory is None:
+            # vLLM's rule: what a full dummy step peaks at is not the KV pool's.
+            peak = self.runner.profile_peak_memory(self._profile_tokens,
+                                                   model.max_model_len - 1)
+        blocks = num_blocks_for(cache, model, self.device, max_num_seqs, peak)
         draft = getattr(self.runner.proposer, "kv_bytes_per_token", 0)
         if draft and cache.num_kv_blocks is None:
             # A block also holds the draft model's layers: the same memory holds fewer.

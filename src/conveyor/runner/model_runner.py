@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from conveyor.config import CacheConfig, ModelConfig, kv_blocks_for
+from conveyor.config import CacheConfig, ModelConfig, gpu_kv_cache_bytes, kv_blocks_for
 from conveyor.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from conveyor.model.attention import AttentionMetadata, PrefillSegment
 from conveyor.model.backends import (
@@ -78,24 +78,32 @@ class RequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
-def default_kv_cache_memory(device: torch.device) -> int:
-    """A sensible share of free memory for the KV pool."""
+def default_kv_cache_memory(device: torch.device, gpu_memory_utilization: float = 0.9,
+                            peak_torch: int | None = None) -> int:
+    """A sensible share of memory for the KV pool. On CUDA, ``gpu_memory_utilization``
+    of the device less the profiled peak of weights and a full step (``peak_torch``,
+    from ``ModelRunner.profile_peak_memory``; what torch holds now if not profiled)
+    and what others hold outside torch."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.85)
+        free, total = torch.cuda.mem_get_info(device)
+        reserved = torch.cuda.memory_reserved(device)
+        non_torch = max(0, total - free - reserved)
+        peak = torch.cuda.memory_allocated(device) if peak_torch is None else peak_torch
+        return gpu_kv_cache_bytes(total, gpu_memory_utilization, peak, non_torch)
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return int(min(4 << 30, available * 0.25))
 
 
 def num_blocks_for(cache: CacheConfig, model: ModelConfig, device: torch.device,
-                   max_num_seqs: int) -> int:
+                   max_num_seqs: int, peak_torch: int | None = None) -> int:
     """KV blocks from ``num_kv_blocks``, else ``kv_cache_memory``, else a default share.
 
     The default on CPU is also capped at what ``max_num_seqs`` sequences of full
     length can use, so a tiny model does not zero gigabytes it will never touch.
     """
     return kv_blocks_for(cache, model, max_num_seqs,
-                         default_memory=lambda: default_kv_cache_memory(device),
+                         default_memory=lambda: default_kv_cache_memory(
+                             device, cache.gpu_memory_utilization, peak_torch),
                          cap_to_useful=device.type != "cuda")
 
 
@@ -174,6 +182,24 @@ class ModelRunner:
         if self.proposer is not None and hasattr(self.proposer, "allocate_kv_cache"):
             self.proposer.allocate_kv_cache(num_blocks)  # the draft's layers, same blocks
         return num_blocks
+
+    def profile_peak_memory(self, num_tokens: int, max_len: int) -> int:
+        """CUDA: bytes torch holds at the peak of one full dummy step (weights plus a
+        ``num_tokens`` step's activations), the KV pool it needs for it left out. Run
+        before the real pool is sized (``num_blocks_for(..., peak_torch=)``)."""
+        assert self.device.type == "cuda" and not self.kv_caches
+        blocks = -(-max(1, num_tokens) // self.block_size) + 1
+        self.allocate_kv_cache(blocks)
+        kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                       for k, v in self.kv_caches)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.warmup(num_tokens, max_len)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - kv_bytes
+        self.kv_caches, self.num_blocks = [], 0
+        torch.cuda.empty_cache()
+        return peak
 
     def warmup(self, num_tokens: int, max_len: int) -> int:
         """One step of ``num_tokens`` prompt tokens (prompts of up to ``max_len``) through
