@@ -8,13 +8,16 @@ and blocks are counted on both ends. NIXL or Mooncake's transfer engine would be
 implementations of the same two calls (``serve``: answer pulls and dones; ``pull`` /
 ``notify_done``), reading the paged cache in place on GPUs.
 
-Fault injection (tests only, clearly not a feature): ``CONVEYOR_KV_FAULT`` read by the
-server: ``delay:SECONDS`` answers each pull that much later; ``drop`` never answers a
-pull (as a connection that went away); ``delay:S,drop`` both.
+FAULT INJECTION (tests only, not a feature): ``CONVEYOR_KV_FAULT``, read by the server
+at start: ``delay:SECONDS`` answers each pull that much later; ``drop`` never answers a
+pull (as a connection that went away); ``per-transfer`` lets a transfer id pick its own
+fault (``fault-delay-SECONDS-...``, ``fault-drop-...``), so that one test server serves
+clean and faulty transfers. Unset (production): no fault, transfer ids mean nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -48,21 +51,35 @@ class TransferError(RuntimeError):
 class FaultInjection:
     delay_s: float = 0.0
     drop: bool = False
+    per_transfer: bool = False
 
     @classmethod
     def from_env(cls) -> FaultInjection:
         spec = os.environ.get(FAULT_ENV, "").strip()
-        delay, drop = 0.0, False
+        delay, drop, per = 0.0, False, False
         for part in filter(None, (p.strip() for p in spec.split(","))):
             if part == "drop":
                 drop = True
+            elif part == "per-transfer":
+                per = True
             elif part.startswith("delay:"):
                 delay = float(part.split(":", 1)[1])
             else:
-                raise ValueError(f"{FAULT_ENV}: unknown fault {part!r} (delay:SECONDS, drop)")
+                raise ValueError(f"{FAULT_ENV}: unknown fault {part!r} "
+                                 f"(delay:SECONDS, drop, per-transfer)")
         if spec:
             logger.warning("KV transport FAULT INJECTION active: %s=%s", FAULT_ENV, spec)
-        return cls(delay, drop)
+        return cls(delay, drop, per)
+
+    def for_transfer(self, transfer_id: str) -> tuple[float, bool]:
+        """(delay in seconds, drop) for this transfer."""
+        if self.per_transfer:
+            if transfer_id.startswith("fault-drop-"):
+                return self.delay_s, True
+            if transfer_id.startswith("fault-delay-"):
+                with contextlib.suppress(ValueError, IndexError):
+                    return float(transfer_id.split("-")[2]), self.drop
+        return self.delay_s, self.drop
 
 
 @dataclass
@@ -106,8 +123,15 @@ class KVServer:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        delayed: list[tuple[float, bytes, PullRequest]] = []  # FAULT INJECTION only
         while not self._stop.is_set():
-            if not poller.poll(100):
+            now = time.monotonic()
+            for item in [d for d in delayed if d[0] <= now]:
+                delayed.remove(item)
+                self._serve_pull(item[1], item[2])
+            wait_ms = 100 if not delayed else max(1, min(100, int(
+                (min(d[0] for d in delayed) - now) * 1000)))
+            if not poller.poll(wait_ms):
                 continue
             try:
                 ident, header = self._sock.recv_multipart()[:2]
@@ -116,16 +140,18 @@ class KVServer:
                 logger.warning("KV server: malformed message dropped (%s)", e)
                 continue
             if isinstance(msg, PullRequest):
+                delay_s, drop = self.fault.for_transfer(msg.transfer_id)
+                if drop:
+                    continue  # FAULT INJECTION: the reply never leaves
+                if delay_s:  # FAULT INJECTION: a slow peer (others are served meanwhile)
+                    delayed.append((now + delay_s, ident, msg))
+                    continue
                 self._serve_pull(ident, msg)
             elif isinstance(msg, DoneNotice):
                 self.on_done(msg.transfer_id)
                 self._sock.send_multipart([ident, _encode(DoneAck(msg.transfer_id))])
 
     def _serve_pull(self, ident: bytes, msg: PullRequest) -> None:
-        if self.fault.delay_s:
-            time.sleep(self.fault.delay_s)
-        if self.fault.drop:
-            return  # FAULT INJECTION: the reply never leaves
         try:
             reply, frames = self.on_pull(msg)
         except Exception as e:  # a bug here must not kill the server: the pull fails
