@@ -54,6 +54,8 @@ class DisaggResult:
     sim_time: float
     wall_s: float
     busy: dict[str, list[float]] = field(default_factory=dict)  # virtual busy seconds
+    # Prompt positions the decode replicas computed (one per request whose K/V arrived).
+    decode_prompt_tokens_computed: int = 0
 
 
 class _DecodeReplica(SimReplica):
@@ -192,7 +194,9 @@ class DisaggSimulator:
                       for rid in [*rep.unfinished_ids(), *(w.request_id for w in rep.inbox)]]
         return DisaggResult(finished, errors, unfinished, self.num_prefill, self.num_decode,
                             moved, moved_s, now, time.perf_counter() - t0,
-                            {k: [r.busy_time for r in reps] for k, reps in pools.items()})
+                            {k: [r.busy_time for r in reps] for k, reps in pools.items()},
+                            sum(r.scheduler.stats.num_prompt_tokens_computed
+                                for r in pools["D"]))
 
 
 def slo_goodput(finished: dict[str, RequestMetrics], num_requests: int, ttft_s: float,
