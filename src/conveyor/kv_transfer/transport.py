@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -94,7 +95,28 @@ class TransportCounters:
 PullHandler = Callable[[PullRequest], tuple[PullReply, list]]
 
 
-class KVServer:
+class PullServer(Protocol):
+    """The prefill side of a transport: answers pulls with ``on_pull``'s frames and
+    passes done notices to ``on_done``; ``sent`` counts payload bytes."""
+
+    sent: TransportCounters
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class PullClient(Protocol):
+    """The decode side of a transport; called from several load threads at once."""
+
+    def pull(self, host: str, port: int, transfer_id: str, num_tokens: int,
+             timeout_s: float) -> tuple[PullReply, list]: ...
+
+    def notify_done(self, host: str, port: int, transfer_id: str,
+                    timeout_s: float = 1.0) -> bool: ...
+
+
+class KVServer:  # a PullServer
     """Answers pulls and done notices on ``tcp://host:port`` in a thread of its own."""
 
     def __init__(self, host: str, port: int, on_pull: PullHandler,
@@ -162,7 +184,7 @@ class KVServer:
             self.sent.bytes += sum(len(memoryview(f)) for f in frames)
 
 
-class KVClient:
+class KVClient:  # a PullClient
     """Pulls from a ``KVServer``; safe to call from several threads (a socket each)."""
 
     def __init__(self) -> None:

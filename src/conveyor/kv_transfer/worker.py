@@ -39,6 +39,8 @@ from conveyor.kv_transfer.transport import (
     FaultInjection,
     KVClient,
     KVServer,
+    PullClient,
+    PullServer,
     TransferError,
 )
 
@@ -80,12 +82,13 @@ class KVConnectorWorker:
         self._bytes_sent_reported = 0
         self._loads: dict[str, tuple[LoadSpec, Future]] = {}
         self._report = KVWorkerReport()
-        self.server: KVServer | None = None
+        # The transport (pyzmq here; NIXL or Mooncake would be other PullServer/PullClient).
+        self.server: PullServer | None = None
         if config.role == "prefill":
             assert config.port is not None
             self.server = KVServer(config.host, config.port, self._serve_pull, self._on_done,
                                    fault if fault is not None else FaultInjection.from_env())
-        self.client = KVClient()
+        self.client: PullClient = KVClient()
         self._pool = ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="conveyor-kv-load")
 
     # ---- set-up --------------------------------------------------------------------------
