@@ -120,12 +120,18 @@ SAMPLING = [dict(temperature=0.0), dict(temperature=0.9, top_p=0.95, seed=1234)]
 
 @pytest.mark.parametrize("sampling", SAMPLING, ids=["greedy", "seeded"])
 def test_outputs_equal_single_engine(cluster, sampling):
-    ref, proxy = cluster["ref"], cluster["proxy"]
-    for prompt in random_prompts(3, lo=9, hi=40, seed=7):
+    ref, proxy, dec = cluster["ref"], cluster["proxy"], cluster["dec"]
+    loads = _metric(dec, "kv_transfer_loads_total")
+    recomputed = _metric(dec, "kv_transfer_requests_recomputed_total")
+    prompts = random_prompts(3, lo=9, hi=40, seed=7)
+    for prompt in prompts:
         want = _tokens(_completion(ref.url, prompt, **sampling))
         got = _tokens(_completion(proxy.url, prompt, **sampling))
         assert got == want
-    _baseline(cluster["pre"], cluster["dec"])
+    # Through the transfer, not the fallback: every prompt's K/V was pulled.
+    assert _metric(dec, "kv_transfer_loads_total") == loads + len(prompts)
+    assert _metric(dec, "kv_transfer_requests_recomputed_total") == recomputed
+    _baseline(cluster["pre"], dec)
 
 
 def test_stream_relayed_and_chat(cluster):
