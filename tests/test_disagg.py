@@ -145,7 +145,7 @@ def test_stream_relayed_and_chat(cluster):
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]" and len(events) > 2
+    assert events[-1] == "[DONE]" and len(events) >= 2  # (deltas may coalesce under load)
     for e in events[:-1]:
         text += json.loads(e)["choices"][0]["text"]
     assert text == want
