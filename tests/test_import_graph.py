@@ -54,6 +54,15 @@ def test_the_api_server_and_front_end_import_no_torch() -> None:
     """) == []
 
 
+def test_the_kv_connector_scheduler_half_and_the_proxy_import_no_torch() -> None:
+    assert _imports("""
+        import conveyor.kv_transfer.connector, conveyor.kv_transfer.state
+        import conveyor.kv_transfer.messages, conveyor.kv_transfer.transport
+        import conveyor.router.disagg, conveyor.sim.disagg
+    """) == []
+    assert "torch" in _imports("import conveyor.kv_transfer.worker")
+
+
 def test_the_check_can_fail() -> None:
     assert "torch" in _imports("import conveyor.executor.local")
 

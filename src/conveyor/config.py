@@ -145,6 +145,43 @@ class SchedulerConfig:
                              f"got {self.max_preemptions_per_request}")
 
 
+KV_ROLES = ("both", "prefill", "decode")
+KV_FALLBACKS = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (docs/disaggregation.md). ``both``: today's engine,
+    no connector. ``prefill`` serves its requests' K/V on ``host:port``; ``decode`` pulls
+    K/V for requests that carry a prefill's handle."""
+
+    role: str = "both"
+    host: str = "127.0.0.1"
+    port: int | None = None
+    # Blocks held for a peer are released this long after the request finished, pulled
+    # or not (prefill side).
+    lease_timeout_s: float = 30.0
+    # A load that has not landed this long after it was ordered fails (decode side).
+    transfer_timeout_s: float = 10.0
+    # What a failed load does: compute the prompt here, or fail that request.
+    fallback: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.role not in KV_ROLES:
+            raise ValueError(f"kv role must be one of {KV_ROLES}, got {self.role!r}")
+        if self.fallback not in KV_FALLBACKS:
+            raise ValueError(f"kv transfer fallback must be one of {KV_FALLBACKS}, "
+                             f"got {self.fallback!r}")
+        if self.role == "prefill" and self.port is None:
+            raise ValueError("--kv-role prefill needs --kv-port (where decode engines pull)")
+        if self.lease_timeout_s <= 0 or self.transfer_timeout_s <= 0:
+            raise ValueError("kv lease and transfer timeouts must be > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.role != "both"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -152,6 +189,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: str
     num_threads: int | None = None
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
 
 @dataclass
@@ -206,6 +244,13 @@ class EngineArgs:
     # {"method": "ngram" | "suffix" | "draft_model" | "synthetic", ...} (spec/config.py),
     # a JSON string of it, or None (off).
     speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
+    # Prefill/decode disaggregation (KVTransferConfig).
+    kv_role: str = "both"
+    kv_host: str = "127.0.0.1"
+    kv_port: int | None = None
+    kv_lease_timeout: float = 30.0
+    kv_transfer_timeout: float = 10.0
+    kv_transfer_fallback: str = "recompute"
 
     def __post_init__(self) -> None:
         # Parsed (and checked) at once: a bad config fails before any model loads.
@@ -332,6 +377,24 @@ class EngineArgs:
                             "of latest start: by it (slack) or least-served tenant first "
                             "(fair, VTC counters)")
         g.add_argument("--slo-tie-quantum-ms", type=float, default=50.0)
+        k = parser.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+        k.add_argument("--kv-role", default="both", choices=KV_ROLES,
+                       help="both: compute prompts and decode here (no KV transfer); "
+                            "prefill: serve requests' prompt K/V to decode engines on "
+                            "--kv-port; decode: pull a prefill engine's K/V for requests "
+                            "that carry its handle (conveyor router --prefill/--decode)")
+        k.add_argument("--kv-host", default="127.0.0.1",
+                       help="address the prefill role binds and advertises in handles")
+        k.add_argument("--kv-port", type=int, default=None,
+                       help="TCP port of the prefill role's KV server")
+        k.add_argument("--kv-lease-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="prefill: release a finished request's blocks this long after "
+                            "it finished if no decode engine confirmed its pull")
+        k.add_argument("--kv-transfer-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="decode: a pull that has not landed in this long fails")
+        k.add_argument("--kv-transfer-fallback", default="recompute", choices=KV_FALLBACKS,
+                       help="decode: when a pull fails, compute the prompt here (recompute) "
+                            "or fail that request with an error (fail)")
         return parser
 
     @classmethod
@@ -375,6 +438,12 @@ class EngineArgs:
             ),
         )
 
+    def kv_transfer_config(self) -> KVTransferConfig:
+        return KVTransferConfig(role=self.kv_role, host=self.kv_host, port=self.kv_port,
+                                lease_timeout_s=self.kv_lease_timeout,
+                                transfer_timeout_s=self.kv_transfer_timeout,
+                                fallback=self.kv_transfer_fallback)
+
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                            kv_cache_memory=self.kv_cache_memory,
@@ -402,7 +471,8 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, num_kv_blocks: i
     max_len = min(model.max_model_len, num_kv_blocks * cache.block_size)
     return EngineConfig(model=dataclasses.replace(model, max_model_len=max_len), cache=cache,
                         scheduler=args.scheduler_config(), device=device,
-                        num_threads=args.num_threads)
+                        num_threads=args.num_threads,
+                        kv_transfer=args.kv_transfer_config())
 
 
 def kv_hash_key(model: ModelConfig) -> bytes:

@@ -108,6 +108,61 @@ class _EngineStatsCollector(Collector):
         spec = stats.get("spec_decode")
         if spec:
             yield from _spec_metrics(spec)
+        if "prompt_tokens_computed" in stats:
+            c = CounterMetricFamily(PREFIX + "prompt_tokens_computed",
+                                    "Prompt positions this engine computed (not prefix-cache "
+                                    "hits, not K/V pulled from a prefill engine).")
+            c.add_metric([], float(stats["prompt_tokens_computed"]))
+            yield c
+        kv = stats.get("kv_transfer")
+        if kv:
+            yield from _kv_transfer_metrics(kv)
+
+
+# kv_transfer stats key -> (metric name, help): prefill/decode disaggregation.
+_KV_COUNTERS = {
+    "bytes_sent": ("kv_transfer_bytes_sent", "K/V payload bytes served to decode engines."),
+    "bytes_received": ("kv_transfer_bytes_received",
+                       "K/V payload bytes pulled from prefill engines and written here."),
+    "blocks_sent": ("kv_transfer_blocks_sent", "KV blocks served to decode engines."),
+    "blocks_received": ("kv_transfer_blocks_received", "KV blocks filled from a prefill."),
+    "loads_ok": ("kv_transfer_loads", "Loads (decode side) written into the cache."),
+    "loads_failed": ("kv_transfer_failed",
+                     "Loads (decode side) that failed: peer gone, timeout, refused."),
+    "leases_granted": ("kv_transfer_leases_granted",
+                       "Finished requests whose blocks went under a lease (prefill side)."),
+    "leases_released": ("kv_transfer_leases_released",
+                        "Leases ended by the decode engine's done (prefill side)."),
+    "leases_expired": ("kv_transfer_leases_expired",
+                       "Leases ended by their timeout (prefill side)."),
+    "requests_recomputed": ("kv_transfer_requests_recomputed",
+                            "Requests whose prompt was computed here after a failed load."),
+    "requests_failed": ("kv_transfer_requests_failed",
+                        "Requests failed after a failed load (--kv-transfer-fallback fail)."),
+}
+_KV_GAUGES = {
+    "leases_held": ("kv_transfer_leases_held", "Leases held for decode engines now."),
+    "loads_in_flight": ("kv_transfer_loads_in_flight", "Loads in flight now."),
+}
+
+
+def _kv_transfer_metrics(kv: dict[str, Any]) -> Iterator[Metric]:
+    for key, (name, doc) in _KV_COUNTERS.items():
+        c = CounterMetricFamily(PREFIX + name, doc)
+        c.add_metric([], float(kv[key]))
+        yield c
+    for key, (name, doc) in _KV_GAUGES.items():
+        yield GaugeMetricFamily(PREFIX + name, doc, value=float(kv[key]))
+    lat = kv["latency_s"]
+    buckets, total = [], 0
+    for bound, count in zip([*lat["buckets"], "+Inf"], lat["counts"]):
+        total += count
+        buckets.append((str(bound), total))
+    yield HistogramMetricFamily(
+        PREFIX + "kv_transfer_latency_seconds",
+        "Decode side: from ordering a load to its bytes in the cache; prefill side: from "
+        "granting a lease to the decode engine's done.",
+        buckets=buckets, sum_value=float(lat["sum"]))
 
 
 # spec_decode stats key -> (metric name, help); vLLM's names, labelled by method.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from conveyor.sampling_params import SamplingParams
 
@@ -12,6 +13,9 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    # A decode engine's request whose prompt K/V is arriving from a prefill engine: it
+    # holds its blocks, is in neither the waiting queue nor the running batch.
+    WAITING_FOR_REMOTE_KV = enum.auto()
     # Finished states come last so that ``is_finished`` is one comparison.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
@@ -80,6 +84,10 @@ class Request:
     # part or whole, at its next), and its per-position [accepted, tried] decayed counts.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_acceptance: list[list[float]] | None = None
+    # Prefill/decode disaggregation: the request's KVTransferParams (None: none), and
+    # whether a load was already tried (a failed one is never retried).
+    kv_params: Any = None
+    kv_load_tried: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -82,6 +82,9 @@ class KVCacheManager:
         self._root = root_hash(extra_hash_key)
         self._extra = extra_hash_key
         self.req_blocks: dict[str, list[int]] = {}  # request -> its block table (ids)
+        # Blocks held by an in-flight KV transfer (a prefill's lease to a decode engine),
+        # by transfer id: no request holds them, the free list does not have them.
+        self.detached: dict[str, list[int]] = {}
         self._req_hashes: dict[str, list[bytes]] = {}
         # Leading blocks of each request that hold their own hash: they stay cached while
         # held, so cache_computed_blocks need not look at them again.
@@ -264,13 +267,31 @@ class KVCacheManager:
         if blocks:
             self.pool.release(list(reversed(blocks)))
 
+    def detach(self, request_id: str, key: str) -> list[int]:
+        """Move a finishing request's blocks, references and all, to a transfer under
+        ``key``; returns their ids. ``free(request_id)`` then finds nothing."""
+        if key in self.detached:
+            raise ValueError(f"blocks already detached under {key!r}")
+        blocks = self.req_blocks.pop(request_id, [])
+        self._req_hashes.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
+        self.detached[key] = blocks
+        return list(blocks)
+
+    def release_detached(self, key: str) -> int:
+        """Give a transfer's blocks back (once: a second call finds none); returns how many."""
+        blocks = self.detached.pop(key, None)
+        if blocks:
+            self.pool.release(list(reversed(blocks)))
+        return len(blocks or ())
+
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_cache()
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
         refs: dict[int, int] = {}
-        for blocks in self.req_blocks.values():
+        for blocks in [*self.req_blocks.values(), *self.detached.values()]:
             assert len(blocks) == len(set(blocks)), "a block appears twice in one block table"
             for b in blocks:
                 refs[b] = refs.get(b, 0) + 1

@@ -35,6 +35,7 @@ import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from conveyor.config import SchedulerConfig
 from conveyor.core.batch_shape import batch_shape
@@ -47,13 +48,18 @@ from conveyor.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from conveyor.kv_transfer.connector import KV_TRANSFER_FAILED
 from conveyor.request import Request, RequestStatus
 from conveyor.spec.controller import BatchStepCost, DraftLengthController, DraftRow, StepCost
+
+if TYPE_CHECKING:
+    from conveyor.kv_transfer.connector import KVConnectorScheduler
 
 logger = logging.getLogger(__name__)
 
 # Hot-path comparisons use this module constant: an enum member lookup costs more than the test.
 _RUNNING = RequestStatus.RUNNING
+_REMOTE_KV = RequestStatus.WAITING_FOR_REMOTE_KV
 # stop_reason of a request the policy rejected because its TTFT target cannot be met any
 # more (the server answers 429 with this code).
 SLO_REJECTED = "slo_unattainable"
@@ -91,6 +97,9 @@ class SchedulerStats:
     total_scheduled_tokens: int = 0
     # Aggregates only: nothing here grows with the number of steps (a server runs for days).
     num_batched_rows: int = 0  # requests summed over steps (mean batch = this / num_steps)
+    # Prompt positions computed here (a prefix hit or remote KV is not; a recomputed
+    # preempted prompt is again).
+    num_prompt_tokens_computed: int = 0
     last_step_batch_size: int = 0
 
 
@@ -98,8 +107,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  policy: SchedulingPolicy | None = None,
                  step_cost: StepCostModel | None = None,
-                 spec_cost: StepCost | None = None) -> None:
-        """``step_cost``: the SLO token budget's step-cost model (``core/budget.py``).
+                 spec_cost: StepCost | None = None,
+                 connector: KVConnectorScheduler | None = None) -> None:
+        """``connector``: the KV connector's scheduler half (prefill/decode disaggregation;
+        None: every prompt is computed here). ``step_cost``: the SLO token budget's
+        step-cost model (``core/budget.py``).
         ``spec_cost``: the one speculative decoding weighs draft tokens with; by default
         fitted online to the step times this scheduler sees (the span from
         ``schedule(now)`` to ``update(..., now)``)."""
@@ -156,6 +168,12 @@ class Scheduler:
         self._step_spec: dict[str, list[int]] = {}
         self._step_want: dict[str, int] = {}
         self._schedule_now: float | None = None
+        # Prefill/decode disaggregation: requests in WAITING_FOR_REMOTE_KV (their load in
+        # flight, or ended and queued for a sequence slot as (id, tokens computed)).
+        self.connector = connector
+        self._remote: dict[str, Request] = {}
+        self._remote_ready: deque[tuple[str, int]] = deque()
+        self._now = 0.0  # the last time given (an abort between steps stamps with it)
 
     # ---- request lifecycle ---------------------------------------------------------------
     def add_request(self, request: Request, now: float) -> None:
@@ -183,6 +201,9 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == _REMOTE_KV:
+                self._remote.pop(rid)
+                self.connector.request_aborted(rid, self._now)
             else:
                 self.policy.pop(req)
             self._finish(req, status)
@@ -212,7 +233,9 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests, or KV transfers still to settle (their reports arrive with steps)."""
+        return bool(self.requests) or (self.connector is not None
+                                       and self.connector.has_work())
 
     # ---- schedule ------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
@@ -227,7 +250,11 @@ class Scheduler:
         self._apply_queue_wait_limit(now)
         for req in self.policy.reject_waiting(now):
             self._reject(req, now, SLO_REJECTED)
-        self._schedule_now = now
+        self._schedule_now = self._now = now
+        if self.connector is not None:
+            for rid, error in self.connector.expire(now):
+                self._load_ended(rid, error, now)
+            self._admit_remote_ready(now)
         decodes: list[Request] = []
         budget = self._schedule_running(scheduled, preempted, budget, now, decodes)
         if not preempted and admit_allowed:
@@ -237,6 +264,8 @@ class Scheduler:
             # a draft only probably saves some.
             self._schedule_drafts(decodes, scheduled, budget)
         out = self._build_output(scheduled, preempted, now)
+        if self.connector is not None:
+            out.kv_connector_meta = self.connector.build_connector_meta()
         if ctrl is not None:
             ctrl.end_step(out.total_num_scheduled_tokens)
         return out
@@ -363,6 +392,11 @@ class Scheduler:
         Returns the budget left."""
         admitted: set[str] = set()  # admitted in this step: never preempted for another
         while (req := self._next_waiting(now)) is not None:
+            if (self.connector is not None
+                    and self.connector.get_num_new_matched_tokens(req) > 0):
+                if not self._start_remote_load(req, now):
+                    return budget  # no room for its blocks yet: the queue waits
+                continue
             computed = self.kv.get_computed_blocks(req)
             num_new = self._admission_tokens(req, computed, budget)
             if (num_new is not None and len(self.running) < self.config.max_num_seqs
@@ -391,6 +425,51 @@ class Scheduler:
                 preempted.append(victim)
                 self.stats.num_admission_preemptions += 1
         return budget
+
+    # ---- prefill/decode disaggregation (decode side) --------------------------------------
+    def _start_remote_load(self, req: Request, now: float) -> bool:
+        """Give a waiting request whose prompt K/V a peer holds its blocks and order the
+        load; it waits in WAITING_FOR_REMOTE_KV, outside the batch, so nothing else waits
+        for it. False: its blocks do not fit now."""
+        if self.kv.allocate_slots(req, req.num_prompt_tokens) is None:
+            return False
+        self.policy.pop(req)
+        req.status = _REMOTE_KV
+        req.num_cached_tokens = 0  # remote tokens are no prefix-cache hit
+        self._remote[req.request_id] = req
+        self._wait_entry.pop(req.request_id, None)
+        self._overdue_ids.discard(req.request_id)
+        self.connector.update_state_after_alloc(req, now)
+        return True
+
+    def _load_ended(self, rid: str, error: str | None, now: float) -> None:
+        """A load ended: the request runs from all but its last prompt token, or the
+        fallback applies (recompute the prompt here in the same blocks, or fail it)."""
+        req = self._remote.get(rid)
+        if req is None:
+            return
+        if error is None:
+            self._remote_ready.append((rid, req.num_prompt_tokens - 1))
+        elif self.connector.config.fallback == "recompute":
+            logger.warning("request %s: KV transfer failed (%s); computing its prompt here",
+                           rid, error)
+            self._remote_ready.append((rid, 0))
+        else:
+            del self._remote[rid]
+            req.stop_reason = f"{KV_TRANSFER_FAILED}: {error}"
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            req.finished_time = now
+            self._pending_updates.append(RequestUpdate(
+                rid, [], status=RequestStatus.FINISHED_ABORTED, stop_reason=req.stop_reason,
+                request=req))
+
+    def _admit_remote_ready(self, now: float) -> None:
+        """Requests whose load ended join the batch, oldest first, as slots allow."""
+        while self._remote_ready and len(self.running) < self.config.max_num_seqs:
+            rid, num_computed = self._remote_ready.popleft()
+            req = self._remote.pop(rid, None)
+            if req is not None:  # else aborted since
+                self._admit(req, num_computed, now)
 
     def _admission_tokens(self, req: Request, computed: ComputedBlocks,
                           budget: int) -> int | None:
@@ -542,11 +621,16 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             on_scheduled(req, n, now)
+            prompt_left = req.num_prompt_tokens - req.num_computed_tokens
+            if prompt_left > 0:
+                self.stats.num_prompt_tokens_computed += min(n, prompt_left)
             req.num_computed_tokens += n
             # Its drafts come after its last real token: it samples if that is reached.
             num_drafts = len(spec_tokens[rid]) if spec_tokens and rid in spec_tokens else 0
             if req.num_computed_tokens - num_drafts == len(req.all_token_ids):
                 out.sampling_req_ids.add(rid)
+                if req.kv_params is not None and self.connector is not None:
+                    self.connector.will_save(req)  # a prefill engine's: serve its K/V
         if self.spec is not None:
             self._want_after_prefill(out)
         self.stats.num_steps += 1 if scheduled else 0
@@ -560,6 +644,10 @@ class Scheduler:
     # ---- update --------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, run: ModelRunnerOutput,
                now: float) -> list[RequestUpdate]:
+        self._now = now
+        if self.connector is not None:
+            for rid, error in self.connector.update_from_output(run.kv_report, now):
+                self._load_ended(rid, error, now)
         updates = self._pending_updates
         self._pending_updates = []
         if self.spec is not None and self._schedule_now is not None:
@@ -612,6 +700,8 @@ class Scheduler:
                                    logprobs[:len(accepted)] if logprobs else None, request=req)
             if status is not None:
                 self.running.remove(req)
+                if req.kv_params is not None and self.connector is not None:
+                    self.connector.request_finished(req, now)  # a lease may keep its blocks
                 self._finish(req, status)
                 req.finished_time = now
                 update.status = status
@@ -663,6 +753,34 @@ class Scheduler:
         for req in self.policy.waiting():
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert req.request_id not in self.kv.req_blocks, "a waiting request holds blocks"
-        assert len(self.running) + len(self.policy) == len(self.requests)
+        for req in self._remote.values():
+            assert req.status == _REMOTE_KV and self.requests.get(req.request_id) is req
+            assert req.request_id in self.kv.req_blocks, "a remote-KV request holds no blocks"
+        assert len(self.running) + len(self.policy) + len(self._remote) == len(self.requests)
         for rid in self.kv.req_blocks:
             assert rid in self.requests, f"finished request {rid} still holds blocks"
+        if self.connector is not None:
+            self.check_block_ownership()
+
+    def check_block_ownership(self) -> None:
+        """Every block is in exactly one of: the free list, a request's table, an in-flight
+        transfer (prefix sharing off; with it, ref counts are checked by the manager)."""
+        free = set(self.kv.pool.free_queue())
+        transfer = self.connector.owned_blocks()
+        loading = {rid for rid in self._remote if self.connector.is_loading(rid)}
+        owners: dict[int, int] = {}
+        for rid, blocks in self.kv.req_blocks.items():
+            for b in blocks:
+                if rid in loading:
+                    assert transfer.get(b) is not None, (rid, b)
+                    continue  # counted as the transfer's
+                owners[b] = owners.get(b, 0) + 1
+        for key, blocks in self.kv.detached.items():
+            assert all(transfer.get(b) == key for b in blocks), key
+        for bid in range(self.kv.num_blocks):
+            n = (bid in free) + (bid in transfer) + owners.get(bid, 0)
+            if not self.kv.enable_prefix_caching:
+                assert n == 1, f"block {bid}: {n} owners (free {bid in free}, " \
+                               f"transfer {transfer.get(bid)}, requests {owners.get(bid, 0)})"
+            else:
+                assert n >= 1, f"block {bid} has no owner"

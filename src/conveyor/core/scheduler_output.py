@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conveyor.kv_transfer.messages import KVConnectorMeta, KVWorkerReport
 from conveyor.sampling_params import SamplingParams
 
 
@@ -53,6 +54,8 @@ class SchedulerOutput:
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> how many drafts to propose for its next step (absent: none).
     num_spec_wanted: dict[str, int] = field(default_factory=dict)
+    # Prefill/decode disaggregation: the KV connector's orders for this step (None: none).
+    kv_connector_meta: KVConnectorMeta | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -78,3 +81,5 @@ class ModelRunnerOutput:
     # logprob of the sampled token); None unless the request asked for logprobs.
     logprobs: dict[str, list[tuple[list[int], list[float], int, float]]] = field(
         default_factory=dict)
+    # The KV connector's worker half: loads written or failed, pulls served (None: none).
+    kv_report: KVWorkerReport | None = None

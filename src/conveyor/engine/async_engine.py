@@ -61,6 +61,7 @@ from conveyor.engine.messages import (
 )
 from conveyor.engine.output_processor import OutputProcessor, fan_out
 from conveyor.engine.validation import validate_scheduling
+from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
 
@@ -326,7 +327,9 @@ class AsyncEngine:
                           priority: int = 0, tenant: str | None = None,
                           slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
                           output_kind: str = "delta",
-                          timeout_s: float | None = None) -> RequestStream:
+                          timeout_s: float | None = None,
+                          kv_transfer_params: KVTransferParams | None = None
+                          ) -> RequestStream:
         """Tokenize, validate and queue a request; returns its stream once the core took it.
 
         Raises ValueError (bad input), QueueFullError, RequestTimeoutError, or
@@ -340,7 +343,8 @@ class AsyncEngine:
         validate_request(self.info.config, self.info.tokenizer is not None, prompt_ids, params)
         validate_scheduling(priority, tenant, slo_ttft_ms, slo_tpot_ms)
         children = fan_out(request_id, prompt_ids, params, self.clock(), priority=priority,
-                           tenant=tenant, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+                           tenant=tenant, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+                           kv_transfer_params=kv_transfer_params)
         self._processor.add(request_id, text, params, children, output_kind)
         stream = RequestStream(self, request_id, output_kind)
         self._streams[request_id] = stream

@@ -33,6 +33,7 @@ from conveyor.engine.messages import (
     UtilityMethod,
 )
 from conveyor.engine.validation import capped_max_tokens, validate_prompt, validate_scheduling
+from conveyor.kv_transfer.connector import KVConnectorScheduler
 from conveyor.request import Request, RequestStatus
 from conveyor.timings import PhaseTimings
 
@@ -73,8 +74,11 @@ class EngineCore:
         assert cache.num_kv_blocks is not None, "resolve the KV pool before the core"
         self.kv = KVCacheManager(num_kv_blocks or cache.num_kv_blocks, cache.block_size,
                                  cache.enable_prefix_caching, kv_hash_key(config.model))
+        # Prefill/decode disaggregation: the KV connector's scheduler half (None: "both").
+        self.kv_connector = (KVConnectorScheduler(config.kv_transfer, self.kv)
+                             if config.kv_transfer.enabled else None)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len,
-                                   step_cost=step_cost)
+                                   step_cost=step_cost, connector=self.kv_connector)
         self.eos_token_ids = frozenset(config.model.eos_token_ids)
         self.num_prompt_tokens = 0  # each admitted prompt once, cache hits included
         self.num_generation_tokens = 0
@@ -95,6 +99,11 @@ class EngineCore:
                         has_tokenizer=True,  # stop strings are the front end's
                         max_queue_len=cfg.scheduler.max_queue_len)
         validate_scheduling(req.priority, req.tenant, req.slo_ttft_ms, req.slo_tpot_ms)
+        if req.kv_transfer_params is not None:
+            if self.kv_connector is None:
+                raise ValueError("kv_transfer_params needs an engine started with --kv-role "
+                                 "prefill or decode (this one is --kv-role both)")
+            self.kv_connector.check_params(req.kv_transfer_params)
 
     def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
         """Queue requests together, all or none: ValueError for bad input or an id in use,
@@ -122,13 +131,16 @@ class EngineCore:
         # so that policies read one place.
         slo_ttft_s, slo_tpot_s = req.slo_targets_s(policy.default_slo_ttft_s,
                                                    policy.default_slo_tpot_s)
+        max_tokens = capped_max_tokens(params, len(req.prompt_token_ids), self.max_model_len)
+        kv = req.kv_transfer_params
+        if kv is not None and kv.do_remote_decode:
+            max_tokens = 1  # a prefill engine's request ends with its first token
         return Request(
             req.request_id, req.prompt_token_ids,
             params.clone(eos_token_ids=self.eos_token_ids), req.arrival_time,
             priority=req.priority, tenant=req.tenant,
-            max_tokens=capped_max_tokens(params, len(req.prompt_token_ids),
-                                         self.max_model_len),
-            slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+            max_tokens=max_tokens, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
+            kv_params=kv)
 
     def abort_requests(self, request_ids: list[str], reason: str = "abort",
                        stop_reason: str | None = None) -> list[EngineCoreOutput]:
@@ -266,6 +278,9 @@ class EngineCore:
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             "scheduled_tokens": s.total_scheduled_tokens,
+            "prompt_tokens_computed": s.num_prompt_tokens_computed,
+            "kv_transfer": (self.kv_connector.stats_dict() if self.kv_connector is not None
+                            else None),
             "num_batched_rows": s.num_batched_rows,
             "max_model_len": self.max_model_len,
             "policy": self.scheduler.policy.stats(),

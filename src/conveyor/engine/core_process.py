@@ -102,6 +102,8 @@ def _core_main(args: EngineArgs, log_level: int, commands: Connection,
         return
     results.send_bytes(encode(CoreReady(core.config)))
     error = EngineLoop(core, _PipeTransport(commands, results)).run()
+    with contextlib.suppress(Exception):
+        core.executor.shutdown()  # e.g. the KV connector's server socket
     with contextlib.suppress(OSError):  # the server may be gone already
         results.send_bytes(encode(CoreExit(None if error is None
                                            else f"{type(error).__name__}: {error}")))

@@ -23,6 +23,7 @@ from conveyor.engine.detokenizer import load_tokenizer
 from conveyor.engine.messages import QueueFullError
 from conveyor.engine.output_processor import OutputProcessor, fan_out
 from conveyor.engine.validation import validate_prompt, validate_scheduling
+from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
 
@@ -129,7 +130,8 @@ class LLMEngine:
                     request_id: str | None = None, arrival_time: float | None = None,
                     priority: int = 0, tenant: str | None = None,
                     slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
-                    output_kind: str = "final") -> str:
+                    output_kind: str = "final",
+                    kv_transfer_params: KVTransferParams | None = None) -> str:
         """Validate and queue a request; raises ValueError (bad input) or QueueFullError."""
         params = params or SamplingParams()
         text, prompt_ids = self.tokenize(prompt)
@@ -138,7 +140,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         now = self.clock() if arrival_time is None else arrival_time
         children = fan_out(request_id, prompt_ids, params, now, priority=priority,
-                           tenant=tenant, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+                           tenant=tenant, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+                           kv_transfer_params=kv_transfer_params)
         self.output_processor.add(request_id, text, params, children, output_kind)
         try:
             self.core.add_requests(children)

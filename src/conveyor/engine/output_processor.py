@@ -19,6 +19,7 @@ from typing import Any
 from conveyor.config import PolicyConfig
 from conveyor.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from conveyor.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
 
@@ -27,17 +28,20 @@ OUTPUT_KINDS = ("final", "delta", "cumulative")
 
 def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float, *, priority: int = 0, tenant: str | None = None,
-            slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
-            ) -> list[EngineCoreRequest]:
+            slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+            kv_transfer_params: KVTransferParams | None = None) -> list[EngineCoreRequest]:
     """The core requests of one user request: one per sample, seeds ``seed + k``."""
     n = params.n
+    if kv_transfer_params is not None and n != 1:
+        raise ValueError("kv_transfer_params needs n == 1 (one sequence per transfer)")
     out = []
     for k in range(n):
         child = params if n == 1 else params.clone(
             n=1, seed=params.seed + k if params.seed is not None else None)
         out.append(EngineCoreRequest(request_id if n == 1 else f"{request_id}#{k}",
                                      prompt_token_ids, child, arrival_time, priority,
-                                     tenant or "default", slo_ttft_ms, slo_tpot_ms))
+                                     tenant or "default", slo_ttft_ms, slo_tpot_ms,
+                                     kv_transfer_params))
     return out
 
 

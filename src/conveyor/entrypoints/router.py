@@ -1,8 +1,8 @@
 """``conveyor router``: one OpenAI-compatible endpoint in front of ``conveyor serve`` replicas.
 
-Data parallelism (``--replica URL`` repeated, ``--routing``) is the mode so far; another
-mode (prefill/decode disaggregation: ``--prefill URL --decode URL``) adds its flags to this
-parser and its app beside ``conveyor.router.app``.
+Two modes, one parser: data parallelism (``--replica URL`` repeated, ``--routing``:
+``conveyor.router.app``) and prefill/decode disaggregation (``--prefill URL[,URL...]
+--decode URL[,URL...]``: ``conveyor.router.disagg``); they exclude each other.
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=DESCRIPTION)
     p.add_argument("--replica", action="append", default=[], metavar="URL",
                    help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat per replica)")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL[,URL...]",
+                   help="prefill/decode mode: a prefill engine (conveyor serve --kv-role "
+                        "prefill) that computes each prompt first")
+    p.add_argument("--decode", action="append", default=[], metavar="URL[,URL...]",
+                   help="prefill/decode mode: a decode engine (conveyor serve --kv-role "
+                        "decode) that pulls the prompt's KV and generates")
     p.add_argument("--routing", default="prefix", choices=sorted(POLICIES),
                    help="how a request picks its replica (default prefix)")
     p.add_argument("--host", default="127.0.0.1")
@@ -57,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.prefill or args.decode:
+        return _run_disagg(args)
     try:
         config = RouterConfig(args.replica, routing=args.routing,
                               health_interval_s=args.health_interval,
@@ -71,6 +79,35 @@ def run(args: argparse.Namespace) -> int:
         "routing (%s) over %s on http://%s:%d", args.routing, ", ".join(args.replica),
         args.host, args.port)
     uvicorn.run(build_router_app(config), host=args.host, port=args.port,
+                log_level=args.log_level, access_log=not args.no_access_log,
+                timeout_graceful_shutdown=None)
+    return 0
+
+
+def _urls(values: list[str]) -> list[str]:
+    return [u.strip() for v in values for u in v.split(",") if u.strip()]
+
+
+def _run_disagg(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from conveyor.router.disagg import DisaggConfig, build_disagg_app
+
+    if args.replica:
+        raise SystemExit("conveyor router: --replica (data parallel) and --prefill/--decode "
+                         "(disaggregation) exclude each other")
+    try:
+        config = DisaggConfig(_urls(args.prefill), _urls(args.decode),
+                              connect_timeout_s=args.connect_timeout,
+                              request_timeout_s=args.request_timeout)
+    except ValueError as e:
+        raise SystemExit(f"conveyor router: {e}") from None
+    logging.getLogger("conveyor.router").info(
+        "prefill %s, decode %s on http://%s:%d", ", ".join(config.prefill),
+        ", ".join(config.decode), args.host, args.port)
+    uvicorn.run(build_disagg_app(config), host=args.host, port=args.port,
                 log_level=args.log_level, access_log=not args.no_access_log,
                 timeout_graceful_shutdown=None)
     return 0

@@ -17,6 +17,7 @@ from conveyor.config import (
 )
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from conveyor.engine.core import EngineCore
+from conveyor.kv_transfer.worker import KVConnectorWorker
 from conveyor.model.dtypes import resolve_compute_dtype
 from conveyor.runner.model_runner import ModelRunner, num_blocks_for
 
@@ -47,6 +48,11 @@ class LocalExecutor:
                                   speculative=args.speculative)
         self.warmup = args.warmup
         self._profile_tokens = args.max_num_batched_tokens  # a full step, for the KV sizing
+        self.kv_config = args.kv_transfer_config()
+        if self.kv_config.enabled and args.speculative is not None:
+            # A transfer moves the target's layers only; a draft model's would be missing.
+            raise ValueError("--kv-role prefill/decode does not support speculative decoding")
+        self.kv_worker: KVConnectorWorker | None = None
 
     def determine_num_kv_blocks(self, cache: CacheConfig, model: ModelConfig,
                                 max_num_seqs: int) -> int:
@@ -66,15 +72,27 @@ class LocalExecutor:
 
     def initialize(self, config: EngineConfig) -> None:
         self.runner.allocate_kv_cache(config.cache.num_kv_blocks)
+        if config.kv_transfer.enabled:  # the connector's worker half, over this cache
+            self.kv_worker = KVConnectorWorker(config.kv_transfer, config.cache.block_size)
+            self.kv_worker.register_kv_caches(self.runner.kv_caches)
         if self.warmup:  # before any request: its K/V lands in blocks nobody owns yet
             self.runner.warmup(config.scheduler.max_num_batched_tokens,
                                config.model.max_model_len - 1)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(scheduler_output)
+        worker = self.kv_worker
+        if worker is None:
+            return self.runner.execute(scheduler_output)
+        meta = scheduler_output.kv_connector_meta
+        worker.start_load_kv(meta)  # cancels first, then writes loads that arrived
+        out = self.runner.execute(scheduler_output)
+        worker.wait_for_save(meta)  # this step's prompts are in the cache: servable
+        out.kv_report = worker.get_finished()
+        return out
 
     def shutdown(self) -> None:
-        pass
+        if self.kv_worker is not None:
+            self.kv_worker.shutdown()
 
 
 def build_local_core(args: EngineArgs, clock: Callable[[], float] = time.monotonic

@@ -94,6 +94,8 @@ class SamplingRequest(_Request):
     expected_output_tokens: int | None = None
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # prefill/decode disaggregation (vLLM's name): set by `conveyor router --prefill/--decode`
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):

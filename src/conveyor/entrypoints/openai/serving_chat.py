@@ -42,6 +42,7 @@ from conveyor.entrypoints.openai.serving_common import (
     check_prompt_size,
     clamp_logprob,
     final_outputs,
+    kv_handle,
     make_usage,
     merge_streams,
     random_id,
@@ -84,8 +85,11 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
     except Exception as e:  # timeout, engine fault: this request's error, as an HTTP status
         raise request_error(e) from None
     check_not_aborted(outputs)
-    return JSONResponse(_response(req, request_id, created, state.model_name,
-                                  outputs[0]).model_dump())
+    body = _response(req, request_id, created, state.model_name, outputs[0]).model_dump()
+    handle = kv_handle(state, req, outputs)
+    if handle is not None:
+        body["kv_transfer_params"] = handle
+    return JSONResponse(body)
 
 
 def _check_supported(req: ChatCompletionRequest) -> None:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -23,6 +24,8 @@ from conveyor.engine.llm_engine import PromptType
 from conveyor.entrypoints.openai.chat_template import ChatTemplate
 from conveyor.entrypoints.openai.errors import OpenAIError, from_engine_error
 from conveyor.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from conveyor.kv_transfer.connector import KV_TRANSFER_FAILED
+from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.metrics import EngineMetrics
 from conveyor.outputs import Logprob, RequestOutput
 from conveyor.sampling_params import SamplingParams
@@ -131,10 +134,40 @@ def build_sampling_params(req: SamplingRequest, max_tokens: int | None,
 
 
 def request_options(req: SamplingRequest, raw_request: Request) -> dict[str, Any]:
-    """Scheduling hints: a gateway's ``X-Tenant`` header wins over the body's ``user``."""
+    """Scheduling hints: a gateway's ``X-Tenant`` header wins over the body's ``user``;
+    and the request's part in a KV transfer (prefill/decode disaggregation)."""
     tenant = raw_request.headers.get("x-tenant") or req.user
     return dict(priority=req.priority, tenant=tenant, slo_ttft_ms=req.slo_ttft_ms,
-                slo_tpot_ms=req.slo_tpot_ms)
+                slo_tpot_ms=req.slo_tpot_ms, kv_transfer_params=kv_transfer_params(req))
+
+
+def kv_transfer_params(req: SamplingRequest) -> KVTransferParams | None:
+    """The body's ``kv_transfer_params``, typed and checked (400 when malformed)."""
+    if req.kv_transfer_params is None:
+        return None
+    try:
+        params = msgspec.convert(req.kv_transfer_params, KVTransferParams)
+        params.check()
+    except (msgspec.ValidationError, ValueError) as e:
+        raise OpenAIError(400, f"kv_transfer_params: {e}", param="kv_transfer_params") from None
+    if params.do_remote_decode and req.stream:
+        raise OpenAIError(400, "kv_transfer_params with do_remote_decode (a prefill request) "
+                               "cannot stream: its response carries the handle",
+                          param="kv_transfer_params")
+    return params
+
+
+def kv_handle(state: ServerState, req: SamplingRequest,
+              outputs: list[RequestOutput]) -> dict[str, Any] | None:
+    """A prefill engine's response carries the handle a decode engine pulls with: the
+    transfer id, where this engine's KV server listens, the prompt's length."""
+    params = kv_transfer_params(req)
+    if params is None or not params.do_remote_decode:
+        return None
+    cfg = state.engine.info.config.kv_transfer
+    return {"transfer_id": params.transfer_id, "do_remote_prefill": True,
+            "remote_host": cfg.host, "remote_port": cfg.port,
+            "num_prompt_tokens": len(outputs[0].prompt_token_ids)}
 
 
 async def add_streams(state: ServerState, prompts: list[PromptType], params: SamplingParams,
@@ -255,6 +288,14 @@ def check_not_aborted(outputs: list[RequestOutput]) -> None:
                                    "current load (--scheduling-policy slo, --slo-late-action "
                                    "reject); retry later or with a looser slo_ttft_ms",
                               code="slo_unattainable")
+        failed = [c.stop_reason for c in out.outputs if c.finish_reason == "abort"
+                  and isinstance(c.stop_reason, str)
+                  and c.stop_reason.startswith(KV_TRANSFER_FAILED)]
+        if failed:
+            # --kv-transfer-fallback fail: the prompt's K/V never arrived from the prefill.
+            raise OpenAIError(502, f"the KV transfer from the prefill engine failed "
+                                   f"({failed[0].split(': ', 1)[-1]}); this decode engine "
+                                   f"runs --kv-transfer-fallback fail", code=KV_TRANSFER_FAILED)
         if any(c.finish_reason == "abort" for c in out.outputs):
             raise OpenAIError(503, "the engine aborted the request before it completed (it may "
                                    "have waited in the queue past --max-queue-wait-s)",

@@ -38,6 +38,7 @@ from conveyor.entrypoints.openai.serving_common import (
     check_prompt_size,
     clamp_logprob,
     final_outputs,
+    kv_handle,
     make_usage,
     merge_streams,
     random_id,
@@ -77,8 +78,12 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
         raise request_error(e) from None
     check_not_aborted(outputs)
     prompt_texts = await _echo_texts(state, req, outputs)
-    return JSONResponse(_response(req, request_id, created, state.model_name, outputs,
-                                  prompt_texts).model_dump())
+    body = _response(req, request_id, created, state.model_name, outputs,
+                     prompt_texts).model_dump()
+    handle = kv_handle(state, req, outputs)
+    if handle is not None:
+        body["kv_transfer_params"] = handle
+    return JSONResponse(body)
 
 
 def _check_supported(req: CompletionRequest) -> None:
