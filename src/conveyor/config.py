@@ -149,6 +149,10 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: str
     num_threads: int | None = None
+    tensor_parallel_size: int = 1
+
+
+DISTRIBUTED_BACKENDS = ("mp", "ray")
 
 
 @dataclass
@@ -202,10 +206,26 @@ class EngineArgs:
     # {"method": "ngram" | "suffix" | "draft_model" | "synthetic", ...} (spec/config.py),
     # a JSON string of it, or None (off).
     speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
+    # Tensor parallelism (executor/tp.py): ranks, where they run (mp: processes on this
+    # machine; ray: Ray actors in a placement group), and how long a step may take before
+    # a silent rank counts as dead.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         # Parsed (and checked) at once: a bad config fails before any model loads.
         self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, "
+                             f"got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in DISTRIBUTED_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(DISTRIBUTED_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, "
+                             f"got {self.distributed_timeout_s}")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -321,6 +341,18 @@ class EngineArgs:
                             "of latest start: by it (slack) or least-served tenant first "
                             "(fair, VTC counters)")
         g.add_argument("--slo-tie-quantum-ms", type=float, default=50.0)
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="shard the model over this many ranks (Megatron-style; "
+                            "gloo on CPU, NCCL on CUDA); the scheduler runs once")
+        g.add_argument("--distributed-executor-backend", default="mp",
+                       choices=DISTRIBUTED_BACKENDS,
+                       help="where the ranks run: mp = processes on this machine; ray = "
+                            "Ray actors in a placement group, one bundle per rank (for "
+                            "more than one machine; pip install conveyor[ray])")
+        g.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float,
+                       default=60.0, metavar="SECONDS",
+                       help="a rank that does not answer a step within this long counts "
+                            "as dead: open requests fail and /health turns 503")
         return parser
 
     @classmethod
@@ -390,7 +422,8 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, num_kv_blocks: i
     max_len = min(model.max_model_len, num_kv_blocks * cache.block_size)
     return EngineConfig(model=dataclasses.replace(model, max_model_len=max_len), cache=cache,
                         scheduler=args.scheduler_config(), device=device,
-                        num_threads=args.num_threads)
+                        num_threads=args.num_threads,
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def kv_hash_key(model: ModelConfig) -> bytes:

@@ -1,4 +1,9 @@
-"""Build a model and fill its weights from safetensors files, or randomly (dummy)."""
+"""Build a model and fill its weights from safetensors files, or randomly (dummy).
+
+Under tensor parallelism (``TPShard``) each rank reads only its slices of the checkpoint
+(``safe_open(...).get_slice``): its heads' rows of Q, K and V, its rows of gate and up,
+its input columns of o_proj and down_proj, its vocabulary rows; norms are replicated.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from conveyor.config import ModelConfig
+from conveyor.distributed.parallel import SINGLE, TPShard
 from conveyor.model.llama import LlamaForCausalLM, RotaryEmbedding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -23,10 +29,11 @@ _PACKED = {
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 
 
-def load_model(cfg: ModelConfig, device: torch.device) -> LlamaForCausalLM:
+def load_model(cfg: ModelConfig, device: torch.device, tp: TPShard = SINGLE
+               ) -> LlamaForCausalLM:
     dtype = DTYPES[cfg.math_dtype]
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     # The rope tables are buffers, not weights: rebuild them in float32 on the device
     # (they are cast per use, as transformers does).
@@ -35,7 +42,7 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LlamaForCausalLM:
     if cfg.load_format == "dummy":
         _init_dummy(model, cfg.seed)
     else:
-        _load_safetensors(model, cfg.path)
+        _load_safetensors(model, cfg.path, tp)
     if cfg.math_dtype != cfg.dtype:
         # Computing in another dtype than the weights': keep the weights' values.
         storage = DTYPES[cfg.dtype]
@@ -70,7 +77,7 @@ def _weight_files(path: str) -> list[str]:
     return files
 
 
-def _load_safetensors(model: LlamaForCausalLM, path: str) -> None:
+def _load_safetensors(model: LlamaForCausalLM, path: str, tp: TPShard = SINGLE) -> None:
     params = dict(model.named_parameters())
     filled: set[str] = set()
     for file in _weight_files(path):
@@ -81,7 +88,13 @@ def _load_safetensors(model: LlamaForCausalLM, path: str) -> None:
                     continue
                 our_name, shard = target
                 param = params[our_name]
-                tensor = f.get_tensor(name)
+                if tp.enabled:
+                    tensor = _rank_slice(model, our_name, shard, f.get_slice(name), tp)
+                    if our_name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                        param.data.zero_()  # the last shard's rows past the vocabulary
+                        param = param.data.narrow(0, 0, tensor.shape[0])
+                else:
+                    tensor = f.get_tensor(name)
                 _copy_shard(model, our_name, shard, param, tensor)
                 filled.add(f"{our_name}#{shard}")
     expected = set()
@@ -116,6 +129,33 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None] | None
     if name == "lm_head.weight":
         return (None if model.tie_word_embeddings else ("lm_head.weight", None))
     return None  # rotary inv_freq buffers and other non-weights
+
+
+def _rank_slice(model: LlamaForCausalLM, our_name: str, shard: int | None, src,
+                tp: TPShard) -> torch.Tensor:
+    """This rank's part of one checkpoint tensor (``src``: a safetensors slice), read
+    without the rest."""
+    cfg = model.cfg
+    attn = model.layers[0].self_attn
+    hd = cfg.head_dim
+    if ".qkv_proj." in our_name:
+        split = tp.heads(cfg.num_heads, cfg.num_kv_heads)
+        start = split.q_start * hd if shard == 0 else split.kv_start * hd
+        size = attn.q_size if shard == 0 else attn.kv_size
+        return src[start:start + size]
+    if ".gate_up_proj." in our_name:
+        inter = model.layers[0].mlp.intermediate
+        return src[tp.rank * inter:(tp.rank + 1) * inter]
+    if our_name.endswith("o_proj.weight"):
+        start = tp.heads(cfg.num_heads, cfg.num_kv_heads).q_start * hd
+        return src[:, start:start + attn.q_size]
+    if our_name.endswith("down_proj.weight"):
+        inter = model.layers[0].mlp.intermediate
+        return src[:, tp.rank * inter:(tp.rank + 1) * inter]
+    if our_name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        rows = tp.vocab_shard(cfg.vocab_size)
+        return src[tp.rank * rows:min(cfg.vocab_size, (tp.rank + 1) * rows)]
+    return src[:]  # norms: every rank holds them whole
 
 
 def _copy_shard(model: LlamaForCausalLM, our_name: str, shard: int | None,
