@@ -240,3 +240,47 @@ def test_a_killed_rank_fails_open_requests_within_the_timeout(monkeypatch) -> No
             executor.execute_model(SchedulerOutput())
     finally:
         engine.shutdown()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def test_serve_tp2_answers_then_a_killed_rank_fails_the_stream_and_health() -> None:
+    import httpx
+
+    from server_helpers import engine_core_pid, serve, wait_for
+
+    path = make_checkpoint("llama")
+    prompt = random_prompts(1, seed=9)[0]
+    with serve(path, "--tensor-parallel-size", "2", "--distributed-timeout", "20",
+               "--no-warmup") as server:
+        body = {"model": path, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 6
+        ranks = _children(engine_core_pid(server))
+        assert len(ranks) == 2, ranks
+        body = {**body, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        start = None
+        with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                          timeout=60) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            assert '"text"' in first
+            os.kill(ranks[1], signal.SIGKILL)
+            start = time.monotonic()
+            rest = "\n".join(lines)  # the stream must end, not hang
+        assert time.monotonic() - start < 25
+        assert "error" in rest and "rank" in rest, rest[-500:]
+        wait_for(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 503,
+                 timeout_s=10, what="/health 503")
