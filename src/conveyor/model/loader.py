@@ -40,7 +40,7 @@ def load_model(cfg: ModelConfig, device: torch.device, tp: TPShard = SINGLE
     model.rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim,
                                  cfg.max_position_embeddings).to(device)
     if cfg.load_format == "dummy":
-        _init_dummy(model, cfg.seed)
+        _init_dummy(model, cfg.seed, tp)
     else:
         _load_safetensors(model, cfg.path, tp)
     if cfg.math_dtype != cfg.dtype:
@@ -52,16 +52,61 @@ def load_model(cfg: ModelConfig, device: torch.device, tp: TPShard = SINGLE
     return model.eval().requires_grad_(False)
 
 
-def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
-    """Random weights of the right shape; norms at 1 so activations stay well scaled."""
+def _init_dummy(model: LlamaForCausalLM, seed: int, tp: TPShard = SINGLE) -> None:
+    """Random weights of the right shape; norms at 1 so activations stay well scaled.
+    Under tensor parallelism a rank draws the whole tensor and keeps its part, so that
+    every tensor-parallel size runs the same model (the same tokens)."""
     gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         elif name.endswith("bias"):
             param.data.zero_()
-        else:
+        elif not tp.enabled:
             param.data.normal_(0.0, 0.02, generator=gen)
+        else:
+            full = torch.empty(_full_shape(model, name, param), dtype=param.dtype,
+                               device=param.device).normal_(0.0, 0.02, generator=gen)
+            _keep_rank_part(model, name, param, full, tp)
+
+
+def _full_shape(model: LlamaForCausalLM, name: str, param: torch.Tensor) -> tuple[int, ...]:
+    cfg = model.cfg
+    hd, hidden = cfg.head_dim, cfg.hidden_size
+    if ".qkv_proj." in name:
+        return ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, hidden)
+    if ".gate_up_proj." in name:
+        return (2 * cfg.intermediate_size, hidden)
+    if name.endswith("o_proj.weight"):
+        return (hidden, cfg.num_heads * hd)
+    if name.endswith("down_proj.weight"):
+        return (hidden, cfg.intermediate_size)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return (cfg.vocab_size, hidden)
+    return tuple(param.shape)
+
+
+def _keep_rank_part(model: LlamaForCausalLM, name: str, param: torch.Tensor,
+                    full: torch.Tensor, tp: TPShard) -> None:
+    """Copy this rank's part of an unsharded (packed, as ours) tensor into ``param``."""
+    cfg = model.cfg
+    packed = None
+    if ".qkv_proj." in name:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        packed = full.split([q, kv, kv])
+    elif ".gate_up_proj." in name:
+        packed = full.split([cfg.intermediate_size] * 2)
+    if packed is None:
+        part = _rank_slice(model, name, None, full, tp)
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            param.data.zero_()
+        param.data.narrow(0, 0, part.shape[0]).copy_(part)
+        return
+    start = 0
+    for shard, piece in enumerate(packed):
+        part = _rank_slice(model, name, shard, piece, tp)
+        param.data.narrow(0, start, part.shape[0]).copy_(part)
+        start += part.shape[0]
 
 
 def _weight_files(path: str) -> list[str]:
