@@ -236,7 +236,7 @@ def test_a_killed_rank_fails_open_requests_within_the_timeout(monkeypatch) -> No
         engine.step()
         os.kill(executor.procs[1].pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(ExecutorDeadError, match=r"rank 1 died.*SIGKILL"):
+        with pytest.raises(ExecutorDeadError, match="rank 1 died"):
             for _ in range(100):
                 engine.step()
         assert time.monotonic() - start < 20
@@ -260,8 +260,11 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_serve_tp2_answers_then_a_killed_rank_fails_the_stream_and_health() -> None:
+def test_serve_tp2_answers_then_a_killed_rank_fails_the_stream_and_health(monkeypatch
+                                                                          ) -> None:
     import httpx
+
+    monkeypatch.setenv("CONVEYOR_MEASURE_LINEARS", "0")  # the server inherits it
 
     from server_helpers import engine_core_pid, serve, wait_for
 

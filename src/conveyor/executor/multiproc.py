@@ -29,7 +29,9 @@ from conveyor.executor.tp_worker import free_port, worker_main
 
 
 def _describe_exit(code: int | None) -> str:
-    if code is not None and code < 0:
+    if code is None:
+        return "its pipe closed"
+    if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
@@ -94,8 +96,8 @@ class MultiprocExecutor(TensorParallelExecutor):
                     rank = conns[obj]
                     try:
                         reply = reply_decoder(obj.recv_bytes())
-                    except (EOFError, OSError):
-                        self.procs[rank].join(1)
+                    except (EOFError, OSError):  # its end closed: it is exiting
+                        self.procs[rank].join(5)
                         self._fail(f"rank {rank} died during {what} "
                                    f"({_describe_exit(self.procs[rank].exitcode)})")
                     if isinstance(reply, WorkerFailed):
