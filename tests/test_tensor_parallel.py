@@ -292,3 +292,29 @@ def test_serve_tp2_answers_then_a_killed_rank_fails_the_stream_and_health(monkey
         assert "error" in rest and "rank" in rest, rest[-500:]
         wait_for(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 503,
                  timeout_s=10, what="/health 503")
+
+
+def test_a_rank_dying_while_idle_turns_the_engine_dead(monkeypatch) -> None:
+    import asyncio
+
+    from conveyor.engine.async_engine import AsyncEngine, EngineDeadError
+
+    monkeypatch.setenv("CONVEYOR_MEASURE_LINEARS", "0")
+
+    async def main() -> None:
+        engine = AsyncEngine.from_engine_args(_args(make_checkpoint("llama"),
+                                                    tensor_parallel_size=2))
+        engine.start()
+        executor = engine.core.executor
+        assert engine.is_alive
+        os.kill(executor.procs[0].pid, signal.SIGKILL)  # no request open: the loop is idle
+        deadline = time.monotonic() + 10  # the loop asks the executor every second
+        while engine.is_alive:
+            assert time.monotonic() < deadline, "a dead rank went unnoticed while idle"
+            await asyncio.sleep(0.05)
+        assert not any(p.is_alive() for p in executor.procs)
+        with pytest.raises(EngineDeadError, match="rank 0 died"):
+            await engine.add_request("late", [5, 6], SamplingParams(max_tokens=2))
+        await engine.shutdown()
+
+    asyncio.run(main())
