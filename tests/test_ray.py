@@ -44,7 +44,7 @@ def test_two_replicas_through_ray_serve_equal_one_engine(local_ray, monkeypatch)
     import httpx
     from ray import serve
 
-    from conveyor.integrations.ray_serve import build_app
+    from conveyor.integrations.ray_serve import REPLICA_HEADER, build_app
 
     monkeypatch.setenv("CONVEYOR_MEASURE_LINEARS", "0")
     path = make_checkpoint("llama")
@@ -67,7 +67,7 @@ def test_two_replicas_through_ray_serve_equal_one_engine(local_ray, monkeypatch)
                     "temperature": 0}
             r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
-            return r.json()
+            return {**r.json(), "replica": r.headers[REPLICA_HEADER]}
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             got = list(pool.map(complete, range(len(prompts))))
@@ -75,6 +75,8 @@ def test_two_replicas_through_ray_serve_equal_one_engine(local_ray, monkeypatch)
         assert health.status_code == 200
     finally:
         serve.shutdown()
+    # Ray Serve's router spread the concurrent requests over both replicas.
+    assert len({body["replica"] for body in got}) == 2, [body["replica"] for body in got]
     for i, body in enumerate(got):
         assert body["usage"]["completion_tokens"] == max_tokens[i]
         assert body["choices"][0]["text"] == want[i], f"request {i}"

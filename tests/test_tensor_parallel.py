@@ -318,3 +318,10 @@ def test_a_rank_dying_while_idle_turns_the_engine_dead(monkeypatch) -> None:
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_model_that_does_not_split_is_refused_before_any_rank_starts() -> None:
+    with pytest.raises(ValueError, match="must divide the 4 attention heads"):
+        LLMEngine(_args(make_checkpoint("llama"), tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        _args(make_checkpoint("llama"), tensor_parallel_size=0)

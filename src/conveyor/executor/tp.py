@@ -16,6 +16,7 @@ import logging
 
 from conveyor.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from conveyor.distributed.parallel import TPShard
 from conveyor.executor.errors import ExecutorDeadError
 from conveyor.executor.tp_messages import (
     ExecuteModel,
@@ -36,8 +37,17 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 1800.0
 
 
+def check_shardable(args: EngineArgs) -> None:
+    """ValueError now, before any rank starts, if the model cannot be split this way."""
+    model = args.resolve_model()
+    shard = TPShard(0, args.tensor_parallel_size)
+    shard.heads(model.num_heads, model.num_kv_heads)
+    shard.intermediate(model.intermediate_size)
+
+
 class TensorParallelExecutor:
     def __init__(self, args: EngineArgs) -> None:
+        check_shardable(args)
         self.world_size = args.tensor_parallel_size
         self.timeout_s = args.distributed_timeout_s
         self.dead: str | None = None  # why the executor can run no more steps

@@ -22,6 +22,7 @@ from ray import serve
 
 from conveyor.config import EngineArgs
 
+REPLICA_HEADER = "x-conveyor-replica"
 # build_app keys that are not engine flags.
 _APP_KEYS = ("num_replicas", "num_cpus_per_replica", "engine_core")
 
@@ -59,7 +60,16 @@ class ConveyorReplica:
         from conveyor.entrypoints.openai.api_server import build_app as build_openai_app
         from conveyor.entrypoints.openai.api_server import make_state
 
-        return build_openai_app(make_state(self.engine))
+        app = build_openai_app(make_state(self.engine))
+        replica = serve.get_replica_context().replica_id.unique_id
+
+        @app.middleware("http")
+        async def _name_replica(request, call_next):  # which replica answered (logs, tests)
+            response = await call_next(request)
+            response.headers[REPLICA_HEADER] = replica
+            return response
+
+        return app
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
