@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from conveyor import SamplingParams
+from conveyor import LLM, SamplingParams
 from conveyor.config import EngineArgs
 from conveyor.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from conveyor.distributed.parallel import HeadSplit, split_heads
@@ -325,3 +325,29 @@ def test_a_model_that_does_not_split_is_refused_before_any_rank_starts() -> None
         LLMEngine(_args(make_checkpoint("llama"), tensor_parallel_size=3))
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         _args(make_checkpoint("llama"), tensor_parallel_size=0)
+
+
+def test_tp2_seeded_sampling_and_ngram_drafts_equal_one_process(monkeypatch) -> None:
+    """Every rank samples for itself from the gathered logits: a rank that drew another
+    token would feed the next step other K/V and the outputs would part from one
+    process's. Seeded temperature sampling and verified n-gram drafts show they agree."""
+    monkeypatch.setenv("CONVEYOR_MEASURE_LINEARS", "0")
+    path = make_checkpoint("llama")
+    prompts = [p * 3 for p in random_prompts(4, lo=3, hi=10)]  # repeats: drafts
+    kw = dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "adaptive": False})  # k fixed: not timing-dependent
+    params = [SamplingParams(max_tokens=20, temperature=0.8, seed=5 + i) for i in range(4)]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    single = LLM(path, dtype="float32", num_threads=1, **kw)
+    want = [[o.outputs[0].token_ids for o in single.generate(inputs, sp)]
+            for sp in (params, greedy)]
+    tp = LLM(path, dtype="float32", num_threads=1, tensor_parallel_size=2, **kw)
+    try:
+        got = [[o.outputs[0].token_ids for o in tp.generate(inputs, sp)]
+               for sp in (params, greedy)]
+        spec = tp.stats()["spec_decode"]
+    finally:
+        tp.shutdown()
+    assert got == want
+    assert spec["num_accepted_tokens"] > 0, spec
