@@ -351,3 +351,23 @@ def test_tp2_seeded_sampling_and_ngram_drafts_equal_one_process(monkeypatch) -> 
         tp.shutdown()
     assert got == want
     assert spec["num_accepted_tokens"] > 0, spec
+
+
+def test_a_hung_rank_fails_the_step_at_the_distributed_timeout(monkeypatch) -> None:
+    monkeypatch.setenv("CONVEYOR_MEASURE_LINEARS", "0")
+    engine = LLMEngine(_args(make_checkpoint("llama"), tensor_parallel_size=2,
+                             distributed_timeout_s=2))
+    executor = engine.core.executor
+    try:
+        engine.add_request({"prompt_token_ids": [5, 6, 7]},
+                           SamplingParams(max_tokens=50, ignore_eos=True), request_id="r")
+        engine.step()
+        os.kill(executor.procs[1].pid, signal.SIGSTOP)  # alive, but never answers
+        start = time.monotonic()
+        # Rank 0 waits in a collective for it: neither answers.
+        with pytest.raises(ExecutorDeadError, match=r"\[0, 1\] did not answer a step within 2 s"):
+            engine.step()
+        assert 2 <= time.monotonic() - start < 10
+        assert not any(p.is_alive() for p in executor.procs)  # a stopped rank is killed too
+    finally:
+        engine.shutdown()
