@@ -6,7 +6,7 @@
     AsyncEngine (sink) <- reader thread <== msgpack(CoreMessage), one per post ==  EngineLoop
 
 The child builds the ``EngineCore`` over its executor (``make_executor``: a
-``LocalExecutor``, or tensor-parallel ranks of its own) (model, KV pool), reports its
+``LocalExecutor``, or a tensor-parallel executor driving rank workers), reports its
 resolved config (``CoreReady``), then runs the same ``EngineLoop`` a thread would. The
 server process loads only the tokenizer: it never imports torch nor runs model code, so
 its GIL serves HTTP and the child's serves the model. Everything crossing is a msgspec
