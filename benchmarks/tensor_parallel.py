@@ -13,7 +13,8 @@ decode step (every request one token) and the median prefill step of one
 model, sampling). Then, on two gloo processes of one thread each, the median time of
 one ``all_reduce`` of a ``[rows, hidden]`` float32 tensor (what each o_proj and
 down_proj output costs: two per layer, plus one for the embedding) and of the LM head's
-``all_gather`` of ``[rows, vocab / 2]`` logits, and the step's total of them. No
+``all_gather`` of ``[rows, vocab / 2]`` logits, and the step's total of them; and an
+empty step's executor round trip (under TP: the broadcast and every rank's reply). No
 speed-up is expected on a 2-core CPU: the two ranks split the same two cores TP=1
 already uses, and add the collectives and a process hop per step.
 """
@@ -94,6 +95,20 @@ def sides(threads: int) -> dict[str, tuple[int, int]]:
     return out
 
 
+def empty_step_s(engine: LLMEngine, repeats: int) -> float:
+    """The executor's round trip for a step with nothing scheduled: under TP the
+    broadcast to every rank and their replies, no model (the process hop's cost)."""
+    from conveyor.core.scheduler_output import SchedulerOutput
+
+    executor = engine.core.executor
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        executor.execute_model(SchedulerOutput())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def step_table(model: str, batches: list[int], prefill: int, steps: int,
                threads: int) -> dict:
     out: dict = {}
@@ -102,6 +117,7 @@ def step_table(model: str, batches: list[int], prefill: int, steps: int,
         row = {f"decode_b{b}_ms": 1e3 * decode_step_s(engine, b, steps, i)
                for i, b in enumerate(batches)}
         row[f"prefill_{prefill}_ms"] = 1e3 * prefill_step_s(engine, prefill, 3, 7)
+        row["empty_step_ms"] = 1e3 * empty_step_s(engine, 4 * steps)
         out[label] = row
         engine.shutdown()
     return out
@@ -193,7 +209,7 @@ def print_report(res: dict, batches: list[int], prefill: int) -> None:
     labels = list(res["steps_ms"])
     print("| step (median ms) | " + " | ".join(labels) + " |")
     print("|---" * (len(labels) + 1) + "|")
-    keys = [f"decode_b{b}_ms" for b in batches] + [f"prefill_{prefill}_ms"]
+    keys = [f"decode_b{b}_ms" for b in batches] + [f"prefill_{prefill}_ms", "empty_step_ms"]
     for k in keys:
         cells = " | ".join(f"{res['steps_ms'][label][k]:.2f}" for label in labels)
         print(f"| {k.removesuffix('_ms')} | {cells} |")
