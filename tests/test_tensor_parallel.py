@@ -3,8 +3,11 @@
 The sharded model's logits are within 1e-5 of one process's; greedy tokens through the
 multiprocess executor equal one process's and transformers' under continuous batching
 (requests joining at different steps), chunked prefill and preemption; each rank's KV
-pool holds its half of the KV heads (or its replicated one); a rank killed mid-request
-fails every open request within the timeout instead of hanging.
+pool holds its half of the KV heads (or its replicated one); seeded sampling and n-gram
+drafts agree with one process (the ranks sample alike). A rank killed mid-request, one
+that hangs (SIGSTOP) or one that dies while the engine idles ends the engine within the
+timeout, never a hang; through ``conveyor serve`` the open stream fails with the rank's
+error and ``/health`` turns 503.
 """
 
 from __future__ import annotations
