@@ -190,6 +190,10 @@ class EngineConfig:
     device: str
     num_threads: int | None = None
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    tensor_parallel_size: int = 1
+
+
+DISTRIBUTED_BACKENDS = ("mp", "ray")
 
 
 @dataclass
@@ -251,6 +255,12 @@ class EngineArgs:
     kv_lease_timeout: float = 30.0
     kv_transfer_timeout: float = 10.0
     kv_transfer_fallback: str = "recompute"
+    # Tensor parallelism (executor/tp.py): ranks, where they run (mp: processes on this
+    # machine; ray: Ray actors in a placement group), and how long a step may take before
+    # a silent rank counts as dead.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         # Parsed (and checked) at once: a bad config fails before any model loads.
@@ -258,6 +268,22 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, "
+                             f"got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in DISTRIBUTED_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(DISTRIBUTED_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.kv_role != "both" and (self.tensor_parallel_size > 1
+                                       or self.distributed_executor_backend == "ray"):
+            # The KV connector's worker half reads one process's cache; TP ranks hold
+            # a slice of the heads each.
+            raise ValueError(f"--kv-role {self.kv_role} does not support tensor "
+                             "parallelism or the Ray executor yet")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, "
+                             f"got {self.distributed_timeout_s}")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -395,6 +421,18 @@ class EngineArgs:
         k.add_argument("--kv-transfer-fallback", default="recompute", choices=KV_FALLBACKS,
                        help="decode: when a pull fails, compute the prompt here (recompute) "
                             "or fail that request with an error (fail)")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="shard the model over this many ranks (Megatron-style; "
+                            "gloo on CPU, NCCL on CUDA); the scheduler runs once")
+        g.add_argument("--distributed-executor-backend", default="mp",
+                       choices=DISTRIBUTED_BACKENDS,
+                       help="where the ranks run: mp = processes on this machine; ray = "
+                            "Ray actors in a placement group, one bundle per rank (for "
+                            "more than one machine; pip install conveyor[ray])")
+        g.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float,
+                       default=60.0, metavar="SECONDS",
+                       help="a rank that does not answer a step within this long counts "
+                            "as dead: open requests fail and /health turns 503")
         return parser
 
     @classmethod
@@ -472,7 +510,8 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, num_kv_blocks: i
     return EngineConfig(model=dataclasses.replace(model, max_model_len=max_len), cache=cache,
                         scheduler=args.scheduler_config(), device=device,
                         num_threads=args.num_threads,
-                        kv_transfer=args.kv_transfer_config())
+                        kv_transfer=args.kv_transfer_config(),
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def kv_hash_key(model: ModelConfig) -> bytes:

@@ -565,7 +565,10 @@ class ThreadBackend:
             try:
                 error = loop.run()
             finally:
-                sink.died(error)
+                try:
+                    self.core.executor.shutdown()  # tensor-parallel ranks stop with it
+                finally:
+                    sink.died(error)
 
         self._thread = threading.Thread(target=run, name="conveyor-engine", daemon=True)
         self._thread.start()

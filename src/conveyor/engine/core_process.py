@@ -5,7 +5,8 @@
     AsyncEngine.send(cmd) -> queue -> sender thread == msgpack([CoreCommand]) ==>  EngineLoop
     AsyncEngine (sink) <- reader thread <== msgpack(CoreMessage), one per post ==  EngineLoop
 
-The child builds the ``EngineCore`` over a ``LocalExecutor`` (model, KV pool), reports its
+The child builds the ``EngineCore`` over its executor (``make_executor``: a
+``LocalExecutor``, or a tensor-parallel executor driving rank workers), reports its
 resolved config (``CoreReady``), then runs the same ``EngineLoop`` a thread would. The
 server process loads only the tokenizer: it never imports torch nor runs model code, so
 its GIL serves HTTP and the child's serves the model. Everything crossing is a msgspec
@@ -19,6 +20,7 @@ exits when its command pipe closes, so it never outlives the server.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -101,9 +103,12 @@ def _core_main(args: EngineArgs, log_level: int, commands: Connection,
         results.send_bytes(encode(CoreStartFailed(f"{type(e).__name__}: {e}")))
         return
     results.send_bytes(encode(CoreReady(core.config)))
-    error = EngineLoop(core, _PipeTransport(commands, results)).run()
-    with contextlib.suppress(Exception):
-        core.executor.shutdown()  # e.g. the KV connector's server socket
+    try:
+        error = EngineLoop(core, _PipeTransport(commands, results)).run()
+    finally:
+        # Tensor-parallel ranks stop with the core; the KV connector closes its socket.
+        with contextlib.suppress(Exception):
+            core.executor.shutdown()
     with contextlib.suppress(OSError):  # the server may be gone already
         results.send_bytes(encode(CoreExit(None if error is None
                                            else f"{type(error).__name__}: {error}")))
@@ -118,10 +123,15 @@ class ProcessBackend:
         ctx = multiprocessing.get_context("spawn")  # never fork a process holding threads
         cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
         self._results, results_send = ctx.Pipe(duplex=False)
+        # A daemonic process may have no children: an engine core whose tensor-parallel
+        # ranks are its processes is not one, and is stopped at exit instead.
+        daemon = args.tensor_parallel_size == 1 or args.distributed_executor_backend != "mp"
         self.process = ctx.Process(
-            target=_core_main, name="conveyor-engine-core", daemon=True,
+            target=_core_main, name="conveyor-engine-core", daemon=daemon,
             args=(args, logging.getLogger().getEffectiveLevel(), cmd_recv, results_send))
         self.process.start()
+        if not daemon:
+            atexit.register(self.close)  # runs before multiprocessing joins its children
         cmd_recv.close()  # the child's ends: closing ours lets EOF reach each side
         results_send.close()
         self._encode = encoder().encode

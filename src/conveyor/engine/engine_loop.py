@@ -9,12 +9,17 @@ text and streams.
 Faults stay local: an add that raises is answered with that error alone; a step that
 raises cannot be pinned on one request, so every request in the core fails (its blocks
 freed, a ``RequestsFailed`` sent) and the loop goes on serving new ones. Only an error
-while recovering stops the loop.
+while recovering stops the loop, and an ``ExecutorDeadError`` (a tensor-parallel rank
+died): its requests fail the same way, then the loop ends with it, so the front end
+reports the engine dead (``/health`` 503). An executor with ``check_health`` is asked
+about every ``health_poll_s`` while idle, so a rank that dies between requests is found
+too.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -34,6 +39,7 @@ from conveyor.engine.messages import (
     UtilityMethod,
     UtilityResult,
 )
+from conveyor.executor.errors import ExecutorDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +67,13 @@ class LoopTransport(Protocol):
 
 class EngineLoop:
     def __init__(self, core: EngineCore, transport: LoopTransport,
-                 idle_poll_s: float = 0.002) -> None:
+                 idle_poll_s: float = 0.002, health_poll_s: float = 1.0) -> None:
         self.core = core
         self.transport = transport
+        self.check_health: Callable[[], None] | None = getattr(core.executor,
+                                                               "check_health", None)
+        self.health_poll_s = health_poll_s
+        self._last_health = time.monotonic()
         # While requests wait but none could be scheduled, re-check this often.
         self.idle_poll_s = idle_poll_s
         self.steps_left: int | None = None  # UtilityMethod.PAUSE: steps until paused
@@ -80,8 +90,13 @@ class EngineLoop:
             while True:
                 busy = core.has_unfinished_requests() and not self.paused
                 wait = None if not busy else (self.idle_poll_s if idle else 0.0)
+                if wait is None and self.check_health is not None:
+                    wait = self.health_poll_s
                 if self.handle(self.transport.take(wait)):
                     return None
+                if not busy and self.check_health is not None \
+                        and time.monotonic() - self._last_health >= self.health_poll_s:
+                    self._check_executor()
                 if core.has_unfinished_requests() and not self.paused:
                     idle = not self._step()
                     if self.steps_left is not None:
@@ -140,12 +155,23 @@ class EngineLoop:
         """One engine step; False if it scheduled nothing (requests wait for room)."""
         try:
             outs = self.core.step()
+        except ExecutorDeadError as e:
+            self._recover_from_step_error(e)
+            raise  # no step can run again: end the loop (the engine is dead)
         except Exception as e:
             self._recover_from_step_error(e)
             return True
         if outs.outputs:
             self.transport.post([StepOutputs(outs)])
         return outs.scheduled
+
+    def _check_executor(self) -> None:
+        self._last_health = time.monotonic()
+        try:
+            self.check_health()
+        except ExecutorDeadError as e:
+            self._recover_from_step_error(e)  # paused requests, if any
+            raise
 
     def _recover_from_step_error(self, error: Exception) -> None:
         """A step raised: the requests in flight cannot be trusted, so they fail alone."""

@@ -191,3 +191,7 @@ class LLMEngine:
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         return self.core.stats()
+
+    def shutdown(self) -> None:
+        """Stop the executor (a tensor-parallel executor's rank processes or actors)."""
+        self.core.executor.shutdown()

@@ -111,6 +111,10 @@ class LLM:
                 bar.close()
         return [results[i] for i in ids]
 
+    def shutdown(self) -> None:
+        """Stop the executor's workers (tensor parallelism); the LLM serves no more."""
+        self.engine.shutdown()
+
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 

@@ -95,10 +95,25 @@ class LocalExecutor:
             self.kv_worker.shutdown()
 
 
+def make_executor(args: EngineArgs):
+    """The executor the args ask for: in this process, or tensor-parallel ranks in
+    processes (``mp``) or Ray actors (``ray``); all serve the same four calls."""
+    if args.distributed_executor_backend == "ray":
+        from conveyor.executor.ray_executor import RayExecutor
+
+        return RayExecutor(args)
+    if args.tensor_parallel_size > 1:
+        from conveyor.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(args)
+    return LocalExecutor(args)
+
+
 def build_local_core(args: EngineArgs, clock: Callable[[], float] = time.monotonic
                      ) -> EngineCore:
-    """An engine core over a ``LocalExecutor``: load, size the pool, resolve, allocate."""
-    executor = LocalExecutor(args)
+    """An engine core over the executor ``make_executor`` picks: load, size the pool,
+    resolve, allocate."""
+    executor = make_executor(args)
     num_blocks = executor.determine_num_kv_blocks(args.cache_config(), executor.model_config,
                                                   args.max_num_seqs)
     config = resolve_engine_config(args, executor.model_config, num_blocks,

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.config import ModelConfig
+from conveyor.distributed.parallel import SINGLE, TPShard
 from conveyor.model.attention import AttentionMetadata, paged_attention
 from conveyor.model.layer_ops import TorchOps
 from conveyor.model.packed_linear import pack_linears, packed_linear
@@ -84,11 +85,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Under tensor parallelism a rank holds some heads (``TPShard.heads``): QKV is
+    column-parallel, o_proj row-parallel and all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
         super().__init__()
         hf = cfg.hf_config
+        self.tp = tp
+        split = tp.heads(cfg.num_heads, cfg.num_kv_heads)
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            split.num_heads, split.num_kv_heads, cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(hf.get("attention_bias", False)) or cfg.architecture == "Qwen2ForCausalLM"
@@ -116,12 +122,16 @@ class Attention(nn.Module):
             q, k, v = ops.rope_(rope, positions, qkv, self.num_heads, self.num_kv_heads,
                                 self.head_dim)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+    """``intermediate`` is this rank's share: gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, tp: TPShard = SINGLE
+                 ) -> None:
         super().__init__()
+        self.tp = tp
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported activation {act!r} (SwiGLU with silu only)")
         self.intermediate = intermediate
@@ -132,16 +142,16 @@ class MLP(nn.Module):
         h = self.gate_up_proj(x)
         if not getattr(self.gate_up_proj, "applies_silu_mul", False):  # else fused in
             h = ops.silu_mul(h, self.intermediate)
-        return self.down_proj(h)
+        return self.tp.all_reduce(self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
         super().__init__()
         eps = cfg.hf_config.get("rms_norm_eps", 1e-6)
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size,
-                       cfg.hf_config.get("hidden_act", "silu"))
+        self.self_attn = Attention(cfg, tp)
+        self.mlp = MLP(cfg.hidden_size, tp.intermediate(cfg.intermediate_size),
+                       cfg.hf_config.get("hidden_act", "silu"), tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
@@ -161,17 +171,39 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, ops), residual
 
 
+class VocabParallelEmbedding(nn.Module):
+    """Rows ``[start, start + shard)`` of the vocabulary (zero rows past its end); a token
+    outside them embeds to zeros here and the all-reduce brings its row from its rank."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPShard = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        shard = tp.vocab_shard(vocab_size)
+        self.start = tp.rank * shard
+        self.weight = nn.Parameter(torch.empty(shard, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(h.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         hf = cfg.hf_config
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, hf.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if not self.tie_word_embeddings:  # this rank's vocabulary rows, as the embedding's
+            self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_shard(cfg.vocab_size),
+                                     bias=False)
         self.rope = RotaryEmbedding(hf, cfg.head_dim, cfg.max_position_embeddings)
         window = hf.get("sliding_window")
         use_window = hf.get("use_sliding_window", cfg.architecture == "MistralForCausalLM")
@@ -224,6 +256,10 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.add_rms_norm(h, residual, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, vocab]: this rank's vocabulary slice, all-gathered under TP (every rank then
+        holds the same logits and samples the same tokens)."""
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden)
-        return F.linear(hidden, self.lm_head_weight)
+            local = self.packed_lm_head(hidden)
+        else:
+            local = F.linear(hidden, self.lm_head_weight)
+        return self.tp.gather_vocab(local, self.cfg.vocab_size)

@@ -1,4 +1,9 @@
-"""Build a model and fill its weights from safetensors files, or randomly (dummy)."""
+"""Build a model and fill its weights from safetensors files, or randomly (dummy).
+
+Under tensor parallelism (``TPShard``) each rank reads only its slices of the checkpoint
+(``safe_open(...).get_slice``): its heads' rows of Q, K and V, its rows of gate and up,
+its input columns of o_proj and down_proj, its vocabulary rows; norms are replicated.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from conveyor.config import ModelConfig
+from conveyor.distributed.parallel import SINGLE, TPShard
 from conveyor.model.llama import LlamaForCausalLM, RotaryEmbedding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -23,19 +29,20 @@ _PACKED = {
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 
 
-def load_model(cfg: ModelConfig, device: torch.device) -> LlamaForCausalLM:
+def load_model(cfg: ModelConfig, device: torch.device, tp: TPShard = SINGLE
+               ) -> LlamaForCausalLM:
     dtype = DTYPES[cfg.math_dtype]
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     # The rope tables are buffers, not weights: rebuild them in float32 on the device
     # (they are cast per use, as transformers does).
     model.rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim,
                                  cfg.max_position_embeddings).to(device)
     if cfg.load_format == "dummy":
-        _init_dummy(model, cfg.seed)
+        _init_dummy(model, cfg.seed, tp)
     else:
-        _load_safetensors(model, cfg.path)
+        _load_safetensors(model, cfg.path, tp)
     if cfg.math_dtype != cfg.dtype:
         # Computing in another dtype than the weights': keep the weights' values.
         storage = DTYPES[cfg.dtype]
@@ -45,16 +52,61 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LlamaForCausalLM:
     return model.eval().requires_grad_(False)
 
 
-def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
-    """Random weights of the right shape; norms at 1 so activations stay well scaled."""
+def _init_dummy(model: LlamaForCausalLM, seed: int, tp: TPShard = SINGLE) -> None:
+    """Random weights of the right shape; norms at 1 so activations stay well scaled.
+    Under tensor parallelism a rank draws the whole tensor and keeps its part, so that
+    every tensor-parallel size runs the same model (the same tokens)."""
     gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         elif name.endswith("bias"):
             param.data.zero_()
-        else:
+        elif not tp.enabled:
             param.data.normal_(0.0, 0.02, generator=gen)
+        else:
+            full = torch.empty(_full_shape(model, name, param), dtype=param.dtype,
+                               device=param.device).normal_(0.0, 0.02, generator=gen)
+            _keep_rank_part(model, name, param, full, tp)
+
+
+def _full_shape(model: LlamaForCausalLM, name: str, param: torch.Tensor) -> tuple[int, ...]:
+    cfg = model.cfg
+    hd, hidden = cfg.head_dim, cfg.hidden_size
+    if ".qkv_proj." in name:
+        return ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, hidden)
+    if ".gate_up_proj." in name:
+        return (2 * cfg.intermediate_size, hidden)
+    if name.endswith("o_proj.weight"):
+        return (hidden, cfg.num_heads * hd)
+    if name.endswith("down_proj.weight"):
+        return (hidden, cfg.intermediate_size)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return (cfg.vocab_size, hidden)
+    return tuple(param.shape)
+
+
+def _keep_rank_part(model: LlamaForCausalLM, name: str, param: torch.Tensor,
+                    full: torch.Tensor, tp: TPShard) -> None:
+    """Copy this rank's part of an unsharded (packed, as ours) tensor into ``param``."""
+    cfg = model.cfg
+    packed = None
+    if ".qkv_proj." in name:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        packed = full.split([q, kv, kv])
+    elif ".gate_up_proj." in name:
+        packed = full.split([cfg.intermediate_size] * 2)
+    if packed is None:
+        part = _rank_slice(model, name, None, full, tp)
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            param.data.zero_()
+        param.data.narrow(0, 0, part.shape[0]).copy_(part)
+        return
+    start = 0
+    for shard, piece in enumerate(packed):
+        part = _rank_slice(model, name, shard, piece, tp)
+        param.data.narrow(0, start, part.shape[0]).copy_(part)
+        start += part.shape[0]
 
 
 def _weight_files(path: str) -> list[str]:
@@ -70,7 +122,7 @@ def _weight_files(path: str) -> list[str]:
     return files
 
 
-def _load_safetensors(model: LlamaForCausalLM, path: str) -> None:
+def _load_safetensors(model: LlamaForCausalLM, path: str, tp: TPShard = SINGLE) -> None:
     params = dict(model.named_parameters())
     filled: set[str] = set()
     for file in _weight_files(path):
@@ -81,7 +133,13 @@ def _load_safetensors(model: LlamaForCausalLM, path: str) -> None:
                     continue
                 our_name, shard = target
                 param = params[our_name]
-                tensor = f.get_tensor(name)
+                if tp.enabled:
+                    tensor = _rank_slice(model, our_name, shard, f.get_slice(name), tp)
+                    if our_name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                        param.data.zero_()  # the last shard's rows past the vocabulary
+                        param = param.data.narrow(0, 0, tensor.shape[0])
+                else:
+                    tensor = f.get_tensor(name)
                 _copy_shard(model, our_name, shard, param, tensor)
                 filled.add(f"{our_name}#{shard}")
     expected = set()
@@ -116,6 +174,33 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None] | None
     if name == "lm_head.weight":
         return (None if model.tie_word_embeddings else ("lm_head.weight", None))
     return None  # rotary inv_freq buffers and other non-weights
+
+
+def _rank_slice(model: LlamaForCausalLM, our_name: str, shard: int | None, src,
+                tp: TPShard) -> torch.Tensor:
+    """This rank's part of one checkpoint tensor (``src``: a safetensors slice), read
+    without the rest."""
+    cfg = model.cfg
+    attn = model.layers[0].self_attn
+    hd = cfg.head_dim
+    if ".qkv_proj." in our_name:
+        split = tp.heads(cfg.num_heads, cfg.num_kv_heads)
+        start = split.q_start * hd if shard == 0 else split.kv_start * hd
+        size = attn.q_size if shard == 0 else attn.kv_size
+        return src[start:start + size]
+    if ".gate_up_proj." in our_name:
+        inter = model.layers[0].mlp.intermediate
+        return src[tp.rank * inter:(tp.rank + 1) * inter]
+    if our_name.endswith("o_proj.weight"):
+        start = tp.heads(cfg.num_heads, cfg.num_kv_heads).q_start * hd
+        return src[:, start:start + attn.q_size]
+    if our_name.endswith("down_proj.weight"):
+        inter = model.layers[0].mlp.intermediate
+        return src[:, tp.rank * inter:(tp.rank + 1) * inter]
+    if our_name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        rows = tp.vocab_shard(cfg.vocab_size)
+        return src[tp.rank * rows:min(cfg.vocab_size, (tp.rank + 1) * rows)]
+    return src[:]  # norms: every rank holds them whole
 
 
 def _copy_shard(model: LlamaForCausalLM, our_name: str, shard: int | None,

@@ -18,6 +18,7 @@ import torch
 
 from conveyor.config import CacheConfig, ModelConfig, gpu_kv_cache_bytes, kv_blocks_for
 from conveyor.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from conveyor.distributed.parallel import SINGLE, TPShard
 from conveyor.model.attention import AttentionMetadata, PrefillSegment
 from conveyor.model.backends import (
     linear_backend_names_for,
@@ -112,15 +113,20 @@ class ModelRunner:
                  device: torch.device, attention_backend: str = "auto",
                  linear_backend: str = "auto",
                  linear_rows: tuple[int, int] = (32, 512),
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 tp: TPShard = SINGLE) -> None:
         """``linear_rows``: the decode and prefill row counts ``auto`` times the linear
         backends at (max_num_seqs, the token budget). ``speculative``: the proposer runs
-        here, after each step's sampling; its drafts are verified at the next step."""
+        here, after each step's sampling; its drafts are verified at the next step.
+        ``tp``: this rank's shard under tensor parallelism (its heads, its KV pool of
+        its KV heads); every rank runs the same steps and samples the same tokens."""
         self.cfg = model_cfg
         self.cache_cfg = cache_cfg
         self.device = device
         self.block_size = cache_cfg.block_size
-        self.model = load_model(model_cfg, device)
+        self.tp = tp
+        self.heads = tp.heads(model_cfg.num_heads, model_cfg.num_kv_heads)
+        self.model = load_model(model_cfg, device, tp)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(model_cfg.vocab_size, device, seed=model_cfg.seed)
@@ -128,8 +134,8 @@ class ModelRunner:
         self.sliding_window = self.model.sliding_window
         # Backends by registry (model/backends.py): a GPU backend is one more class there.
         self.attention = select_attention_backend(
-            attention_backend, device, DTYPES[model_cfg.math_dtype], model_cfg.num_heads,
-            model_cfg.num_kv_heads, model_cfg.head_dim)
+            attention_backend, device, DTYPES[model_cfg.math_dtype], self.heads.num_heads,
+            self.heads.num_kv_heads, model_cfg.head_dim)
         self.decode_kernel = self.attention.decode_kernel()
         self.prefill_kernel = self.attention.prefill_kernel()
         layer_ops = self.attention.layer_ops()
@@ -172,7 +178,7 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = num_blocks_for(self.cache_cfg, self.cfg, self.device, max_num_seqs)
         dtype = DTYPES[self.cfg.math_dtype]
-        shape = (num_blocks * self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        shape = (num_blocks * self.block_size, self.heads.num_kv_heads, self.cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=self.device),
              torch.zeros(shape, dtype=dtype, device=self.device))

@@ -1,4 +1,5 @@
-"""KV pool sizing: what a CUDA device leaves the pool (--gpu-memory-utilization)."""
+"""Engine arguments: what a CUDA device leaves the KV pool (--gpu-memory-utilization), and
+feature combinations refused before anything loads."""
 
 from __future__ import annotations
 
@@ -38,3 +39,12 @@ def test_cuda_pool_takes_what_the_profiled_step_leaves() -> None:
     kv = half.engine.config.cache.num_kv_blocks * 16 * half.engine.config.model.kv_bytes_per_token
     assert 0.2 * total < kv < 0.5 * total
     assert torch.cuda.memory_allocated() < 0.5 * total
+
+
+def test_disaggregation_with_tensor_parallelism_is_refused_clearly() -> None:
+    from conveyor.config import EngineArgs
+
+    with pytest.raises(ValueError, match="does not support tensor parallelism"):
+        EngineArgs(model="tiny", kv_role="prefill", kv_port=9100, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="does not support tensor parallelism"):
+        EngineArgs(model="tiny", kv_role="decode", distributed_executor_backend="ray")

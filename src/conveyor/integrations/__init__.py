@@ -1,0 +1,1 @@
+"""Adapters to serving frameworks outside conveyor (each an optional extra)."""
