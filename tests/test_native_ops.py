@@ -376,3 +376,21 @@ def test_bf16_elementwise_ops_track_the_torch_reference(via: str) -> None:
     check(heads[:, :4], want_q)
     check(heads[:, 4:6], want_k)
     assert torch.equal(heads[:, 6:], want_v)  # v untouched
+
+
+@native
+def test_bf16_prefill_runs_the_fp32_kernel_and_rounds_once() -> None:
+    """bf16 q, k, v (strided views of the packed QKV): the fp32 kernel on fp32 copies,
+    the output rounded to bf16 once; declined shapes stay declined."""
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv_views())
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    want = F.scaled_dot_product_attention(
+        q.double().transpose(0, 1).unsqueeze(0), k.double().transpose(0, 1).unsqueeze(0),
+        v.double().transpose(0, 1).unsqueeze(0), is_causal=True, scale=0.2,
+        enable_gqa=True)[0].transpose(0, 1)
+    assert NativePrefill(kernels.load())(q, k, v, out, 0.2) is True
+    # One rounding of a float32 result: within half a bf16 ulp of the exact value.
+    assert ((out.double() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-6).all()
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv_views(d=48))
+    assert NativePrefill(kernels.load())(q, k, v, torch.empty(q.shape, dtype=torch.bfloat16),
+                                         0.1) is False

@@ -186,7 +186,8 @@ class NativeAttentionBackend(AttentionBackend):
         return NativeDecode(self.lib)
 
     def prefill_kernel(self) -> NativePrefill | None:
-        return NativePrefill(self.lib) if self.dtype == torch.float32 else None
+        return (NativePrefill(self.lib) if self.dtype in (torch.float32, torch.bfloat16)
+                else None)
 
     def layer_ops(self) -> NativeOps | None:
         # bfloat16 too: the kernels compute in fp32 and round where TorchOps does.
