@@ -349,3 +349,30 @@ def test_a_measured_loss_overrules_a_wrong_cost_estimate():
     rows = _rows(4)
     fixed.plan(rows, 0, 4, 4, 512)
     assert all(r.k_now == 4 for r in rows)  # a fixed k is what the user asked for
+
+
+def test_a_fit_that_found_drafts_dear_probes_them_again():
+    """Fitted on draft-free steps and a few slow early drafted ones, a batch size's fit
+    says drafts are dear and nothing would ever re-measure them: every PROBE_EVERY
+    draft-free steps it asks for one step with drafts, whatever the rule says."""
+    from conveyor.spec.controller import BatchStepCost
+
+    cost = BatchStepCost()
+    cost.observe(0, 1, 0.001, batch=1)
+    cost.observe(0, 5, 0.005, batch=1)  # a first drafted step, slowed by first-call costs
+    for _ in range(BatchStepCost.PROBE_EVERY - 1):
+        cost.observe(0, 1, 0.001, batch=1)
+    assert not cost.needs_probe(1)
+    cost.observe(0, 1, 0.001, batch=1)
+    assert cost.needs_probe(1) and not cost.needs_probe(8)  # per batch size
+    cfg = SpeculativeConfig("ngram", num_speculative_tokens=4)
+    ctl = DraftLengthController(cfg, cost)
+    rows = _rows(1)
+    ctl.plan(rows, 0, 1, 1, 512)
+    assert rows[0].k_want == 4 and rows[0].k_now == 4  # proposed, and verified on hand
+    assert ctl.metrics.as_dict()["num_probe_steps"] == 1
+    cost.observe(0, 5, 0.0012, batch=1)  # the probe: drafts are cheap after all
+    assert not cost.needs_probe(1)
+    rows = _rows(1)
+    ctl.plan(rows, 0, 1, 1, 512)
+    assert rows[0].k_want > 0  # the refitted slope lets the rule draft by itself

@@ -139,11 +139,17 @@ class BatchStepCost:
     # fitted on steps full of drafts alone, it extrapolates what a step without them
     # costs, and a high intercept there makes drafts look cheap.
     ANCHOR_EVERY = 64
+    # And probed by a step with drafts at most this many steps old: fitted on draft-free
+    # steps and a few early drafted ones (a new GEMM row count's first call, the verify
+    # path's first run), the slope of a decode row stays what those said, drafts look
+    # dear, none is verified again and the fit never learns otherwise.
+    PROBE_EVERY = 64
 
     def __init__(self) -> None:
         self.overall = OnlineStepCost()
         self._by_batch: dict[int, OnlineStepCost] = {}
         self._anchor_age: dict[int, int] = {}  # bucket -> steps since a draft-free one
+        self._probe_age: dict[int, int] = {}  # bucket -> steps since one with drafts
 
     def observe(self, num_prefill_tokens: int, num_decode_rows: int, seconds: float,
                 batch: int = 0) -> None:
@@ -155,13 +161,21 @@ class BatchStepCost:
         fit.observe(num_prefill_tokens, num_decode_rows, seconds)
         if num_decode_rows == batch:
             self._anchor_age[key] = 0
-        elif key in self._anchor_age:
-            self._anchor_age[key] += 1
+            self._probe_age[key] = self._probe_age.get(key, 0) + 1
+        else:
+            self._probe_age[key] = 0
+            if key in self._anchor_age:
+                self._anchor_age[key] += 1
 
     def needs_anchor(self, batch: int) -> bool:
         """Whether this batch size's next step should verify no draft (see above)."""
         age = self._anchor_age.get(batch.bit_length())
         return age is None or age >= self.ANCHOR_EVERY
+
+    def needs_probe(self, batch: int) -> bool:
+        """Whether this batch size's next step should verify drafts whatever the rule
+        says (see above); only once a draft-free step was seen at this size."""
+        return self._probe_age.get(batch.bit_length(), 0) >= self.PROBE_EVERY
 
     def coefficients(self, batch: int = 0) -> tuple[float, float, float] | None:
         fit = self._by_batch.get(batch.bit_length())
@@ -305,6 +319,7 @@ class SpecMetrics:
     last_num_draft_tokens: int = 0  # in the last step, over every request
     num_guard_switch_offs: int = 0  # times the outcome guard found drafts losing
     num_guard_off_steps: int = 0  # steps with decodes in which the guard kept drafts off
+    num_probe_steps: int = 0  # steps the step-cost fit asked for drafts the rule refused
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -327,6 +342,7 @@ class SpecMetrics:
             "mean_acceptance_length": (1 + self.num_accepted_tokens / steps) if steps else 0.0,
             "num_guard_switch_offs": self.num_guard_switch_offs,
             "num_guard_off_steps": self.num_guard_off_steps,
+            "num_probe_steps": self.num_probe_steps,
             "drafted_per_position": list(self.drafted_per_position),
             "accepted_per_position": list(self.accepted_per_position),
             "acceptance_rate_per_position": [
@@ -437,8 +453,16 @@ class DraftLengthController:
             self._plan_by_benefit(rows, num_prefill_tokens, num_decode_rows,
                                   max(num_expected_tokens, 1))
             needs_anchor = getattr(self.cost, "needs_anchor", None)
+            needs_probe = getattr(self.cost, "needs_probe", None)
             if needs_anchor is not None and needs_anchor(len(rows)):
                 budget = 0  # verify none this step (proposals go on: no step is lost twice)
+            elif needs_probe is not None and needs_probe(len(rows)) and \
+                    not any(r.k_want for r in rows):
+                # The rule drafts nothing here: propose, and verify what is on hand, so
+                # the fit sees a step with drafts again (two steps, every PROBE_EVERY).
+                self.metrics.num_probe_steps += 1
+                for row in rows:
+                    row.k_want = row.cap
         else:
             for row in rows:
                 row.k_want = row.cap
