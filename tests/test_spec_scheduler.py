@@ -376,3 +376,26 @@ def test_a_fit_that_found_drafts_dear_probes_them_again():
     rows = _rows(1)
     ctl.plan(rows, 0, 1, 1, 512)
     assert rows[0].k_want > 0  # the refitted slope lets the rule draft by itself
+
+
+def test_probes_back_off_while_the_rule_keeps_refusing():
+    from conveyor.spec.controller import BatchStepCost
+
+    cost = BatchStepCost()
+    cost.observe(0, 1, 0.001, batch=1)
+    cost.observe(0, 5, 0.05, batch=1)  # drafts really are dear here
+    waits = []
+    for _ in range(3):
+        n = 0
+        while not cost.probe(1, rule_drafted=False):
+            cost.observe(0, 1, 0.001, batch=1)
+            n += 1
+        waits.append(n)
+        assert cost.probe(1, rule_drafted=False)  # the step after verifies the proposals
+        cost.observe(0, 5, 0.05, batch=1)  # the probe's step: still dear
+        assert not cost.probe(1, rule_drafted=False)  # the verdict: refused, back off
+    assert waits[1] >= 2 * BatchStepCost.PROBE_EVERY - 2 and waits[2] >= 2 * waits[1] - 2
+    assert not cost.probe(1, rule_drafted=True)  # the rule drafting by itself resets it
+    for _ in range(BatchStepCost.PROBE_EVERY):
+        cost.observe(0, 1, 0.001, batch=1)
+    assert cost.probe(1, rule_drafted=False)

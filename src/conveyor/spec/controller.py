@@ -139,17 +139,22 @@ class BatchStepCost:
     # fitted on steps full of drafts alone, it extrapolates what a step without them
     # costs, and a high intercept there makes drafts look cheap.
     ANCHOR_EVERY = 64
-    # And probed by a step with drafts at most this many steps old: fitted on draft-free
-    # steps and a few early drafted ones (a new GEMM row count's first call, the verify
-    # path's first run), the slope of a decode row stays what those said, drafts look
-    # dear, none is verified again and the fit never learns otherwise.
+    # And probed by a step with drafts after this many without (doubling while probes
+    # keep finding drafts not worth it, up to 64x): fitted on draft-free steps and a few
+    # early drafted ones (a new GEMM row count's first call, the verify path's first
+    # run), the slope of a decode row stays what those said, drafts look dear, none is
+    # verified again and the fit never learns otherwise. A probe is not free (a draft
+    # model catches up on every token since it last proposed), hence the backoff.
     PROBE_EVERY = 64
+    MAX_PROBE_BACKOFF = 6
 
     def __init__(self) -> None:
         self.overall = OnlineStepCost()
         self._by_batch: dict[int, OnlineStepCost] = {}
         self._anchor_age: dict[int, int] = {}  # bucket -> steps since a draft-free one
         self._probe_age: dict[int, int] = {}  # bucket -> steps since one with drafts
+        self._probe_backoff: dict[int, int] = {}  # bucket -> probes in a row that failed
+        self._probe_pending: dict[int, bool] = {}  # bucket -> a probe awaits the verdict
 
     def observe(self, num_prefill_tokens: int, num_decode_rows: int, seconds: float,
                 batch: int = 0) -> None:
@@ -175,7 +180,26 @@ class BatchStepCost:
     def needs_probe(self, batch: int) -> bool:
         """Whether this batch size's next step should verify drafts whatever the rule
         says (see above); only once a draft-free step was seen at this size."""
-        return self._probe_age.get(batch.bit_length(), 0) >= self.PROBE_EVERY
+        key = batch.bit_length()
+        backoff = min(self._probe_backoff.get(key, 0), self.MAX_PROBE_BACKOFF)
+        return self._probe_age.get(key, 0) >= self.PROBE_EVERY << backoff
+
+    def probe(self, batch: int, rule_drafted: bool) -> bool:
+        """Whether to probe this step, given what the benefit rule decided at this size.
+        A probe proposes, and the step after it verifies what is on hand (both count as
+        the probe); once the probe's step is in the fit, the rule's next decision is its
+        verdict: a refusal doubles the wait for the next probe, drafting resets it."""
+        key = batch.bit_length()
+        if rule_drafted:
+            self._probe_backoff[key] = 0
+            self._probe_pending.pop(key, None)
+            return False
+        if self.needs_probe(batch):
+            self._probe_pending[key] = True
+            return True
+        if self._probe_pending.pop(key, False):  # the probe is in the fit: still refused
+            self._probe_backoff[key] = self._probe_backoff.get(key, 0) + 1
+        return False
 
     def coefficients(self, batch: int = 0) -> tuple[float, float, float] | None:
         fit = self._by_batch.get(batch.bit_length())
@@ -453,13 +477,12 @@ class DraftLengthController:
             self._plan_by_benefit(rows, num_prefill_tokens, num_decode_rows,
                                   max(num_expected_tokens, 1))
             needs_anchor = getattr(self.cost, "needs_anchor", None)
-            needs_probe = getattr(self.cost, "needs_probe", None)
+            probe = getattr(self.cost, "probe", None)
             if needs_anchor is not None and needs_anchor(len(rows)):
                 budget = 0  # verify none this step (proposals go on: no step is lost twice)
-            elif needs_probe is not None and needs_probe(len(rows)) and \
-                    not any(r.k_want for r in rows):
+            elif probe is not None and probe(len(rows), any(r.k_want for r in rows)):
                 # The rule drafts nothing here: propose, and verify what is on hand, so
-                # the fit sees a step with drafts again (two steps, every PROBE_EVERY).
+                # the fit sees a step with drafts again.
                 self.metrics.num_probe_steps += 1
                 for row in rows:
                     row.k_want = row.cap
