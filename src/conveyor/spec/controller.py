@@ -473,6 +473,7 @@ class DraftLengthController:
             self.metrics.last_num_draft_tokens = 0
             self.last_k_want = 0
             return
+        probed = None
         if self.config.adaptive:
             self._plan_by_benefit(rows, num_prefill_tokens, num_decode_rows,
                                   max(num_expected_tokens, 1))
@@ -481,11 +482,13 @@ class DraftLengthController:
             if needs_anchor is not None and needs_anchor(len(rows)):
                 budget = 0  # verify none this step (proposals go on: no step is lost twice)
             elif probe is not None and probe(len(rows), any(r.k_want for r in rows)):
-                # The rule drafts nothing here: propose, and verify what is on hand, so
-                # the fit sees a step with drafts again.
+                # The rule drafts nothing here: one request proposes, and verifies what it
+                # has on hand, so the fit sees a step with drafts again. One is enough for
+                # the slope of a decode row, and a probe costs its proposals (a draft
+                # model's catch-up over the tokens since it last proposed).
                 self.metrics.num_probe_steps += 1
-                for row in rows:
-                    row.k_want = row.cap
+                probed = max(rows, key=lambda r: (r.cap > 0, r.request.request_id))
+                probed.k_want = probed.cap
         else:
             for row in rows:
                 row.k_want = row.cap
@@ -495,7 +498,9 @@ class DraftLengthController:
             row.k_now = min(row.k_want, len(row.request.spec_token_ids), left)
             left -= row.k_now
         self.metrics.last_num_draft_tokens = sum(r.k_now for r in rows)
-        self.last_k_want = max(r.k_want for r in rows)
+        # What a request that starts decoding next step is asked for: the rule's choice,
+        # not a probe's.
+        self.last_k_want = max((r.k_want for r in rows if r is not probed), default=0)
 
     def _plan_by_benefit(self, rows: list[DraftRow], num_prefill: int, num_decode: int,
                          expected: int) -> None:
