@@ -66,15 +66,27 @@ class OnlineStepCost:
     squares, old steps fading, a touch of ridge so that a load without prefill still
     fits) from the step times the engine core measures on its own clock."""
 
+    RESOLVE_EVERY = 8
+
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
         self._m = [[0.0] * 3 for _ in range(3)]
         self._v = [0.0] * 3
         self._totals: set[int] = set()  # distinct step sizes seen (two make a slope)
+        # The last solution, kept while steps of the same shape repeat, for at most
+        # RESOLVE_EVERY of them (they move the fit slowly; a step of a new shape, such as a
+        # probe's, is solved at once). A solve in Python was most of a step's speculative
+        # bookkeeping on a small model.
+        self._solved: tuple[float, float, float] | None = None
+        self._since_solve = self.RESOLVE_EVERY
+        self._last_shape: tuple[int, int] | None = None
 
     def observe(self, num_prefill_tokens: int, num_decode_rows: int, seconds: float) -> None:
         if not (seconds > 0.0) or num_prefill_tokens + num_decode_rows <= 0:
             return
+        shape = (num_prefill_tokens, num_decode_rows)
+        self._since_solve += 1 if shape == self._last_shape else self.RESOLVE_EVERY
+        self._last_shape = shape
         x = (1.0, float(num_prefill_tokens), float(num_decode_rows))
         d = self.decay
         for i in range(3):
@@ -94,10 +106,15 @@ class OnlineStepCost:
             return None
         return max((w * ny - n * v[0]) / det, 0.0)
 
-    def coefficients(self) -> tuple[float, float, float] | None:
+    def coefficients(self, batch: int = 0) -> tuple[float, float, float] | None:
         """(fixed s, s per prefill token, s per decode row), or None until two step sizes
         were seen. The decode row's cost is never taken below the plain per-token slope:
         where decode rows did not vary apart from prefill, the split is not known."""
+        if self._since_solve >= self.RESOLVE_EVERY or self._solved is None:
+            self._solved, self._since_solve = self._coefficients(), 0
+        return self._solved
+
+    def _coefficients(self) -> tuple[float, float, float] | None:
         if len(self._totals) < 2:
             return None
         combined = self._combined_slope()
@@ -506,11 +523,19 @@ class DraftLengthController:
                          expected: int) -> None:
         cost = self.cost
         batch = len(rows)
-        t0 = cost.step_s(num_prefill, num_decode, batch) if cost is not None else None
-        t1 = cost.step_s(num_prefill, num_decode + 1, batch) if t0 is not None else None
-        if t0 is None or t1 is None:
-            return  # no cost known yet (two step sizes teach it): no drafts
-        slope = max(t1 - t0, 0.0)
+        coefficients = getattr(cost, "coefficients", None)
+        if coefficients is not None:  # one solve for both (the fit is linear)
+            coef = coefficients(batch)
+            if coef is None:
+                return  # no cost known yet (two step sizes teach it): no drafts
+            t0 = coef[0] + coef[1] * num_prefill + coef[2] * num_decode
+            slope = coef[2]
+        else:
+            t0 = cost.step_s(num_prefill, num_decode, batch) if cost is not None else None
+            t1 = cost.step_s(num_prefill, num_decode + 1, batch) if t0 is not None else None
+            if t0 is None or t1 is None:
+                return  # no cost known yet (two step sizes teach it): no drafts
+            slope = max(t1 - t0, 0.0)
         per_round, per_draft = self.proposal_cost.coefficients()
         prior = self.prior()
         # The best slot of all is some request's first draft: if even that does not pay,
