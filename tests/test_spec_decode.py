@@ -304,3 +304,19 @@ def test_seeded_sampling_with_speculation_equals_it_without(method: str) -> None
     spec = llm.stats()["spec_decode"]
     assert spec["num_accepted_tokens"] > 0  # speculation did produce some of them
     assert llm.stats()["kv_blocks_in_use"] == 0
+
+
+def test_a_draft_model_shares_the_pool_without_costing_the_target_concurrency() -> None:
+    """Each block holds both models' layers: where memory is plentiful (the CPU default,
+    capped at what max_num_seqs full sequences use) the pool keeps that many blocks; where
+    memory binds (kv_cache_memory), the draft's layers take their share of it."""
+    path = make_checkpoint("llama")
+    cfg = {"method": "draft_model", "model": perturbed_draft(), "num_speculative_tokens": 3}
+    kw = dict(dtype="float32", max_num_seqs=8, max_model_len=128)
+    plain = LLM(path, **kw).engine.config
+    with_draft = LLM(path, speculative_config=cfg, **kw).engine.config
+    assert with_draft.cache.num_kv_blocks == plain.cache.num_kv_blocks == 8 * 128 // 16
+    per_token = plain.model.kv_bytes_per_token  # the draft here is the target's shape
+    tight = dict(kw, kv_cache_memory=40 * 16 * per_token)
+    assert LLM(path, **tight).engine.config.cache.num_kv_blocks == 40
+    assert LLM(path, speculative_config=cfg, **tight).engine.config.cache.num_kv_blocks == 20

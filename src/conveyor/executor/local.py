@@ -19,7 +19,7 @@ from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from conveyor.engine.core import EngineCore
 from conveyor.kv_transfer.worker import KVConnectorWorker
 from conveyor.model.dtypes import resolve_compute_dtype
-from conveyor.runner.model_runner import ModelRunner, num_blocks_for
+from conveyor.runner.model_runner import ModelRunner, default_kv_cache_memory, num_blocks_for
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,13 +62,18 @@ class LocalExecutor:
             # vLLM's rule: what a full dummy step peaks at is not the KV pool's.
             peak = self.runner.profile_peak_memory(self._profile_tokens,
                                                    model.max_model_len - 1)
-        blocks = num_blocks_for(cache, model, self.device, max_num_seqs, peak)
         draft = getattr(self.runner.proposer, "kv_bytes_per_token", 0)
-        if draft and cache.num_kv_blocks is None:
-            # A block also holds the draft model's layers: the same memory holds fewer.
-            target = model.kv_bytes_per_token
-            blocks = max(1, blocks * target // (target + draft))
-        return blocks
+        if not draft or cache.num_kv_blocks is not None:
+            return num_blocks_for(cache, model, self.device, max_num_seqs, peak)
+        # A block also holds the draft model's layers: the same memory holds fewer. But the
+        # default cap (what max_num_seqs full sequences can use) still applies as is: where
+        # memory is plentiful the draft must not cost the target its concurrency.
+        memory = (cache.kv_cache_memory if cache.kv_cache_memory is not None else
+                  default_kv_cache_memory(self.device, cache.gpu_memory_utilization, peak))
+        blocks = max(1, memory // ((model.kv_bytes_per_token + draft) * cache.block_size))
+        if cache.kv_cache_memory is None and self.device.type != "cuda":
+            blocks = min(blocks, max_num_seqs * -(-model.max_model_len // cache.block_size))
+        return int(blocks)
 
     def initialize(self, config: EngineConfig) -> None:
         self.runner.allocate_kv_cache(config.cache.num_kv_blocks)
