@@ -171,3 +171,17 @@ def make_request(rid: str, prompt_len: int, max_tokens: int, arrival: float = 0.
     prompt = [(7 * i + len(rid)) % 50 + 1 for i in range(prompt_len)]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return Request(rid, prompt, params, arrival, max_tokens=max_tokens, **kwargs)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux's /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out

@@ -13,7 +13,7 @@ import textwrap
 import httpx
 import pytest
 
-from helpers import make_checkpoint
+from helpers import child_pids, make_checkpoint
 from server_helpers import serve
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
@@ -72,19 +72,6 @@ def _maps_torch(pid: int) -> bool:
         return "libtorch" in f.read()
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc")
 def test_a_served_model_runs_torch_only_in_the_engine_core_process() -> None:
     with serve(make_checkpoint("llama"), "--served-model-name", "m") as server:
@@ -92,5 +79,5 @@ def test_a_served_model_runs_torch_only_in_the_engine_core_process() -> None:
                        json={"model": "m", "prompt": "ba be", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200
         assert not _maps_torch(server.proc.pid), "the API server process loaded torch"
-        assert any(_maps_torch(c) for c in _children(server.proc.pid)), \
+        assert any(_maps_torch(c) for c in child_pids(server.proc.pid)), \
             "no child of the server runs the model (the check would be vacuous)"

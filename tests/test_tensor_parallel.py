@@ -27,7 +27,7 @@ from conveyor.distributed.parallel import HeadSplit, split_heads
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.executor.errors import ExecutorDeadError
 
-from helpers import hf_greedy, make_checkpoint, random_prompts
+from helpers import child_pids, hf_greedy, make_checkpoint, random_prompts
 
 LOGIT_TOL = 1e-5
 # A checkpoint per sharding case: GQA (4 query heads, 2 KV heads: one each), Qwen3 (tied
@@ -250,19 +250,6 @@ def test_a_killed_rank_fails_open_requests_within_the_timeout(monkeypatch) -> No
         engine.shutdown()
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
-
-
 def test_serve_tp2_answers_then_a_killed_rank_fails_the_stream_and_health(monkeypatch
                                                                           ) -> None:
     import httpx
@@ -279,7 +266,7 @@ def test_serve_tp2_answers_then_a_killed_rank_fails_the_stream_and_health(monkey
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 6
-        ranks = _children(engine_core_pid(server))
+        ranks = child_pids(engine_core_pid(server))
         assert len(ranks) == 2, ranks
         body = {**body, "max_tokens": 400, "stream": True, "ignore_eos": True}
         start = None
