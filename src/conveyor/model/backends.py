@@ -153,6 +153,16 @@ attention_backend = attention_backends.get
 attention_backend_names = attention_backends.names
 
 
+def attention_backend_names_for(device: torch.device | str, dtype: torch.dtype,
+                                num_heads: int, num_kv_heads: int,
+                                head_dim: int | None = None) -> list[str]:
+    """The registered attention backends that support this model, by priority."""
+    device = torch.device(device)
+    return [n for n in attention_backends.names()
+            if attention_backends.get(n).supports(device, dtype, num_heads, num_kv_heads,
+                                                  head_dim=head_dim) is None]
+
+
 def select_attention_backend(name: str, device: torch.device | str, dtype: torch.dtype,
                              num_heads: int, num_kv_heads: int,
                              head_dim: int | None = None) -> AttentionBackend:

@@ -20,7 +20,10 @@ from conveyor.config import CacheConfig, ModelConfig, gpu_kv_cache_bytes, kv_blo
 from conveyor.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from conveyor.distributed.parallel import SINGLE, TPShard
 from conveyor.model.attention import AttentionMetadata, PrefillSegment
+from conveyor.model.attention_choice import choose as choose_attention
+from conveyor.model.attention_choice import measuring_enabled as measure_attention_enabled
 from conveyor.model.backends import (
+    attention_backend_names_for,
     linear_backend_names_for,
     select_attention_backend,
     select_linear_backend,
@@ -133,9 +136,17 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.sliding_window = self.model.sliding_window
         # Backends by registry (model/backends.py): a GPU backend is one more class there.
-        self.attention = select_attention_backend(
-            attention_backend, device, DTYPES[model_cfg.math_dtype], self.heads.num_heads,
-            self.heads.num_kv_heads, model_cfg.head_dim)
+        # ``auto`` measures the ones that apply on this machine (model/attention_choice.py).
+        heads = (self.heads.num_heads, self.heads.num_kv_heads, model_cfg.head_dim)
+        math_dtype = DTYPES[model_cfg.math_dtype]
+        if attention_backend == "auto" and measure_attention_enabled():
+            names = attention_backend_names_for(device, math_dtype, *heads)
+            if len(names) > 1:
+                attention_backend = choose_attention(
+                    {n: select_attention_backend(n, device, math_dtype, *heads) for n in names},
+                    device, math_dtype, *heads, decode_rows=linear_rows[0])
+        self.attention = select_attention_backend(attention_backend, device, math_dtype,
+                                                  *heads)
         self.decode_kernel = self.attention.decode_kernel()
         self.prefill_kernel = self.attention.prefill_kernel()
         layer_ops = self.attention.layer_ops()

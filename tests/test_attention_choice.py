@@ -1,0 +1,77 @@
+"""``attention_backend="auto"`` chooses by measurement on this machine among the backends
+that apply, caches the choice, and the engine stays exact whatever it picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.model import attention_choice
+from conveyor.model.backends import attention_backend_names_for, select_attention_backend
+
+from helpers import hf_greedy, make_checkpoint, random_prompts
+
+CPU = torch.device("cpu")
+HEADS = (4, 2, 16)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def fake_measure(fastest: str, calls: list):
+    def measure(backends, *args):
+        calls.append(1)
+        return {n: (0.001 if n == fastest else 0.002) for n in backends}
+    return measure
+
+
+def test_the_fastest_is_chosen_and_cached(cache, monkeypatch) -> None:
+    calls: list = []
+    monkeypatch.setattr(attention_choice, "measure", fake_measure("b", calls))
+    backends = dict.fromkeys(["a", "b"])
+    assert attention_choice.choose(backends, CPU, torch.float32, *HEADS, 32) == "b"
+    assert attention_choice.choose(backends, CPU, torch.float32, *HEADS, 32) == "b"
+    assert len(calls) == 1, "the second engine reads the cache"
+    attention_choice.choose(backends, CPU, torch.float32, *HEADS, 8)  # other rows
+    attention_choice.choose(backends, CPU, torch.bfloat16, *HEADS, 32)  # other dtype
+    assert len(calls) == 3
+    assert (cache / "attention_choice.json").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_real_measurement_times_every_candidate(dtype) -> None:
+    names = attention_backend_names_for(CPU, dtype, *HEADS)
+    assert "sdpa" in names
+    backends = {n: select_attention_backend(n, CPU, dtype, *HEADS) for n in names}
+    timings = attention_choice.measure(backends, CPU, dtype, *HEADS, 3)
+    assert set(timings) == set(names) and min(timings.values()) > 0
+
+
+@pytest.mark.skipif(len(attention_backend_names_for(CPU, torch.float32, *HEADS)) < 2,
+                    reason="one attention backend only: nothing to choose")
+@pytest.mark.parametrize("winner", ["native", "sdpa"])
+def test_the_engine_runs_what_was_chosen_and_stays_exact(cache, monkeypatch, winner) -> None:
+    calls: list = []
+    monkeypatch.setattr(attention_choice, "measure", fake_measure(winner, calls))
+    path = make_checkpoint("llama")
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    assert calls and llm.engine.runner.attention.name == winner
+    prompts = random_prompts(3, seed=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=6, temperature=0.0))
+    for out, prompt in zip(outs, prompts):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 6)
+
+
+def test_a_forced_backend_or_the_switch_skips_the_measurement(cache, monkeypatch) -> None:
+    calls: list = []
+    monkeypatch.setattr(attention_choice, "measure", fake_measure("native", calls))
+    assert LLM("tiny", load_format="dummy", num_kv_blocks=16,
+               attention_backend="sdpa").engine.runner.attention.name == "sdpa"
+    monkeypatch.setenv("CONVEYOR_MEASURE_ATTENTION", "0")
+    LLM("tiny", load_format="dummy", num_kv_blocks=16)
+    assert not calls
