@@ -15,7 +15,6 @@ priority order.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import time
@@ -23,10 +22,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from conveyor.model import choice_cache
 from conveyor.model.attention import AttentionMetadata
 from conveyor.model.dtypes import cpu_flags
 from conveyor.model.linear_choice import cpu_model_name
-from conveyor.model.presets import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -110,14 +109,7 @@ def choose(backends: dict[str, object], device: torch.device, dtype: torch.dtype
     names = list(backends)
     rows = max(1, min(decode_rows, 256))
     key = _cache_key(dtype, (num_heads, num_kv_heads, head_dim), rows, names)
-    path = os.path.join(cache_root(), "attention_choice.json")
-    cache: dict = {}
-    try:
-        with open(path) as f:
-            cache = json.load(f)
-    except (OSError, ValueError):
-        pass
-    entry = cache.get(key)
+    entry = choice_cache.read("attention").get(key)
     if entry is not None and entry.get("choice") in names:
         logger.info("attention backend (cached for this CPU): %s", entry["choice"])
         return entry["choice"]
@@ -128,13 +120,6 @@ def choose(backends: dict[str, object], device: torch.device, dtype: torch.dtype
                 "a %d-token prefill): %s; ms: %s", time.perf_counter() - t0, cpu_model_name(),
                 rows, DECODE_CONTEXT, PREFILL_TOKENS, choice,
                 {n: round(1e3 * v, 3) for n, v in timings.items()})
-    cache[key] = {"choice": choice, "cpu": cpu_model_name(), "timings_s": timings}
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(cache, f, indent=1)
-        os.replace(tmp, path)  # atomic: concurrent engines never read half a file
-    except OSError as e:
-        logger.warning("could not cache the attention backend choice: %s", e)
+    choice_cache.store("attention", key, {"choice": choice, "cpu": cpu_model_name(),
+                                          "timings_s": timings})
     return choice

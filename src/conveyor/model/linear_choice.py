@@ -15,7 +15,6 @@ static priority order.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import platform
@@ -26,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.model import choice_cache
 from conveyor.model.dtypes import cpu_flags
-from conveyor.model.presets import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -131,14 +130,7 @@ def choose(shapes: list[LinearShape], backends: dict[str, object], device: torch
     decode_rows = max(1, min(decode_rows, prefill_rows))
     names = list(backends)
     key = _cache_key(shapes, dtype, (decode_rows, prefill_rows), names)
-    path = os.path.join(cache_root(), "linear_choice.json")
-    cache: dict = {}
-    try:
-        with open(path) as f:
-            cache = json.load(f)
-    except (OSError, ValueError):
-        pass
-    entry = cache.get(key)
+    entry = choice_cache.read("linear").get(key)
     if entry is not None and set(entry["choice"]) == {s.key for s in shapes} \
             and set(entry["choice"].values()) <= set(names):
         logger.info("linear backends (cached for this CPU): %s", entry["choice"])
@@ -150,13 +142,6 @@ def choose(shapes: list[LinearShape], backends: dict[str, object], device: torch
                 "%s; ms per shape: %s", time.perf_counter() - t0, cpu_model_name(), decode_rows,
                 prefill_rows, choice,
                 {k: {n: round(1e3 * t, 3) for n, t in v.items()} for k, v in timings.items()})
-    cache[key] = {"choice": choice, "cpu": cpu_model_name(), "timings_s": timings}
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(cache, f, indent=1)
-        os.replace(tmp, path)  # atomic: concurrent engines never read half a file
-    except OSError as e:
-        logger.warning("could not cache the linear backend choice: %s", e)
+    choice_cache.store("linear", key, {"choice": choice, "cpu": cpu_model_name(),
+                                       "timings_s": timings})
     return choice
