@@ -159,7 +159,6 @@ class BlockPool:
         together the deeper ones in a hash chain are evicted first.
         """
         ref, hash_of = self.ref_cnt, self._hash_of
-        nxt, prev, end = self._next, self._prev, self.num_blocks
         for b in block_ids:
             c = ref[b]
             if c <= 0:
@@ -167,18 +166,10 @@ class BlockPool:
             ref[b] = c - 1
             if c == 1:
                 self._num_free += 1
-                if b in hash_of:  # most recently used of the evictable ones: at the back
-                    tail = prev[end]
-                    nxt[tail] = b
-                    prev[b] = tail
-                    nxt[b] = end
-                    prev[end] = b
-                else:  # nothing to keep: handed out before any cached block
-                    head = nxt[end]
-                    nxt[end] = b
-                    prev[b] = end
-                    nxt[b] = head
-                    prev[head] = b
+                if b in hash_of:
+                    self._push_back(b)  # most recently used of the evictable ones
+                else:
+                    self._push_front(b)  # nothing to keep: handed out before any cached one
 
     def cache(self, block_id: int, block_hash: bytes) -> None:
         """Make a computed, full block findable by its chained hash."""
