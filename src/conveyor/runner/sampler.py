@@ -106,10 +106,15 @@ class Sampler:
                                  dtype=like.dtype).exponential_(generator=self.generator)
         for i, row in enumerate(rows):
             if row.params.seed is not None and not greedy[i]:
-                self._row_generator.manual_seed(
-                    _seed_for(row.params.seed, len(row.output_token_ids)))
-                q[i].exponential_(generator=self._row_generator)
+                self.seeded_noise(row.params.seed, len(row.output_token_ids), q[i])
         return q
+
+    def seeded_noise(self, seed: int, position: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` with the Exp(1) race noise of (seed, output position): what a
+        seeded row at that position draws, whoever asks (a draft model coupling its
+        draft to the target's draw asks too)."""
+        self._row_generator.manual_seed(_seed_for(seed, position))
+        return out.exponential_(generator=self._row_generator)
 
     def uniform(self, rows: list[SamplingRow]) -> torch.Tensor:
         """One U(0, 1) per row (speculative acceptance), seeded rows from (seed, position)

@@ -159,8 +159,6 @@ class DraftModelProposer(Proposer):
         the target's sampler uses at that output position (spec/verify.py)."""
         if not items:
             return
-        from conveyor.runner.sampler import SamplingRow
-
         runner = self.runner
         logits = torch.stack([runner.last_logits[it.req_id] for it in items])
         params = [it.params for it in items]
@@ -170,8 +168,8 @@ class DraftModelProposer(Proposer):
             if it.params.seed is not None:
                 # The draft's position in the request's output: the noise of (seed, it).
                 position = len(it.token_ids) - it.num_prompt_tokens + r
-                row = SamplingRow(it.params, [], _Positions(position))
-                noise = runner.sampler.noise([row], [False], raw[i:i + 1])[0]
+                noise = runner.sampler.seeded_noise(it.params.seed, position,
+                                                    torch.empty_like(raw[i]))
                 tok = int((raw[i] / noise).argmax())
             else:
                 tok = int(torch.multinomial(probs[i], 1, generator=self._generator))
@@ -188,18 +186,6 @@ class DraftModelProposer(Proposer):
                 num_scheduled_tokens=scheduled,
                 total_num_scheduled_tokens=sum(scheduled.values()),
                 sampling_req_ids=set(scheduled)))
-
-
-class _Positions:
-    """Stands for an output of ``n`` tokens where only its length is read (the noise)."""
-
-    __slots__ = ("n",)
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
 
 
 def _with_compute_dtype(cfg: ModelConfig, math_dtype: str) -> ModelConfig:
