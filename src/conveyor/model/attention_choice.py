@@ -14,9 +14,7 @@ priority order.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import time
 
 import torch
@@ -24,8 +22,7 @@ import torch.nn.functional as F
 
 from conveyor.model import choice_cache
 from conveyor.model.attention import AttentionMetadata
-from conveyor.model.dtypes import cpu_flags
-from conveyor.model.linear_choice import cpu_model_name
+from conveyor.model.dtypes import cpu_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -35,18 +32,7 @@ _BLOCK = 16
 
 
 def measuring_enabled() -> bool:
-    value = os.environ.get("CONVEYOR_MEASURE_ATTENTION", "1").strip().lower()
-    return value not in ("0", "false", "off", "no")
-
-
-def _best_of(fn, repeats: int = 3) -> float:
-    fn()  # warm: kernels built, buffers faulted in
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+    return choice_cache.switched_on("CONVEYOR_MEASURE_ATTENTION")
 
 
 @torch.inference_mode()
@@ -89,18 +75,16 @@ def measure(backends: dict[str, object], device: torch.device, dtype: torch.dtyp
                 vs.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
                 enable_gqa=num_heads != num_kv_heads)
 
-        out[name] = (_best_of(lambda decode=decode, meta=meta:
-                              decode(q, k_cache, v_cache, meta, scale))
-                     + _best_of(run_prefill))
+        out[name] = (choice_cache.best_of(lambda decode=decode, meta=meta:
+                                          decode(q, k_cache, v_cache, meta, scale))
+                     + choice_cache.best_of(run_prefill))
     return out
 
 
 def _cache_key(dtype: torch.dtype, heads: tuple[int, int, int], rows: int,
                candidates: list[str]) -> str:
-    parts = [cpu_model_name(), " ".join(sorted(cpu_flags() or ())), torch.__version__,
-             str(torch.get_num_threads()), str(dtype), repr(heads), str(rows),
-             ",".join(candidates), f"{DECODE_CONTEXT},{PREFILL_TOKENS}"]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+    return choice_cache.key(str(dtype), repr(heads), str(rows), ",".join(candidates),
+                            f"{DECODE_CONTEXT},{PREFILL_TOKENS}")
 
 
 def choose(backends: dict[str, object], device: torch.device, dtype: torch.dtype,

@@ -1,16 +1,48 @@
-"""The on-disk cache of backend choices measured on this machine (linears, attention):
-one JSON file per kind under ``<cache>/``, written atomically so that engines starting
-at once never read half a file; an unwritable cache is logged, never fatal."""
+"""What the backend choices measured on this machine (linears, attention) share: the
+timing, the switch that turns measuring off, the key of a choice (this machine's CPU,
+flags, torch and threads, then the choice's own parts) and the on-disk cache (one JSON
+file per kind under ``<cache>/``, written atomically so that engines starting at once
+never read half a file; an unwritable cache is logged, never fatal)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import time
+from collections.abc import Callable
 
+import torch
+
+from conveyor.model.dtypes import cpu_flags, cpu_model_name
 from conveyor.model.presets import cache_root
 
 logger = logging.getLogger(__name__)
+
+
+def switched_on(env_var: str) -> bool:
+    """Measuring is on unless ``env_var`` says 0, false, off or no."""
+    return os.environ.get(env_var, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def best_of(fn: Callable[[], object], repeats: int = 3) -> float:
+    """The fastest of ``repeats`` timed calls, after one untimed (kernels built, buffers
+    faulted in)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def key(*parts: str) -> str:
+    """A choice's cache key: this machine and its torch, then ``parts``."""
+    machine = [cpu_model_name(), " ".join(sorted(cpu_flags() or ())), torch.__version__,
+               str(torch.get_num_threads())]
+    return hashlib.sha256("|".join([*machine, *parts]).encode()).hexdigest()[:24]
 
 
 def _path(kind: str) -> str:

@@ -31,6 +31,18 @@ def cpu_flags() -> frozenset[str] | None:
         return None
 
 
+def cpu_model_name() -> str:
+    """/proc/cpuinfo's model name (what every measured figure is labelled with)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """True if this CPU multiplies bf16 natively (x86 AVX-512 BF16 or AMX-BF16; Arm BF16)."""

@@ -14,10 +14,7 @@ static priority order.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import platform
 import time
 from dataclasses import dataclass
 
@@ -26,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.model import choice_cache
-from conveyor.model.dtypes import cpu_flags
+from conveyor.model.dtypes import cpu_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +44,7 @@ class LinearShape:
 
 
 def measuring_enabled() -> bool:
-    value = os.environ.get("CONVEYOR_MEASURE_LINEARS", "1").strip().lower()
-    return value not in ("0", "false", "off", "no")
+    return choice_cache.switched_on("CONVEYOR_MEASURE_LINEARS")
 
 
 def model_shapes(model: nn.Module, lm_head: torch.Tensor) -> list[LinearShape]:
@@ -60,24 +56,10 @@ def model_shapes(model: nn.Module, lm_head: torch.Tensor) -> list[LinearShape]:
     return sorted(shapes, key=lambda s: s.key)
 
 
-def cpu_model_name() -> str:
-    """/proc/cpuinfo's model name (what every measured figure is labelled with)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _cache_key(shapes: list[LinearShape], dtype: torch.dtype, rows: tuple[int, int],
                candidates: list[str]) -> str:
-    parts = [cpu_model_name(), " ".join(sorted(cpu_flags() or ())), torch.__version__,
-             str(torch.get_num_threads()), str(dtype), repr(rows), ",".join(candidates),
-             ",".join(s.key for s in shapes)]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+    return choice_cache.key(str(dtype), repr(rows), ",".join(candidates),
+                            ",".join(s.key for s in shapes))
 
 
 def _forward(module: nn.Module, shape: LinearShape):
@@ -90,16 +72,6 @@ def _forward(module: nn.Module, shape: LinearShape):
 
         return run
     return module
-
-
-def _best_of(fn, x: torch.Tensor, repeats: int = 3) -> float:
-    fn(x)  # warm: kernels built, buffers faulted in
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn(x)
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 @torch.inference_mode()
@@ -119,7 +91,8 @@ def measure(shapes: list[LinearShape], backends: dict[str, object], device: torc
         out[shape.key] = {}
         for name, backend in backends.items():
             fn = _forward(backend.make_linear(w, None, gate_up=shape.gate_up), shape)
-            out[shape.key][name] = sum(_best_of(fn, x) for x in xs)
+            out[shape.key][name] = sum(choice_cache.best_of(lambda fn=fn, x=x: fn(x))
+                                       for x in xs)
     return out
 
 
