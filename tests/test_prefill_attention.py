@@ -1,6 +1,8 @@
 """The native prefill-attention kernel equals causal attention on a fresh prompt (computed
 in float64: the bound is the kernel's own rounding, not another float32 kernel's), reading
-q, k and v where the packed QKV projection leaves them, and declines what it cannot do."""
+q, k and v where the packed QKV projection leaves them, in float32 and bfloat16, with every
+body this CPU can run (its own ISA's, AVX2's, portable C's: each machine builds only its
+own, so the others are built here with their ISA capped), and declines what it cannot do."""
 
 from __future__ import annotations
 
@@ -10,15 +12,24 @@ import torch.nn.functional as F
 
 from conveyor.model import kernels
 from conveyor.model.decode_attention import NativePrefill
+from conveyor.model.dtypes import cpu_flags
 
 needs_native = pytest.mark.skipif(kernels.load() is None,
                                   reason="native kernels unavailable " + kernels.why_unavailable())
 
 
-def qkv_views(length: int, hq: int, hkv: int, d: int, seed: int = 0):
+def isa_builds() -> list[str]:
+    """The kernel builds this CPU runs: its own, and those capped below what it has."""
+    flags = cpu_flags() or set()
+    return ["native"] + (["avx2"] if {"avx512f", "avx2"} <= flags else []) + (
+        ["portable"] if "avx2" in flags else [])
+
+
+def qkv_views(length: int, hq: int, hkv: int, d: int, seed: int = 0,
+              dtype: torch.dtype = torch.float32):
     """q, k, v as strided views into one packed [T, (Hq + 2 Hkv) * D] buffer."""
     torch.manual_seed(seed)
-    qkv = torch.randn(length, (hq + 2 * hkv) * d)
+    qkv = torch.randn(length, (hq + 2 * hkv) * d).to(dtype)
     q = qkv[:, :hq * d].view(length, hq, d)
     k = qkv[:, hq * d:(hq + hkv) * d].view(length, hkv, d)
     v = qkv[:, (hq + hkv) * d:].view(length, hkv, d)
@@ -47,6 +58,29 @@ def test_native_prefill_equals_causal_sdpa(d: int, hq: int, hkv: int, length: in
 
 
 @needs_native
+@pytest.mark.parametrize("isa", isa_builds())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("hq,hkv,length", [(9, 3, 1), (9, 3, 47), (8, 2, 130), (6, 1, 17)])
+def test_every_body_in_both_dtypes(isa: str, dtype: torch.dtype, d: int, hq: int, hkv: int,
+                                   length: int) -> None:
+    """bf16 is read and written as bf16, float32 inside: the float64 result rounded to bf16
+    once, so within half a bf16 ulp (at most 2^-8 of the value: 8 significant bits) plus
+    the float32 arithmetic's error."""
+    lib = kernels.load_variant(isa)
+    q, k, v = qkv_views(length, hq, hkv, d, seed=length + d + hq, dtype=dtype)
+    out = torch.full((length + 2, hq, d), float("nan"), dtype=dtype)
+    assert NativePrefill(lib)(q, k, v, out[1:-1], d ** -0.5)
+    assert out[0].isnan().all() and out[-1].isnan().all()  # only its own rows written
+    ref = reference(q, k, v, d ** -0.5)
+    if dtype is torch.float32:
+        torch.testing.assert_close(out[1:-1], ref, atol=2e-6, rtol=1e-5)
+    else:
+        err = (out[1:-1].float() - ref).abs()
+        assert (err <= ref.abs() * 2.0 ** -8 + 2e-6).all(), (err - ref.abs() * 2.0 ** -8).max()
+
+
+@needs_native
 def test_native_prefill_writes_only_its_rows_of_a_larger_output() -> None:
     q, k, v = qkv_views(40, 4, 2, 32)
     out = torch.zeros(50, 4, 32)
@@ -62,5 +96,14 @@ def test_native_prefill_declines_what_it_was_not_built_for() -> None:
     assert not kernel(q, k, v, torch.empty(8, 4, 48), 0.1)
     q, k, v = qkv_views(8, 4, 2, 32)
     assert not kernel(q.double(), k.double(), v.double(), torch.empty(8, 4, 32), 0.1)
+    assert not kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.empty(8, 4, 32), 0.1)
     assert not kernel(q.transpose(1, 2).contiguous().transpose(1, 2), k, v,
                       torch.empty(8, 4, 32), 0.1)  # heads not contiguous within a row
+
+
+def test_kernel_isa_names_a_known_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_KERNEL_ISA", "avx2")
+    assert kernels.kernel_isa() == "avx2"
+    monkeypatch.setenv("CONVEYOR_KERNEL_ISA", "sse9")
+    with pytest.raises(ValueError, match="CONVEYOR_KERNEL_ISA"):
+        kernels.kernel_isa()

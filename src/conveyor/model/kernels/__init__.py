@@ -32,11 +32,15 @@ _SOURCES = [os.path.join(os.path.dirname(__file__), name)
                          "gemm.c")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), name)
             for name in ("prefill_attention_body.h", "prefill_attention_avx2.h",
-                         "simd_math.h")]
+                         "prefill_attention_avx512.h", "simd_math.h", "bf16.h")]
 # -ffast-math only while compiling: linking with it would add crtfastmath, whose
 # constructor turns on flush-to-zero for the whole process (torch included).
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 _LIBS = ["-lmvec", "-lm"]
+# CONVEYOR_KERNEL_ISA caps the instruction set the kernels are built for (tests and
+# benchmarks use it to run the AVX2 and portable bodies on an AVX-512 machine).
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"],
+             "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -58,14 +62,22 @@ def why_unavailable() -> str:
     return "(no C compiler, or the build failed: see the log)"
 
 
-def _build(compiler: str, out_path: str) -> None:
+def kernel_isa() -> str:
+    """The instruction-set cap of ``CONVEYOR_KERNEL_ISA`` (native, avx2, portable)."""
+    isa = os.environ.get("CONVEYOR_KERNEL_ISA", "native").strip().lower() or "native"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"CONVEYOR_KERNEL_ISA={isa!r}: expected one of {sorted(ISA_FLAGS)}")
+    return isa
+
+
+def _build(compiler: str, out_path: str, flags: list[str]) -> None:
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     workdir = tempfile.mkdtemp(dir=os.path.dirname(out_path))
     try:
         objects = []
         for source in _SOURCES:
             obj = os.path.join(workdir, os.path.basename(source) + ".o")
-            subprocess.run([compiler, *_FLAGS, "-c", source, "-o", obj], check=True,
+            subprocess.run([compiler, *flags, "-c", source, "-o", obj], check=True,
                            capture_output=True, text=True)
             objects.append(obj)
         tmp = os.path.join(workdir, "lib.so")
@@ -89,20 +101,28 @@ def load() -> ctypes.CDLL | None:
     if not native_kernels_enabled():
         logger.info("native CPU kernels disabled by CONVEYOR_NATIVE_KERNELS=0")
         return None
+    _lib = load_variant(kernel_isa())
+    return _lib
+
+
+def load_variant(isa: str) -> ctypes.CDLL | None:
+    """A build of the library for ``isa`` (``ISA_FLAGS``: native, or capped at AVX2 or at
+    portable C), loaded beside any other; None if it cannot be built."""
     if platform.system() != "Linux":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: native CPU kernels disabled")
         return None
-    key = hashlib.sha256(" ".join(_FLAGS).encode() + _cpu_key().encode())
+    flags = [*_FLAGS, *ISA_FLAGS[isa]]
+    key = hashlib.sha256(" ".join(flags).encode() + _cpu_key().encode())
     for source in [*_SOURCES, *_HEADERS]:
         with open(source, "rb") as f:
             key.update(f.read())
     path = os.path.join(cache_root(), "kernels", key.hexdigest()[:16], "libconveyor_cpu.so")
     try:
         if not os.path.isfile(path):
-            _build(compiler, path)
+            _build(compiler, path, flags)
         import torch  # noqa: F401  (load torch's libgomp first so the kernels share it)
 
         lib = ctypes.CDLL(path)
@@ -110,6 +130,11 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning("native CPU kernels disabled: %s", detail.strip()[:500])
         return None
+    _bind(lib)
+    return lib
+
+
+def _bind(lib: ctypes.CDLL) -> None:
     ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     signatures = {
         "decode_attention_f32": [ptr] * 7 + [i32] * 5 + [f32],
@@ -123,16 +148,16 @@ def load() -> ctypes.CDLL | None:
         "silu_mul_bf16": [ptr] * 2 + [i32] * 2,
         "rope_bf16": [ptr] * 4 + [i32] * 4,
         "prefill_attention_f32": [ptr] * 4 + [i32] * 7 + [f32],
+        "prefill_attention_bf16": [ptr] * 4 + [i32] * 7 + [f32],
         "gemm_f32_available": [],
         "gemm_packed_size": [i32] * 3,
         "gemm_pack_weight_f32": [ptr] * 2 + [i32] * 3,
         "gemm_f32": [ptr, i32, ptr, ptr, ptr] + [i32] * 5,
     }
-    restypes = {"prefill_attention_f32": ctypes.c_int, "gemm_f32_available": ctypes.c_int,
-                "gemm_packed_size": ctypes.c_int64, "gemm_f32": ctypes.c_int}
+    restypes = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
+                "gemm_f32_available": ctypes.c_int, "gemm_packed_size": ctypes.c_int64,
+                "gemm_f32": ctypes.c_int}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype = restypes.get(name)
         fn.argtypes = argtypes
-    _lib = lib
-    return lib

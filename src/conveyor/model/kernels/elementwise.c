@@ -8,6 +8,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 /* out = rms_norm(x) * w  (rows of dim) */
 void rms_norm_f32(const float* x, const float* w, float* out, int rows, int dim, float eps) {
     #pragma omp parallel for schedule(static) if (rows > 8)
@@ -80,20 +82,9 @@ void rope_f32(float* qkv, const int64_t* pos, const float* cos_t, const float* s
  * the rounding of a sum's order: RMSNorm rounds x / rms(x) before the weight multiplies,
  * the residual add rounds, silu rounds before the multiply by up, RoPE rounds the tables
  * and each product before the add. The conversions are shifts and integer adds, which
- * the compiler vectorizes for the machine's ISA (-march=native: AVX-512, AVX2 or scalar).
+ * the compiler vectorizes for the machine's ISA (-march=native: AVX-512, AVX2 or scalar;
+ * bf16.h).
  */
-static inline float bf16_to_f32(uint16_t b) {
-    union { uint32_t u; float f; } v = { (uint32_t)b << 16 };
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { float f; uint32_t u; } v = { f };
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int rows, int dim,
                    float eps) {
     #pragma omp parallel for schedule(static) if (rows > 8)

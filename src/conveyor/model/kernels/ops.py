@@ -234,18 +234,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def _heads_ok(t) -> bool:
-    return (t.dtype is F32 and t.is_cpu and t.dim() == 3 and t.stride(2) == 1
+def _heads_ok(t, dtype) -> bool:
+    return (t.dtype is dtype and t.is_cpu and t.dim() == 3 and t.stride(2) == 1
             and t.stride(1) == t.shape[2])
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      scale: float) -> bool:
+                      scale: float, lib=None) -> bool:
     """Causal attention of a fresh prompt, written into ``out``: q, out [T, Hq, D], k, v
-    [T, Hkv, D], float32, rows strided as the packed QKV leaves them (k and v with the same
-    row stride). False (nothing written) for a head dim the kernel has no copy for."""
+    [T, Hkv, D], all float32 or all bfloat16 (float32 arithmetic either way, bf16 rounded
+    once on the way out), rows strided as the packed QKV leaves them (k and v with the
+    same row stride). False (nothing written) for a head dim the kernel has no copy for.
+    ``lib``: a library from ``kernels.load_variant`` instead of the process's own."""
+    dt = getattr(q, "dtype", None)
     try:
-        ok = (_heads_ok(q) and _heads_ok(k) and _heads_ok(v) and _heads_ok(out)
+        ok = ((dt is F32 or dt is BF16) and _heads_ok(q, dt) and _heads_ok(k, dt)
+              and _heads_ok(v, dt) and _heads_ok(out, dt)
               and out.shape == q.shape and k.shape == v.shape and k.shape[0] == q.shape[0]
               and k.shape[2] == q.shape[2] and k.shape[1] > 0 and not q.shape[1] % k.shape[1]
               and k.stride(0) == v.stride(0)
@@ -253,17 +257,19 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     except AttributeError:
         ok = False
     if not ok:
+        types = (dt,) if dt is F32 or dt is BF16 else _ACT
         raise _refuse("prefill_attention", tuple(
-            (name, t, _F32, 3, "heads") for name, t in (("q", q), ("k", k), ("v", v),
-                                                         ("out", out))),
+            (name, t, types, 3, "heads") for name, t in (("q", q), ("k", k), ("v", v),
+                                                          ("out", out))),
             lambda: f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} and out "
                     f"{tuple(out.shape)} (row strides {q.stride(0)}, {k.stride(0)}, "
                     f"{v.stride(0)}, {out.stride(0)}) do not fit [T, Hq, D], [T, Hkv, D] x2 "
                     "(Hkv dividing Hq, one row stride for k and v), [T, Hq, D] (rows apart)")
     t_len, hq, d = q.shape
-    return (_lib or _native()).prefill_attention_f32(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t_len, hq, k.shape[1], d,
-        q.stride(0), k.stride(0), out.stride(0), scale) == 0
+    lib = lib or _lib or _native()
+    fn = lib.prefill_attention_f32 if dt is F32 else lib.prefill_attention_bf16
+    return fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t_len, hq, k.shape[1],
+              d, q.stride(0), k.stride(0), out.stride(0), scale) == 0
 
 
 # --- gemm.c ---------------------------------------------------------------------------

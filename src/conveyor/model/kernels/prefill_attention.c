@@ -1,6 +1,8 @@
 /*
- * Causal self-attention of a fresh prompt (no cached prefix), float32, GQA; head dims
- * 16, 32, 64 and 128 (each a copy compiled with its dimension fixed, so that a query's
+ * Causal self-attention of a fresh prompt (no cached prefix), GQA; float32 or bfloat16
+ * tensors (bf16 is converted where the query block and the K/V tiles are copied, and
+ * rounded once on the way out, so the arithmetic is float32 in both); head dims 16, 32,
+ * 64 and 128 (each a copy compiled with its dimension fixed, so that a query's
  * accumulator fits in registers).
  *
  * One task per (KV head, block of QB query rows): the block's rows times the G query
@@ -24,45 +26,59 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define QB 16
 #define KC 16
 #define NEG (-1e30f)
 
 /* A task's queries i = (row r0 + i / G, head h * G + i % G) copied pre-scaled into qs
- * (padded with zeros to nq4, a multiple of 4), its softmax state and accumulators reset.
- * Shared by both bodies; inlined with their fixed head dim. */
-static inline void start_task(const float* restrict q, float* restrict qs, float* m, float* l,
-                              float* acc, int nq, int nq4, int r0, int G, int h, int q_stride,
-                              int dim, float scale) {
-    for (int i = 0; i < nq4; i++) {
-        float* dst = qs + (int64_t)i * dim;
-        if (i < nq) {
-            const float* src = q + (int64_t)(r0 + i / G) * q_stride
-                             + (int64_t)(h * G + i % G) * dim;
-            for (int d = 0; d < dim; d++) dst[d] = src[d] * scale;
-        } else {
-            for (int d = 0; d < dim; d++) dst[d] = 0.f;
-        }
-        m[i] = NEG;
-        l[i] = 0.f;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)nq4 * dim);
+ * (padded with zeros to nq4, a multiple of 4), its softmax state and accumulators reset;
+ * and its outputs, each query's accumulator over its softmax denominator. One copy per
+ * element type (float32, bfloat16: converted here, so the hot loops only see float32),
+ * shared by every body and inlined with its fixed head dim. */
+#define DEFINE_TASK_IO(SUF, T, LOAD, STORE)                                                 \
+static inline void start_task_##SUF(const T* restrict q, float* restrict qs, float* m,      \
+                                    float* l, float* acc, int nq, int nq4, int r0, int G,   \
+                                    int h, int q_stride, int dim, float scale) {            \
+    for (int i = 0; i < nq4; i++) {                                                         \
+        float* dst = qs + (int64_t)i * dim;                                                 \
+        if (i < nq) {                                                                       \
+            const T* src = q + (int64_t)(r0 + i / G) * q_stride                             \
+                         + (int64_t)(h * G + i % G) * dim;                                  \
+            for (int d = 0; d < dim; d++) dst[d] = LOAD(src[d]) * scale;                    \
+        } else {                                                                            \
+            for (int d = 0; d < dim; d++) dst[d] = 0.f;                                     \
+        }                                                                                   \
+        m[i] = NEG;                                                                         \
+        l[i] = 0.f;                                                                         \
+    }                                                                                       \
+    memset(acc, 0, sizeof(float) * (size_t)nq4 * dim);                                      \
+}                                                                                           \
+static inline void finish_task_##SUF(T* restrict out, const float* restrict acc,            \
+                                     const float* l, int nq, int r0, int G, int h,          \
+                                     int out_stride, int dim) {                             \
+    for (int i = 0; i < nq; i++) {                                                          \
+        T* o = out + (int64_t)(r0 + i / G) * out_stride + (int64_t)(h * G + i % G) * dim;   \
+        const float inv = 1.f / l[i];                                                       \
+        const float* ai = acc + (int64_t)i * dim;                                           \
+        for (int d = 0; d < dim; d++) o[d] = STORE(ai[d] * inv);                            \
+    }                                                                                       \
 }
 
-/* A task's outputs: each query's accumulator over its softmax denominator. */
-static inline void finish_task(float* restrict out, const float* restrict acc, const float* l,
-                               int nq, int r0, int G, int h, int out_stride, int dim) {
-    for (int i = 0; i < nq; i++) {
-        float* o = out + (int64_t)(r0 + i / G) * out_stride + (int64_t)(h * G + i % G) * dim;
-        const float inv = 1.f / l[i];
-        const float* ai = acc + (int64_t)i * dim;
-        for (int d = 0; d < dim; d++) o[d] = ai[d] * inv;
-    }
-}
+#define F32_ID(x) (x)
+DEFINE_TASK_IO(f32, float, F32_ID, F32_ID)
+DEFINE_TASK_IO(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 
-/* Register-blocked intrinsics where the CPU has them, else portable C the compiler
- * vectorizes (KC = 16 is two ymm registers of keys in both). */
-#if defined(__AVX2__) && defined(__FMA__)
+/* Register-blocked intrinsics where the CPU has them (AVX-512F, else AVX2 + FMA), else
+ * portable C the compiler vectorizes. -march=native picks one at build time, and the
+ * build is cached per CPU (kernels/__init__.py), so each machine runs its own. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "simd_math.h"
+#define BODY "prefill_attention_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 #include "simd_math.h"
@@ -71,36 +87,82 @@ static inline void finish_task(float* restrict out, const float* restrict acc, c
 #define BODY "prefill_attention_body.h"
 #endif
 
+/* Each body once per (element type, head dim): TIN for q, k, v and out, LOAD converts an
+ * element to float32, START_TASK / FINISH_TASK are the type's task I/O above. */
+#define TIN float
+#define LOAD F32_ID
+#define START_TASK start_task_f32
+#define FINISH_TASK finish_task_f32
 #define D 16
-#define NAME prefill_d16
+#define NAME prefill_f32_d16
 #include BODY
 #undef D
 #undef NAME
 #define D 32
-#define NAME prefill_d32
+#define NAME prefill_f32_d32
 #include BODY
 #undef D
 #undef NAME
 #define D 64
-#define NAME prefill_d64
+#define NAME prefill_f32_d64
 #include BODY
 #undef D
 #undef NAME
 #define D 128
-#define NAME prefill_d128
+#define NAME prefill_f32_d128
 #include BODY
 #undef D
 #undef NAME
+#undef TIN
+#undef LOAD
+#undef START_TASK
+#undef FINISH_TASK
+
+#define TIN uint16_t
+#define LOAD bf16_to_f32
+#define START_TASK start_task_bf16
+#define FINISH_TASK finish_task_bf16
+#define D 16
+#define NAME prefill_bf16_d16
+#include BODY
+#undef D
+#undef NAME
+#define D 32
+#define NAME prefill_bf16_d32
+#include BODY
+#undef D
+#undef NAME
+#define D 64
+#define NAME prefill_bf16_d64
+#include BODY
+#undef D
+#undef NAME
+#define D 128
+#define NAME prefill_bf16_d128
+#include BODY
+#undef D
+#undef NAME
+#undef TIN
+#undef LOAD
+#undef START_TASK
+#undef FINISH_TASK
 
 /* Returns 0, or -1 for a head dim without a compiled copy (the caller falls back). */
-int prefill_attention_f32(const float* q, const float* k, const float* v, float* out, int L,
-                          int Hq, int Hkv, int head_dim, int q_stride, int kv_stride,
-                          int out_stride, float scale) {
-    switch (head_dim) {
-        case 16: prefill_d16(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride, out_stride, scale); return 0;
-        case 32: prefill_d32(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride, out_stride, scale); return 0;
-        case 64: prefill_d64(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride, out_stride, scale); return 0;
-        case 128: prefill_d128(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride, out_stride, scale); return 0;
-        default: return -1;
-    }
+#define DISPATCH(SUF, T)                                                                    \
+int prefill_attention_##SUF(const T* q, const T* k, const T* v, T* out, int L, int Hq,      \
+                            int Hkv, int head_dim, int q_stride, int kv_stride,             \
+                            int out_stride, float scale) {                                  \
+    switch (head_dim) {                                                                     \
+        case 16: prefill_##SUF##_d16(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride,         \
+                                     out_stride, scale); return 0;                          \
+        case 32: prefill_##SUF##_d32(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride,         \
+                                     out_stride, scale); return 0;                          \
+        case 64: prefill_##SUF##_d64(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride,         \
+                                     out_stride, scale); return 0;                          \
+        case 128: prefill_##SUF##_d128(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride,       \
+                                       out_stride, scale); return 0;                        \
+        default: return -1;                                                                 \
+    }                                                                                       \
 }
+DISPATCH(f32, float)
+DISPATCH(bf16, uint16_t)

@@ -1,7 +1,8 @@
 /*
- * The AVX2 + FMA body of prefill_attention.c's kernel, included once per head dim with D
- * (a multiple of 16) and NAME defined; same task split and online softmax as the
- * portable body (prefill_attention_body.h), with both products register-blocked:
+ * The AVX2 + FMA body of prefill_attention.c's kernel, included once per element type and
+ * head dim (TIN, LOAD, START_TASK, FINISH_TASK, D (a multiple of 16) and NAME defined);
+ * same task split and online softmax as the portable body (prefill_attention_body.h),
+ * with both products register-blocked:
  *
  *   scores  4 queries x KC (16) keys in 8 ymm accumulators; a step over d is two loads of
  *           the transposed K tile, four broadcasts and eight FMAs
@@ -13,8 +14,8 @@
  * where the portable body reloaded each query's accumulator and every V row once per
  * query (measured 2-3x slower on the 2-core AVX2 machine this project runs on).
  */
-static void NAME(const float* restrict q, const float* restrict k, const float* restrict v,
-                 float* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
+static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restrict v,
+                 TIN* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
                  int out_stride, float scale) {
     const int G = Hq / Hkv;
     const int nblocks = (L + QB - 1) / QB;
@@ -35,8 +36,8 @@ static void NAME(const float* restrict q, const float* restrict k, const float* 
         for (int jj = 0; jj < KC; jj++) {
             const int64_t off = (int64_t)(j0 + (jj < kn ? jj : 0)) * kv_stride
                               + (int64_t)h * D;
-            for (int d = 0; d < D; d++) kt[d * KC + jj] = k[off + d];
-            for (int d = 0; d < D; d++) vt[jj * D + d] = jj < kn ? v[off + d] : 0.f;
+            for (int d = 0; d < D; d++) kt[d * KC + jj] = LOAD(k[off + d]);
+            for (int d = 0; d < D; d++) vt[jj * D + d] = jj < kn ? LOAD(v[off + d]) : 0.f;
         }
     }
     const int nq_max = (QB * G + 3) / 4 * 4;
@@ -51,7 +52,7 @@ static void NAME(const float* restrict q, const float* restrict k, const float* 
         const int blk = nblocks - 1 - task / Hkv, h = task % Hkv;
         const int r0 = blk * QB, r1 = r0 + QB < L ? r0 + QB : L;
         const int nq = (r1 - r0) * G, nq4 = (nq + 3) / 4 * 4;
-        start_task(q, qs, m, l, acc, nq, nq4, r0, G, h, q_stride, D, scale);
+        START_TASK(q, qs, m, l, acc, nq, nq4, r0, G, h, q_stride, D, scale);
         for (int j0 = 0; j0 < r1; j0 += KC) {
             const int kn = r1 - j0 < KC ? r1 - j0 : KC;
             const float* kt = kts + ((int64_t)h * nchunks + j0 / KC) * D * KC;
@@ -148,7 +149,7 @@ static void NAME(const float* restrict q, const float* restrict k, const float* 
                 }
             }
         }
-        finish_task(out, acc, l, nq, r0, G, h, out_stride, D);
+        FINISH_TASK(out, acc, l, nq, r0, G, h, out_stride, D);
     }
     free(m); free(l); free(acc); free(qs);
     }

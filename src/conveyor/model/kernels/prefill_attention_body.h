@@ -1,9 +1,10 @@
 /*
- * The body of prefill_attention.c's kernel, included once per head dim with D and NAME
- * defined, so that each copy is compiled with its dimension fixed.
+ * The portable body of prefill_attention.c's kernel, included once per element type and
+ * head dim (TIN, LOAD, START_TASK, FINISH_TASK, D and NAME defined), so that each copy is
+ * compiled with its dimension fixed.
  */
-static void NAME(const float* restrict q, const float* restrict k, const float* restrict v,
-                 float* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
+static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restrict v,
+                 TIN* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
                  int out_stride, float scale) {
     const int G = Hq / Hkv;
     const int nblocks = (L + QB - 1) / QB;
@@ -23,13 +24,13 @@ static void NAME(const float* restrict q, const float* restrict k, const float* 
         const int blk = nblocks - 1 - task / Hkv, h = task % Hkv;
         const int r0 = blk * QB, r1 = r0 + QB < L ? r0 + QB : L;
         const int nq = (r1 - r0) * G, nq4 = (nq + 3) / 4 * 4;
-        start_task(q, qs, m, l, acc, nq, nq4, r0, G, h, q_stride, D, scale);
+        START_TASK(q, qs, m, l, acc, nq, nq4, r0, G, h, q_stride, D, scale);
         for (int j0 = 0; j0 < r1; j0 += KC) {
             const int kn = r1 - j0 < KC ? r1 - j0 : KC;
             for (int jj = 0; jj < KC; jj++) {
-                const float* kr = k + (int64_t)(j0 + (jj < kn ? jj : 0)) * kv_stride
+                const TIN* kr = k + (int64_t)(j0 + (jj < kn ? jj : 0)) * kv_stride
                                 + (int64_t)h * D;
-                for (int d = 0; d < D; d++) kt[d * KC + jj] = kr[d];
+                for (int d = 0; d < D; d++) kt[d * KC + jj] = LOAD(kr[d]);
             }
             for (int i0 = 0; i0 < nq; i0 += 4) {
                 if (r0 + (i0 + 3 < nq ? i0 + 3 : nq - 1) / G < j0) continue;
@@ -70,16 +71,16 @@ static void NAME(const float* restrict q, const float* restrict k, const float* 
                     for (int d = 0; d < D; d++) a_[d] = ai[d] * alpha;
                     for (int jj = 0; jj < valid; jj++) {
                         const float p = si[jj];
-                        const float* vr = v + (int64_t)(j0 + jj) * kv_stride + (int64_t)h * D;
+                        const TIN* vr = v + (int64_t)(j0 + jj) * kv_stride + (int64_t)h * D;
                         #pragma omp simd
-                        for (int d = 0; d < D; d++) a_[d] += p * vr[d];
+                        for (int d = 0; d < D; d++) a_[d] += p * LOAD(vr[d]);
                     }
                     float* aw = acc + (int64_t)i * D;
                     for (int d = 0; d < D; d++) aw[d] = a_[d];
                 }
             }
         }
-        finish_task(out, acc, l, nq, r0, G, h, out_stride, D);
+        FINISH_TASK(out, acc, l, nq, r0, G, h, out_stride, D);
     }
     free(kt); free(s); free(m); free(l); free(acc); free(qs);
     }

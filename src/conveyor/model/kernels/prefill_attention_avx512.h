@@ -1,0 +1,137 @@
+/*
+ * The AVX-512F body of prefill_attention.c's kernel, included once per element type and
+ * head dim (TIN, LOAD, START_TASK, FINISH_TASK, D (a multiple of 16) and NAME defined).
+ * The AVX2 body's task split, tiles and online softmax with 16-lane registers:
+ *
+ *   scores  4 queries x KC (16) keys, one zmm per query; even and odd dims accumulate
+ *           apart (8 independent FMA chains, enough to cover the FMA latency), so a step
+ *           over two dims is two tile loads, eight broadcast FMAs
+ *   softmax a query's 16 scores in one register: masked by a lane mask, its max and sum
+ *           by reductions, its exponentials by exp512
+ *   P @ V   4 queries x up to 64 dims of the output in up to 16 zmm accumulators,
+ *           rescaled once per chunk; a key is up to four loads of its V row, four
+ *           broadcasts of the probabilities and up to sixteen FMAs
+ *
+ * Where the AVX2 body needs 8 FMAs per dim for 4 queries x 16 keys, this one needs 4.
+ */
+#define NV_ (D >= 64 ? 4 : D / 16) /* zmm registers of output per query in a pass */
+static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restrict v,
+                 TIN* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
+                 int out_stride, float scale) {
+    const int G = Hq / Hkv;
+    const int nblocks = (L + QB - 1) / QB;
+    const int ntasks = Hkv * nblocks;
+    const int nchunks = (L + KC - 1) / KC;
+    float* kts = (float*)aligned_alloc(64, sizeof(float) * (size_t)Hkv * nchunks * D * KC);
+    float* vts = (float*)aligned_alloc(64, sizeof(float) * (size_t)Hkv * nchunks * KC * D);
+    #pragma omp parallel
+    {
+    #pragma omp for schedule(static)
+    for (int c = 0; c < Hkv * nchunks; c++) {
+        const int h = c / nchunks, j0 = (c % nchunks) * KC;
+        const int kn = L - j0 < KC ? L - j0 : KC;
+        float* kt = kts + (int64_t)c * D * KC;
+        float* vt = vts + (int64_t)c * KC * D;
+        for (int jj = 0; jj < KC; jj++) {
+            const int64_t off = (int64_t)(j0 + (jj < kn ? jj : 0)) * kv_stride
+                              + (int64_t)h * D;
+            for (int d = 0; d < D; d++) kt[d * KC + jj] = LOAD(k[off + d]);
+            for (int d = 0; d < D; d++) vt[jj * D + d] = jj < kn ? LOAD(v[off + d]) : 0.f;
+        }
+    }
+    const int nq_max = (QB * G + 3) / 4 * 4;
+    float* m = (float*)malloc(sizeof(float) * (size_t)nq_max);
+    float* l = (float*)malloc(sizeof(float) * (size_t)nq_max);
+    float* acc = (float*)aligned_alloc(64, sizeof(float) * (size_t)nq_max * D);
+    float* qs = (float*)aligned_alloc(64, sizeof(float) * (size_t)nq_max * D);
+    const __m512 neg = _mm512_set1_ps(NEG);
+    /* Largest blocks first (their work grows with the row index). */
+    #pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < ntasks; task++) {
+        const int blk = nblocks - 1 - task / Hkv, h = task % Hkv;
+        const int r0 = blk * QB, r1 = r0 + QB < L ? r0 + QB : L;
+        const int nq = (r1 - r0) * G, nq4 = (nq + 3) / 4 * 4;
+        START_TASK(q, qs, m, l, acc, nq, nq4, r0, G, h, q_stride, D, scale);
+        for (int j0 = 0; j0 < r1; j0 += KC) {
+            const int kn = r1 - j0 < KC ? r1 - j0 : KC;
+            const float* kt = kts + ((int64_t)h * nchunks + j0 / KC) * D * KC;
+            const float* vt = vts + ((int64_t)h * nchunks + j0 / KC) * KC * D;
+            for (int i0 = 0; i0 < nq; i0 += 4) {
+                if (r0 + (i0 + 3 < nq ? i0 + 3 : nq - 1) / G < j0) continue;
+                const float* q0 = qs + (int64_t)i0 * D;
+                __m512 e0 = _mm512_setzero_ps(), o0 = e0, e1 = e0, o1 = e0, e2 = e0, o2 = e0,
+                       e3 = e0, o3 = e0;
+                for (int d = 0; d < D; d += 2) {
+                    const __m512 k0 = _mm512_load_ps(kt + d * KC);
+                    const __m512 k1 = _mm512_load_ps(kt + (d + 1) * KC);
+                    e0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), k0, e0);
+                    o0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d + 1]), k1, o0);
+                    e1 = _mm512_fmadd_ps(_mm512_set1_ps(q0[D + d]), k0, e1);
+                    o1 = _mm512_fmadd_ps(_mm512_set1_ps(q0[D + d + 1]), k1, o1);
+                    e2 = _mm512_fmadd_ps(_mm512_set1_ps(q0[2 * D + d]), k0, e2);
+                    o2 = _mm512_fmadd_ps(_mm512_set1_ps(q0[2 * D + d + 1]), k1, o2);
+                    e3 = _mm512_fmadd_ps(_mm512_set1_ps(q0[3 * D + d]), k0, e3);
+                    o3 = _mm512_fmadd_ps(_mm512_set1_ps(q0[3 * D + d + 1]), k1, o3);
+                }
+                const __m512 sc[4] = {_mm512_add_ps(e0, o0), _mm512_add_ps(e1, o1),
+                                      _mm512_add_ps(e2, o2), _mm512_add_ps(e3, o3)};
+                float p[4][KC] __attribute__((aligned(64)));
+                float alpha[16] __attribute__((aligned(64))) = {0.f};
+                float p_sum[4], new_m[4];
+                for (int a = 0; a < 4; a++) {
+                    const int i = i0 + a, t = r0 + i / G;
+                    /* Keys past row t (and padding) are masked; padded queries mask all. */
+                    const int valid = i >= nq || t < j0 ? 0 : (t - j0 + 1 < kn ? t - j0 + 1 : kn);
+                    const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
+                    const __m512 s = _mm512_mask_blend_ps(keep, neg, sc[a]);
+                    const float cm = fmaxf(m[i], _mm512_reduce_max_ps(s));
+                    /* Masked lanes: exp512 of -1e30 is exactly 0. */
+                    const __m512 e = exp512(_mm512_sub_ps(s, _mm512_set1_ps(cm)));
+                    _mm512_store_ps(p[a], e);
+                    p_sum[a] = _mm512_reduce_add_ps(e);
+                    alpha[a] = m[i] - cm; /* exponentiated below, the four at once */
+                    new_m[a] = cm;
+                }
+                _mm512_store_ps(alpha, exp512(_mm512_load_ps(alpha)));
+                for (int a = 0; a < 4 && i0 + a < nq; a++) {
+                    l[i0 + a] = l[i0 + a] * alpha[a] + p_sum[a];
+                    m[i0 + a] = new_m[a];
+                }
+                const __m512 al[4] = {_mm512_set1_ps(alpha[0]), _mm512_set1_ps(alpha[1]),
+                                      _mm512_set1_ps(alpha[2]), _mm512_set1_ps(alpha[3])};
+                for (int dc = 0; dc < D; dc += 16 * NV_) {
+                    __m512 o[4][NV_];
+                    #pragma GCC unroll 4
+                    for (int a = 0; a < 4; a++) {
+                        #pragma GCC unroll 4
+                        for (int c = 0; c < NV_; c++)
+                            o[a][c] = _mm512_mul_ps(
+                                _mm512_load_ps(acc + (int64_t)(i0 + a) * D + dc + 16 * c), al[a]);
+                    }
+                    for (int jj = 0; jj < kn; jj++) {
+                        __m512 vr[NV_];
+                        #pragma GCC unroll 4
+                        for (int c = 0; c < NV_; c++) vr[c] = _mm512_load_ps(vt + jj * D + dc + 16 * c);
+                        #pragma GCC unroll 4
+                        for (int a = 0; a < 4; a++) {
+                            const __m512 x = _mm512_set1_ps(p[a][jj]);
+                            #pragma GCC unroll 4
+                            for (int c = 0; c < NV_; c++) o[a][c] = _mm512_fmadd_ps(x, vr[c], o[a][c]);
+                        }
+                    }
+                    #pragma GCC unroll 4
+                    for (int a = 0; a < 4; a++) {
+                        #pragma GCC unroll 4
+                        for (int c = 0; c < NV_; c++)
+                            _mm512_store_ps(acc + (int64_t)(i0 + a) * D + dc + 16 * c, o[a][c]);
+                    }
+                }
+            }
+        }
+        FINISH_TASK(out, acc, l, nq, r0, G, h, out_stride, D);
+    }
+    free(m); free(l); free(acc); free(qs);
+    }
+    free(kts); free(vts);
+}
+#undef NV_
