@@ -1,7 +1,7 @@
 """Causal prefill attention of a fresh prompt: torch's SDPA against conveyor's kernel
 (``kernels/prefill_attention.c``) built for each instruction set this CPU runs (its own,
-capped at AVX2, portable C), in float32 and bfloat16, side by side in rounds, on
-SmolLM2-135M's heads (9 query, 3 KV, dim 64). In bf16 the kernel also runs the way it
+AVX-512 without BF16, capped at AVX2, portable C), in float32 and bfloat16, side by side
+in rounds, on SmolLM2-135M's heads (9 query, 3 KV, dim 64). In bf16 the kernel also runs the way it
 did before it read bf16 itself (on fp32 copies, rounded once after), for comparison.
 
     python benchmarks/prefill_attention.py --tokens 64,146,256 --threads 2
@@ -24,6 +24,8 @@ from conveyor.model.dtypes import cpu_flags, cpu_model_name
 def isas() -> list[str]:
     flags = cpu_flags() or set()
     out = ["native"]
+    if "avx512_bf16" in flags:
+        out.append("avx512")
     if "avx512f" in flags and "avx2" in flags:
         out.append("avx2")
     if "avx2" in flags:

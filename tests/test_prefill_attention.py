@@ -21,7 +21,8 @@ needs_native = pytest.mark.skipif(kernels.load() is None,
 def isa_builds() -> list[str]:
     """The kernel builds this CPU runs: its own, and those capped below what it has."""
     flags = cpu_flags() or set()
-    return ["native"] + (["avx2"] if {"avx512f", "avx2"} <= flags else []) + (
+    return ["native"] + (["avx512"] if "avx512_bf16" in flags else []) + (
+        ["avx2"] if {"avx512f", "avx2"} <= flags else []) + (
         ["portable"] if "avx2" in flags else [])
 
 

@@ -39,7 +39,7 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 _LIBS = ["-lmvec", "-lm"]
 # CONVEYOR_KERNEL_ISA caps the instruction set the kernels are built for (tests and
 # benchmarks use it to run the AVX2 and portable bodies on an AVX-512 machine).
-ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"],
+ISA_FLAGS = {"native": [], "avx512": ["-mno-avx512bf16"], "avx2": ["-mno-avx512f"],
              "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
 _lib: ctypes.CDLL | None = None
 _tried = False

@@ -114,11 +114,13 @@ DEFINE_TASK_IO(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 #undef D
 #undef NAME
 #undef TIN
+#undef TIN_IS_BF16
 #undef LOAD
 #undef START_TASK
 #undef FINISH_TASK
 
 #define TIN uint16_t
+#define TIN_IS_BF16
 #define LOAD bf16_to_f32
 #define START_TASK start_task_bf16
 #define FINISH_TASK finish_task_bf16
@@ -143,6 +145,7 @@ DEFINE_TASK_IO(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 #undef D
 #undef NAME
 #undef TIN
+#undef TIN_IS_BF16
 #undef LOAD
 #undef START_TASK
 #undef FINISH_TASK

@@ -12,9 +12,19 @@
  *           rescaled once per chunk; a key is up to four loads of its V row, four
  *           broadcasts of the probabilities and up to sixteen FMAs
  *
- * Where the AVX2 body needs 8 FMAs per dim for 4 queries x 16 keys, this one needs 4.
+ * Where the AVX2 body needs 8 FMAs per dim for 4 queries x 16 keys, this one needs 4; with
+ * bf16 inputs on a CPU with AVX-512 BF16 the scores take 2 (vdpbf16ps on bf16 pairs of
+ * dims: the products of two bf16 values are exact in float32, so only the order of the
+ * float32 sums differs from the FMAs'); P @ V stays float32 (the probabilities are not
+ * rounded to bf16).
  */
 #define NV_ (D >= 64 ? 4 : D / 16) /* zmm registers of output per query in a pass */
+/* bf16 inputs on a CPU with AVX-512 BF16: the scores by bf16 dot products. */
+#if defined(__AVX512BF16__) && defined(TIN_IS_BF16)
+#define DOT_BF16_ 1
+#else
+#define DOT_BF16_ 0
+#endif
 static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restrict v,
                  TIN* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
                  int out_stride, float scale) {
@@ -24,6 +34,10 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
     const int nchunks = (L + KC - 1) / KC;
     float* kts = (float*)aligned_alloc(64, sizeof(float) * (size_t)Hkv * nchunks * D * KC);
     float* vts = (float*)aligned_alloc(64, sizeof(float) * (size_t)Hkv * nchunks * KC * D);
+#if DOT_BF16_
+    /* K as bf16 pairs: [D / 2][KC] 32-bit lanes, dims 2p (low half) and 2p + 1 of a key. */
+    uint32_t* kps = (uint32_t*)kts;
+#endif
     #pragma omp parallel
     {
     #pragma omp for schedule(static)
@@ -35,7 +49,14 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
         for (int jj = 0; jj < KC; jj++) {
             const int64_t off = (int64_t)(j0 + (jj < kn ? jj : 0)) * kv_stride
                               + (int64_t)h * D;
+#if DOT_BF16_
+            uint32_t* kp = kps + (int64_t)c * D * KC;
+            for (int d = 0; d < D; d += 2)
+                kp[d / 2 * KC + jj] = (uint32_t)k[off + d] | (uint32_t)k[off + d + 1] << 16;
+            (void)kt;
+#else
             for (int d = 0; d < D; d++) kt[d * KC + jj] = LOAD(k[off + d]);
+#endif
             for (int d = 0; d < D; d++) vt[jj * D + d] = jj < kn ? LOAD(v[off + d]) : 0.f;
         }
     }
@@ -44,6 +65,10 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
     float* l = (float*)malloc(sizeof(float) * (size_t)nq_max);
     float* acc = (float*)aligned_alloc(64, sizeof(float) * (size_t)nq_max * D);
     float* qs = (float*)aligned_alloc(64, sizeof(float) * (size_t)nq_max * D);
+#if DOT_BF16_
+    uint32_t* qp = (uint32_t*)aligned_alloc(64, sizeof(uint32_t) * (size_t)nq_max * D / 2);
+    const __m512 scale_v = _mm512_set1_ps(scale);
+#endif
     const __m512 neg = _mm512_set1_ps(NEG);
     /* Largest blocks first (their work grows with the row index). */
     #pragma omp for schedule(dynamic, 1)
@@ -52,12 +77,51 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
         const int r0 = blk * QB, r1 = r0 + QB < L ? r0 + QB : L;
         const int nq = (r1 - r0) * G, nq4 = (nq + 3) / 4 * 4;
         START_TASK(q, qs, m, l, acc, nq, nq4, r0, G, h, q_stride, D, scale);
+#if DOT_BF16_
+        /* The queries' own bf16 pairs (unscaled: the scale multiplies the scores, so no
+         * second rounding), zeros for padding. */
+        for (int i = 0; i < nq4; i++) {
+            const TIN* src = q + (int64_t)(r0 + (i < nq ? i : 0) / G) * q_stride
+                           + (int64_t)(h * G + (i < nq ? i : 0) % G) * D;
+            for (int d = 0; d < D; d += 2)
+                qp[(int64_t)i * D / 2 + d / 2] = i < nq ? (uint32_t)src[d] | (uint32_t)src[d + 1] << 16
+                                                        : 0u;
+        }
+#endif
         for (int j0 = 0; j0 < r1; j0 += KC) {
             const int kn = r1 - j0 < KC ? r1 - j0 : KC;
             const float* kt = kts + ((int64_t)h * nchunks + j0 / KC) * D * KC;
+#if DOT_BF16_
+            const uint32_t* kp = kps + ((int64_t)h * nchunks + j0 / KC) * D * KC;
+#endif
             const float* vt = vts + ((int64_t)h * nchunks + j0 / KC) * KC * D;
             for (int i0 = 0; i0 < nq; i0 += 4) {
                 if (r0 + (i0 + 3 < nq ? i0 + 3 : nq - 1) / G < j0) continue;
+#if DOT_BF16_
+                /* vdpbf16ps: two dims of 16 keys per instruction, the products exact in
+                 * float32 (bf16 x bf16), summed in float32 as the FMAs below would. */
+                const uint32_t* q0 = qp + (int64_t)i0 * D / 2;
+                __m512 e0 = _mm512_setzero_ps(), o0 = e0, e1 = e0, o1 = e0, e2 = e0, o2 = e0,
+                       e3 = e0, o3 = e0;
+                for (int d = 0; d < D / 2; d += 2) {
+                    const __m512bh k0 = (__m512bh)_mm512_load_si512(kp + d * KC);
+                    const __m512bh k1 = (__m512bh)_mm512_load_si512(kp + (d + 1) * KC);
+#define QB_(x) ((__m512bh)_mm512_set1_epi32((int)(x)))
+                    e0 = _mm512_dpbf16_ps(e0, QB_(q0[d]), k0);
+                    o0 = _mm512_dpbf16_ps(o0, QB_(q0[d + 1]), k1);
+                    e1 = _mm512_dpbf16_ps(e1, QB_(q0[D / 2 + d]), k0);
+                    o1 = _mm512_dpbf16_ps(o1, QB_(q0[D / 2 + d + 1]), k1);
+                    e2 = _mm512_dpbf16_ps(e2, QB_(q0[D + d]), k0);
+                    o2 = _mm512_dpbf16_ps(o2, QB_(q0[D + d + 1]), k1);
+                    e3 = _mm512_dpbf16_ps(e3, QB_(q0[3 * D / 2 + d]), k0);
+                    o3 = _mm512_dpbf16_ps(o3, QB_(q0[3 * D / 2 + d + 1]), k1);
+#undef QB_
+                }
+                const __m512 sc[4] = {_mm512_mul_ps(_mm512_add_ps(e0, o0), scale_v),
+                                      _mm512_mul_ps(_mm512_add_ps(e1, o1), scale_v),
+                                      _mm512_mul_ps(_mm512_add_ps(e2, o2), scale_v),
+                                      _mm512_mul_ps(_mm512_add_ps(e3, o3), scale_v)};
+#else
                 const float* q0 = qs + (int64_t)i0 * D;
                 __m512 e0 = _mm512_setzero_ps(), o0 = e0, e1 = e0, o1 = e0, e2 = e0, o2 = e0,
                        e3 = e0, o3 = e0;
@@ -75,6 +139,7 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
                 }
                 const __m512 sc[4] = {_mm512_add_ps(e0, o0), _mm512_add_ps(e1, o1),
                                       _mm512_add_ps(e2, o2), _mm512_add_ps(e3, o3)};
+#endif
                 float p[4][KC] __attribute__((aligned(64)));
                 float alpha[16] __attribute__((aligned(64))) = {0.f};
                 float p_sum[4], new_m[4];
@@ -131,7 +196,11 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
         FINISH_TASK(out, acc, l, nq, r0, G, h, out_stride, D);
     }
     free(m); free(l); free(acc); free(qs);
+#if DOT_BF16_
+    free(qp);
+#endif
     }
     free(kts); free(vts);
 }
 #undef NV_
+#undef DOT_BF16_
