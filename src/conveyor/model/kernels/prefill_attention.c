@@ -64,6 +64,18 @@ static inline void finish_task_##SUF(T* restrict out, const float* restrict acc,
         const float* ai = acc + (int64_t)i * dim;                                           \
         for (int d = 0; d < dim; d++) o[d] = STORE(ai[d] * inv);                            \
     }                                                                                       \
+}                                                                                           \
+/* KV head h's keys j0 .. j0 + kn - 1 as a chunk of KC: K transposed into kt [dim][KC] (the  \
+ * last key repeated as padding), V copied into vt [KC][dim] (zeros as padding). */          \
+static inline void tile_chunk_##SUF(const T* restrict k, const T* restrict v,               \
+                                    float* restrict kt, float* restrict vt, int j0, int kn, \
+                                    int h, int kv_stride, int dim) {                        \
+    for (int jj = 0; jj < KC; jj++) {                                                       \
+        const int64_t off = (int64_t)(j0 + (jj < kn ? jj : kn - 1)) * kv_stride             \
+                          + (int64_t)h * dim;                                               \
+        if (kt) for (int d = 0; d < dim; d++) kt[d * KC + jj] = LOAD(k[off + d]);           \
+        for (int d = 0; d < dim; d++) vt[jj * dim + d] = jj < kn ? LOAD(v[off + d]) : 0.f;  \
+    }                                                                                       \
 }
 
 #define F32_ID(x) (x)
@@ -88,67 +100,37 @@ DEFINE_TASK_IO(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 #endif
 
 /* Each body once per (element type, head dim): TIN for q, k, v and out, LOAD converts an
- * element to float32, START_TASK / FINISH_TASK are the type's task I/O above. */
+ * element to float32, SUF names the copies (prefill_<SUF>_d<D>), and the task I/O and
+ * K/V tiles above come in the type's own version. */
 #define TIN float
+#define SUF f32
 #define LOAD F32_ID
 #define START_TASK start_task_f32
 #define FINISH_TASK finish_task_f32
-#define D 16
-#define NAME prefill_f32_d16
-#include BODY
-#undef D
-#undef NAME
-#define D 32
-#define NAME prefill_f32_d32
-#include BODY
-#undef D
-#undef NAME
-#define D 64
-#define NAME prefill_f32_d64
-#include BODY
-#undef D
-#undef NAME
-#define D 128
-#define NAME prefill_f32_d128
-#include BODY
-#undef D
-#undef NAME
+#define TILE_CHUNK tile_chunk_f32
+#include "prefill_attention_dims.h"
 #undef TIN
-#undef TIN_IS_BF16
+#undef SUF
 #undef LOAD
 #undef START_TASK
 #undef FINISH_TASK
+#undef TILE_CHUNK
 
 #define TIN uint16_t
 #define TIN_IS_BF16
+#define SUF bf16
 #define LOAD bf16_to_f32
 #define START_TASK start_task_bf16
 #define FINISH_TASK finish_task_bf16
-#define D 16
-#define NAME prefill_bf16_d16
-#include BODY
-#undef D
-#undef NAME
-#define D 32
-#define NAME prefill_bf16_d32
-#include BODY
-#undef D
-#undef NAME
-#define D 64
-#define NAME prefill_bf16_d64
-#include BODY
-#undef D
-#undef NAME
-#define D 128
-#define NAME prefill_bf16_d128
-#include BODY
-#undef D
-#undef NAME
+#define TILE_CHUNK tile_chunk_bf16
+#include "prefill_attention_dims.h"
 #undef TIN
 #undef TIN_IS_BF16
+#undef SUF
 #undef LOAD
 #undef START_TASK
 #undef FINISH_TASK
+#undef TILE_CHUNK
 
 /* Returns 0, or -1 for a head dim without a compiled copy (the caller falls back). */
 #define DISPATCH(SUF, T)                                                                    \

@@ -31,14 +31,8 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
     for (int c = 0; c < Hkv * nchunks; c++) {
         const int h = c / nchunks, j0 = (c % nchunks) * KC;
         const int kn = L - j0 < KC ? L - j0 : KC;
-        float* kt = kts + (int64_t)c * D * KC;
-        float* vt = vts + (int64_t)c * KC * D;
-        for (int jj = 0; jj < KC; jj++) {
-            const int64_t off = (int64_t)(j0 + (jj < kn ? jj : 0)) * kv_stride
-                              + (int64_t)h * D;
-            for (int d = 0; d < D; d++) kt[d * KC + jj] = LOAD(k[off + d]);
-            for (int d = 0; d < D; d++) vt[jj * D + d] = jj < kn ? LOAD(v[off + d]) : 0.f;
-        }
+        TILE_CHUNK(k, v, kts + (int64_t)c * D * KC, vts + (int64_t)c * KC * D, j0, kn, h,
+                   kv_stride, D);
     }
     const int nq_max = (QB * G + 3) / 4 * 4;
     float* m = (float*)malloc(sizeof(float) * (size_t)nq_max);

@@ -44,21 +44,20 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
     for (int c = 0; c < Hkv * nchunks; c++) {
         const int h = c / nchunks, j0 = (c % nchunks) * KC;
         const int kn = L - j0 < KC ? L - j0 : KC;
-        float* kt = kts + (int64_t)c * D * KC;
         float* vt = vts + (int64_t)c * KC * D;
-        for (int jj = 0; jj < KC; jj++) {
-            const int64_t off = (int64_t)(j0 + (jj < kn ? jj : 0)) * kv_stride
-                              + (int64_t)h * D;
 #if DOT_BF16_
-            uint32_t* kp = kps + (int64_t)c * D * KC;
+        /* K as bf16 pairs instead of the float tile (dims 2p, 2p + 1 of a key per lane). */
+        TILE_CHUNK(k, v, NULL, vt, j0, kn, h, kv_stride, D);
+        uint32_t* kp = kps + (int64_t)c * D * KC;
+        for (int jj = 0; jj < KC; jj++) {
+            const int64_t off = (int64_t)(j0 + (jj < kn ? jj : kn - 1)) * kv_stride
+                              + (int64_t)h * D;
             for (int d = 0; d < D; d += 2)
                 kp[d / 2 * KC + jj] = (uint32_t)k[off + d] | (uint32_t)k[off + d + 1] << 16;
-            (void)kt;
-#else
-            for (int d = 0; d < D; d++) kt[d * KC + jj] = LOAD(k[off + d]);
-#endif
-            for (int d = 0; d < D; d++) vt[jj * D + d] = jj < kn ? LOAD(v[off + d]) : 0.f;
         }
+#else
+        TILE_CHUNK(k, v, kts + (int64_t)c * D * KC, vt, j0, kn, h, kv_stride, D);
+#endif
     }
     const int nq_max = (QB * G + 3) / 4 * 4;
     float* m = (float*)malloc(sizeof(float) * (size_t)nq_max);
