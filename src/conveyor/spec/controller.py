@@ -491,8 +491,8 @@ class DraftLengthController:
 
     # ---- the decision --------------------------------------------------------------------
     def plan(self, rows: list[DraftRow], num_prefill_tokens: int, num_decode_rows: int,
-             num_expected_tokens: int, budget: int) -> None:
-        """Fill each row's ``k_now`` and ``k_want``.
+             num_expected_tokens: int, budget: int) -> bool:
+        """Fill each row's ``k_now`` and ``k_want``; False when every one is 0.
 
         ``num_prefill_tokens``, ``num_decode_rows``: the step so far (every running
         request's tokens); ``num_expected_tokens``: tokens it yields without drafts (its
@@ -501,13 +501,14 @@ class DraftLengthController:
         self.metrics.num_decode_steps += len(rows)
         if not rows:
             self.metrics.last_num_draft_tokens = 0
-            return
+            return False
         if self.config.adaptive and not self.guard.allows(len(rows)):
             # Drafts were measured to lose at this batch size: none, and no proposals.
             self.metrics.num_guard_off_steps += 1
             self.metrics.last_num_draft_tokens = 0
             self.last_k_want = 0
-            return
+            self._explored = set()
+            return False
         probed = explored = None
         verify_all, self._explored = self._explored, set()
         if self.config.adaptive:
@@ -533,6 +534,11 @@ class DraftLengthController:
         else:
             for row in rows:
                 row.k_want = row.cap
+        if not verify_all and not any(r.k_want for r in rows):
+            # Nothing proposed or verified (the common case under load): rows stay at 0.
+            self.metrics.last_num_draft_tokens = 0
+            self.last_k_want = 0
+            return False
         # This step verifies what each request has on hand, best rows first, within budget.
         left = max(budget, 0)
         for row in sorted(rows, key=lambda r: -r.k_want):
@@ -546,6 +552,7 @@ class DraftLengthController:
         # not a probe's or an exploration's.
         self.last_k_want = max((r.k_want - (r is explored) for r in rows if r is not probed),
                                default=0)
+        return True
 
     def _explore(self, rows: list[DraftRow]) -> DraftRow | None:
         """Every ``EXPLORE_EVERY`` steps where the rule drafts: the row drafting most
