@@ -148,6 +148,9 @@ def main() -> int:
     p.add_argument("--synthetic-model", default=None,
                    help="the synthetic sweep's model: a built-in shape with dummy weights "
                         "(e.g. smollm2-135m) instead of the trained target")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated labels to run (e.g. 'off,draft+adaptive'; 'off' "
+                        "always runs): a subset of the grid's configurations")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
 
@@ -168,6 +171,13 @@ def main() -> int:
                                     seed=0 if grid == "pair" else 1)
         configs = (pair_configs(draft, args.k) if grid == "pair" else
                    synthetic_configs(args.k, [float(r) for r in args.rates.split(",")]))
+        if args.configs:
+            keep = {"off", *args.configs.split(",")}
+            unknown = keep - set(configs)
+            if unknown:
+                p.error(f"--configs: no {', '.join(sorted(unknown))} in the {grid} grid "
+                        f"(known: {', '.join(configs)})")
+            configs = {label: cfg for label, cfg in configs.items() if label in keep}
         model, load_format = target, "auto"
         if grid == "synthetic" and args.synthetic_model:
             model, load_format = args.synthetic_model, "dummy"

@@ -320,3 +320,43 @@ def test_a_draft_model_shares_the_pool_without_costing_the_target_concurrency() 
     tight = dict(kw, kv_cache_memory=40 * 16 * per_token)
     assert LLM(path, **tight).engine.config.cache.num_kv_blocks == 40
     assert LLM(path, speculative_config=cfg, **tight).engine.config.cache.num_kv_blocks == 20
+
+
+def test_draft_model_proposals_do_not_depend_on_the_batch_or_the_catch_up_path() -> None:
+    """The draft proposer's fast path (inputs of every draft position built once, rows
+    drafting fewer positions dropping out, a short catch-up as decode rows): a request's
+    greedy drafts are the same proposed alone or beside others of other lengths, and the
+    same whether its catch-up runs as decode rows or as a prefill segment."""
+    import torch
+
+    from conveyor.config import CacheConfig, load_model_config
+    from conveyor.spec.config import SpeculativeConfig
+    from conveyor.spec.draft_model import DraftModelProposer
+    from conveyor.spec.proposers import ProposeItem
+
+    path = make_checkpoint("llama")
+    target = load_model_config(path, dtype="float32")
+    cfg = SpeculativeConfig("draft_model", model=perturbed_draft())
+    rng = random.Random(5)
+    contexts = [[rng.randrange(4, 384) for _ in range(n)] for n in (9, 23, 40)]
+    ks = [4, 1, 3]
+
+    def proposer(catch_up_rows: int) -> DraftModelProposer:
+        p = DraftModelProposer(cfg, target, CacheConfig(block_size=8), torch.device("cpu"))
+        p.DECODE_ROWS_CATCH_UP = catch_up_rows
+        p.allocate_kv_cache(3 * 8)
+        return p
+
+    def run(p: DraftModelProposer, which: list[int], grow: int) -> dict[str, list[int]]:
+        items = [ProposeItem(f"r{i}", contexts[i] + [7] * grow, ks[i],
+                             list(range(8 * i, 8 * i + 8))) for i in which]
+        return p.propose_batch(items)
+
+    alone, together, prefill = proposer(8), proposer(8), proposer(0)
+    for grow in (0, 1, 3, 8):  # the prompt, then catch-ups of 1, 2 and 5 tokens
+        want = {}
+        for i in range(3):
+            want.update(run(alone, [i], grow))
+        assert run(together, [0, 1, 2], grow) == want
+        assert run(prefill, [0, 1, 2], grow) == want
+        assert [len(want[f"r{i}"]) for i in range(3)] == ks

@@ -399,3 +399,28 @@ def test_probes_back_off_while_the_rule_keeps_refusing():
     for _ in range(BatchStepCost.PROBE_EVERY):
         cost.observe(0, 1, 0.001, batch=1)
     assert cost.probe(1, rule_drafted=False)
+
+
+def test_a_position_that_looked_bad_early_is_explored_again():
+    """Position 2's first tries failed, so the rule stops at one draft and would never
+    measure position 2 again: every EXPLORE_EVERY drafting steps one request proposes one
+    more than the rule chose, and the next step verifies it whatever the rule says."""
+    cfg = SpeculativeConfig("ngram", num_speculative_tokens=4)
+    ctl = DraftLengthController(cfg, FixedCost(a=0.005, b=0.0001))
+    for _ in range(5):  # a draft costs 2 ms to propose: worth it only where likely
+        ctl.observe_proposals({"r0": 1}, 0.002)
+    for _ in range(3):  # position 1 survives, position 2 never did
+        ctl.observe(_rows(1)[0].request, 2, 1)
+    for _ in range(40):
+        ctl.observe(_rows(1)[0].request, 1, 1)
+    explored, on_hand = [], 1
+    for _ in range(2 * DraftLengthController.EXPLORE_EVERY + 2):
+        rows = _rows(1, drafts=on_hand)  # what its last step proposed
+        ctl.plan(rows, 0, 1, 1, 512)
+        explored.append((rows[0].k_want, rows[0].k_now))
+        on_hand = rows[0].k_want
+    assert explored[0] == (1, 1)  # the rule alone: one draft
+    i = explored.index((2, 1))  # one more proposed (what it has on hand is verified next)
+    assert explored[i + 1][1] == 2  # both drafts verified, though the rule wants one
+    assert ctl.metrics.as_dict()["num_explore_steps"] == 2
+    assert ctl.last_k_want == 1  # new requests get the rule's length, not the exploration's

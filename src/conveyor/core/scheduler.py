@@ -322,8 +322,11 @@ class Scheduler:
                       self.max_model_len - req.num_computed_tokens - 1)
             rows.append(DraftRow(req, max(cap, 0)))
         num_decode = sum(1 for n in scheduled.values() if n == 1)
-        spec.plan(rows, sum(scheduled.values()) - num_decode, num_decode, len(scheduled),
-                  budget)
+        if not spec.plan(rows, sum(scheduled.values()) - num_decode, num_decode,
+                         len(scheduled), budget):
+            for row in rows:  # nothing verified, nothing proposed
+                row.request.spec_token_ids = []
+            return
         for row in rows:
             req, k = row.request, row.k_now
             # Under the SLO budget, drafts and prefill chunks are one decision: a draft

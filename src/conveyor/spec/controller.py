@@ -247,15 +247,23 @@ class ProposalCost:
 
     def __init__(self) -> None:
         self._recent: deque[tuple[float, float, float]] = deque(maxlen=self.WINDOW)
+        self._solved: tuple[float, float] | None = None
 
     def observe(self, rounds: int, tokens: int, seconds: float) -> None:
         if rounds > 0 and tokens > 0 and seconds >= 0.0:
             self._recent.append((float(rounds), float(tokens), seconds))
+            self._solved = None
 
     def coefficients(self) -> tuple[float, float]:
         """(seconds per round, seconds per draft token); (0, 0) until a few steps were
         seen (proposing looks free until measured). When rounds and tokens moved
-        together (the same batch), it is all per token."""
+        together (the same batch), it is all per token. Solved once per observation
+        (every step asks)."""
+        if self._solved is None:
+            self._solved = self._coefficients()
+        return self._solved
+
+    def _coefficients(self) -> tuple[float, float]:
         obs = list(self._recent)
         if len(obs) < self.MIN_STEPS:
             return 0.0, 0.0
@@ -361,6 +369,7 @@ class SpecMetrics:
     num_guard_switch_offs: int = 0  # times the outcome guard found drafts losing
     num_guard_off_steps: int = 0  # steps with decodes in which the guard kept drafts off
     num_probe_steps: int = 0  # steps the step-cost fit asked for drafts the rule refused
+    num_explore_steps: int = 0  # steps where one request drafted one more than the rule
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -384,6 +393,7 @@ class SpecMetrics:
             "num_guard_switch_offs": self.num_guard_switch_offs,
             "num_guard_off_steps": self.num_guard_off_steps,
             "num_probe_steps": self.num_probe_steps,
+            "num_explore_steps": self.num_explore_steps,
             "drafted_per_position": list(self.drafted_per_position),
             "accepted_per_position": list(self.accepted_per_position),
             "acceptance_rate_per_position": [
@@ -403,9 +413,17 @@ class DraftRow:
 
 
 class DraftLengthController:
+    # Every this many steps where the rule drafts, one request proposes one draft more
+    # than the rule chose (and verifies it next step): the only way a position that looked
+    # bad once (its few early tries failed) is ever tried again, since the rule prices a
+    # position by its measured acceptance and a position never verified is never measured.
+    EXPLORE_EVERY = 16
+
     def __init__(self, config: SpeculativeConfig, cost: StepCost | None) -> None:
         self.config = config
         self.cost = cost
+        self._explore_age = 0
+        self._explored: set[str] = set()  # requests that proposed one more last step
         self.proposal_cost = ProposalCost()
         self.guard = OutcomeGuard()
         k = config.num_speculative_tokens
@@ -473,8 +491,8 @@ class DraftLengthController:
 
     # ---- the decision --------------------------------------------------------------------
     def plan(self, rows: list[DraftRow], num_prefill_tokens: int, num_decode_rows: int,
-             num_expected_tokens: int, budget: int) -> None:
-        """Fill each row's ``k_now`` and ``k_want``.
+             num_expected_tokens: int, budget: int) -> bool:
+        """Fill each row's ``k_now`` and ``k_want``; False when every one is 0.
 
         ``num_prefill_tokens``, ``num_decode_rows``: the step so far (every running
         request's tokens); ``num_expected_tokens``: tokens it yields without drafts (its
@@ -483,14 +501,16 @@ class DraftLengthController:
         self.metrics.num_decode_steps += len(rows)
         if not rows:
             self.metrics.last_num_draft_tokens = 0
-            return
+            return False
         if self.config.adaptive and not self.guard.allows(len(rows)):
             # Drafts were measured to lose at this batch size: none, and no proposals.
             self.metrics.num_guard_off_steps += 1
             self.metrics.last_num_draft_tokens = 0
             self.last_k_want = 0
-            return
-        probed = None
+            self._explored = set()
+            return False
+        probed = explored = None
+        verify_all, self._explored = self._explored, set()
         if self.config.adaptive:
             self._plan_by_benefit(rows, num_prefill_tokens, num_decode_rows,
                                   max(num_expected_tokens, 1))
@@ -505,19 +525,52 @@ class DraftLengthController:
                 # model's catch-up over the tokens since it last proposed).
                 self.metrics.num_probe_steps += 1
                 probed = max(rows, key=lambda r: (r.cap > 0, r.request.request_id))
-                probed.k_want = probed.cap
+                # A draft model's further drafts cost a forward each: one draft is a
+                # decode row for the fit all the same.
+                probed.k_want = min(probed.cap, 1) if self.config.writes_draft_kv \
+                    else probed.cap
+            else:
+                explored = self._explore(rows)
         else:
             for row in rows:
                 row.k_want = row.cap
+        if not verify_all and not any(r.k_want for r in rows):
+            # Nothing proposed or verified (the common case under load): rows stay at 0.
+            self.metrics.last_num_draft_tokens = 0
+            self.last_k_want = 0
+            return False
         # This step verifies what each request has on hand, best rows first, within budget.
         left = max(budget, 0)
         for row in sorted(rows, key=lambda r: -r.k_want):
-            row.k_now = min(row.k_want, len(row.request.spec_token_ids), left)
+            want = row.k_want
+            if verify_all and row.request.request_id in verify_all:
+                want = max(want, min(len(row.request.spec_token_ids), row.cap))
+            row.k_now = min(want, len(row.request.spec_token_ids), left)
             left -= row.k_now
         self.metrics.last_num_draft_tokens = sum(r.k_now for r in rows)
         # What a request that starts decoding next step is asked for: the rule's choice,
-        # not a probe's.
-        self.last_k_want = max((r.k_want for r in rows if r is not probed), default=0)
+        # not a probe's or an exploration's.
+        self.last_k_want = max((r.k_want - (r is explored) for r in rows if r is not probed),
+                               default=0)
+        return True
+
+    def _explore(self, rows: list[DraftRow]) -> DraftRow | None:
+        """Every ``EXPLORE_EVERY`` steps where the rule drafts: the row drafting most
+        (below its cap) proposes one more, verified at its next step whatever the rule
+        says then (``plan``'s ``verify_all``)."""
+        self._explore_age += 1
+        if self._explore_age < self.EXPLORE_EVERY:
+            return None
+        best = None
+        for row in rows:
+            if 0 < row.k_want < row.cap and (best is None or row.k_want > best.k_want):
+                best = row
+        if best is not None:
+            self._explore_age = 0
+            best.k_want += 1
+            self._explored.add(best.request.request_id)
+            self.metrics.num_explore_steps += 1
+        return best
 
     def _plan_by_benefit(self, rows: list[DraftRow], num_prefill: int, num_decode: int,
                          expected: int) -> None:

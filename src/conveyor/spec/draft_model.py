@@ -26,10 +26,12 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from conveyor.config import CacheConfig, ModelConfig, load_model_config
 from conveyor.core.scheduler_output import SchedulerOutput
+from conveyor.model.attention import AttentionMetadata
 from conveyor.sampling_params import SamplingParams
 from conveyor.spec.config import SpeculativeConfig
 from conveyor.spec.proposers import ProposeItem, Proposer
@@ -76,6 +78,7 @@ def check_shared_tokenizer(target: ModelConfig, draft: ModelConfig) -> None:
 
 class DraftModelProposer(Proposer):
     name = "draft_model"
+    DECODE_ROWS_CATCH_UP = 8  # the longest catch-up run as decode rows
 
     def __init__(self, config: SpeculativeConfig, target: ModelConfig, cache: CacheConfig,
                  device: torch.device, attention_backend: str = "auto") -> None:
@@ -85,8 +88,11 @@ class DraftModelProposer(Proposer):
         draft = _with_compute_dtype(draft, target.math_dtype)
         check_shared_tokenizer(target, draft)
         self.config = draft
-        self.runner = ModelRunner(draft, cache, device, attention_backend)
-        self.runner.record_logits = True  # q for random requests comes from these
+        # Its linears are chosen at one row: a draft runs decode rows of the few requests
+        # it pays for (at 32 rows oneDNN won and took 27 us a call at one row, 3x
+        # torch's).
+        self.runner = ModelRunner(draft, cache, device, attention_backend,
+                                  linear_rows=(1, 1))
         self._states: dict[str, _DraftState] = {}
         self._generator = torch.Generator(device=device).manual_seed(target.seed + 1)
         # Request -> [k, V] proposal probabilities of the last drafts (random requests).
@@ -103,12 +109,22 @@ class DraftModelProposer(Proposer):
         self._states.pop(req_id, None)
 
     def propose_batch(self, items: list[ProposeItem]) -> dict[str, list[int]]:
-        runner = self.runner
+        """One forward per draft position, called on the model directly: the catch-up
+        forward's inputs come from the runner's ``_prepare``; every later position's
+        inputs are built once for all of them and advanced in place (the previous
+        position's argmax is the next input, on the device), so the drafts reach the host
+        in one copy at the end (a random request's draw reads its row each position)."""
         from conveyor.runner.model_runner import RequestState
 
+        runner = self.runner
         self.last_probs = {}
-        random_items = [it for it in items if it.params is not None and not it.params.greedy]
-        qs: dict[str, list[torch.Tensor]] = {it.req_id: [] for it in random_items}
+        if not items:
+            return {}
+        # Longest drafts first: the rows still drafting at position r are a prefix.
+        items = sorted(items, key=lambda it: -it.k)
+        random_rows = [i for i, it in enumerate(items)
+                       if it.params is not None and not it.params.greedy]
+        qs: dict[str, list[torch.Tensor]] = {items[i].req_id: [] for i in random_rows}
 
         first: dict[str, int] = {}
         for it in items:
@@ -129,63 +145,128 @@ class DraftModelProposer(Proposer):
             runner.requests[it.req_id] = RequestState(it.req_id, tokens, [], _GREEDY,
                                                       it.block_ids, valid)
             first[it.req_id] = n - valid
-        self._run(first)
-        self._draw(random_items, 0, qs)
-        longest = max(it.k for it in items)
-        for r in range(1, longest):
-            step = {}
+        try:
+            rounds = self._forward_all(items, first, random_rows, qs)
+        finally:
             for it in items:
-                if it.k > r:
-                    state = runner.requests[it.req_id]
-                    state.num_computed_tokens = len(it.token_ids) + r - 1
-                    step[it.req_id] = 1
-            self._run(step)
-            self._draw([it for it in random_items if it.k > r], r, qs)
-        out = {}
+                runner.requests.pop(it.req_id, None)
+        flat = torch.cat(rounds).tolist() if len(rounds) > 1 else rounds[0].tolist()
+        out: dict[str, list[int]] = {it.req_id: [] for it in items}
+        at = 0
+        for r in range(len(rounds)):
+            for it in items[:len(rounds[r])]:
+                out[it.req_id].append(flat[at])
+                at += 1
         for it in items:
-            drafts = runner.requests.pop(it.req_id).output_token_ids[:it.k]
+            drafts = out[it.req_id]
             st = self._states[it.req_id]
             st.real_len, st.fed = len(it.token_ids), drafts[:-1]
-            out[it.req_id] = drafts
             if qs.get(it.req_id):
                 self.last_probs[it.req_id] = torch.stack(qs[it.req_id][:len(drafts)])
         return out
 
-    def _draw(self, items: list[ProposeItem], r: int, qs: dict[str, list[torch.Tensor]]
-              ) -> None:
-        """Replace the argmax the draft runner appended (draft ``r``) by a draw from ``q``,
-        the draft's distribution under the request's own sampling parameters. A seeded
-        request's draw is coupled to the target's: the exponential race with the noise
-        the target's sampler uses at that output position (spec/verify.py)."""
-        if not items:
-            return
-        runner = self.runner
-        logits = torch.stack([runner.last_logits[it.req_id] for it in items])
-        params = [it.params for it in items]
-        raw = runner.sampler.probs(logits, params, [False] * len(items))
-        probs = raw / raw.sum(dim=-1, keepdim=True)  # min-p leaves rows unnormalized
+    @torch.inference_mode()
+    def _forward_all(self, items: list[ProposeItem], first: dict[str, int],
+                     random_rows: list[int], qs: dict[str, list[torch.Tensor]]
+                     ) -> list[torch.Tensor]:
+        """The draft tokens of every position: a list of [rows drafting at r] tensors."""
+        runner, model, device = self.runner, self.runner.model, self.runner.device
+        caches = runner.kv_caches
+        # Position 0: the catch-up forward. A short catch-up (the token or two the last
+        # step added) is decode rows, each attending up to itself, as the target verifies
+        # drafts (runner._prepare's draft rows): a prefill segment would build a mask and
+        # take SDPA for two tokens. Decode rows first, as the runner orders them.
+        rows = {it.req_id: it.token_ids[len(it.token_ids) - first[it.req_id] + 1:]
+                for it in items if 1 < first[it.req_id] <= self.DECODE_ROWS_CATCH_UP}
+        order = sorted(first, key=lambda rid: first[rid] != 1 and rid not in rows)
+        sched = SchedulerOutput(num_scheduled_tokens=first,
+                                total_num_scheduled_tokens=sum(first.values()),
+                                sampling_req_ids=set(first),
+                                scheduled_spec_tokens={r: list(t) for r, t in rows.items()})
+        input_ids, positions, meta, logits_rows = runner._prepare(order, sched)
+        hidden = model(input_ids, positions, meta, caches)
+        row_of = {rid: row for row, rid in logits_rows}  # (the last row of each)
+        idx = [row_of[it.req_id] for it in items]
+        if idx != list(range(hidden.shape[0])):
+            hidden = hidden[torch.tensor(idx, device=device)]
+        tok = self._next(model.compute_logits(hidden), items, random_rows, 0, qs)
+        rounds = [tok]
+        longest = items[0].k
+        if longest <= 1:
+            return rounds
+        # Positions 1..longest-1, all decode rows: row i feeds its draft r at position
+        # n_i + r - 1 and attends to n_i + r tokens. Inputs for every position at once.
+        bs = runner.block_size
+        lens0 = np.array([len(it.token_ids) for it in items], dtype=np.int64)
+        ks = np.array([it.k for it in items], dtype=np.int64)
+        max_ctx = int((lens0 + ks - 1).max())
+        bt = np.zeros((len(items), -(-max_ctx // bs)), dtype=np.int64)
         for i, it in enumerate(items):
+            t = it.block_ids[:bt.shape[1]]
+            bt[i, :len(t)] = t
+        cols = np.arange(max_ctx, dtype=np.int64)
+        slots = np.ascontiguousarray(bt[:, cols // bs] * bs + cols % bs)
+        # Where each position's K/V goes: [longest - 1, rows] (rows past their k unused).
+        pos_all = lens0[None, :] + np.arange(longest - 1, dtype=np.int64)[:, None]
+        pos_all = np.minimum(pos_all, max_ctx - 1)
+        write = np.take_along_axis(slots, pos_all.T, axis=1).T.copy()
+        slots_t = torch.from_numpy(slots).to(device)
+        write_t = torch.from_numpy(write).to(device)
+        pos_t = torch.from_numpy(pos_all).to(device)
+        lens_t = torch.from_numpy(lens0.astype(np.int32)).to(device)
+        cols_t = torch.from_numpy(cols).to(device)
+        window = runner.sliding_window
+        kernel = runner.decode_kernel
+        for r in range(1, longest):
+            m = int((ks > r).sum())
+            lens = lens_t[:m] + r
+            starts = ((lens - window).clamp_min_(0) if window is not None
+                      else torch.zeros_like(lens))
+            meta = AttentionMetadata(slot_mapping=write_t[r - 1, :m], num_decodes=m,
+                                     decode_slots=slots_t[:m], decode_lens=lens,
+                                     decode_starts=starts, decode_kernel=kernel,
+                                     prefill_kernel=runner.prefill_kernel)
+            if kernel.needs_mask:
+                meta.decode_mask = ((cols_t[None, :] < lens[:, None])
+                                    & (cols_t[None, :] >= starts[:, None]))
+            hidden = model(tok[:m], pos_t[r - 1, :m], meta, caches)
+            tok = self._next(model.compute_logits(hidden), items[:m],
+                             [i for i in random_rows if i < m], r, qs)
+            rounds.append(tok)
+        return rounds
+
+    def _next(self, logits: torch.Tensor, items: list[ProposeItem], random_rows: list[int],
+              r: int, qs: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+        """Draft ``r + 1`` of each row: the argmax, a random request's replaced by a draw
+        (``_draw``)."""
+        tok = logits.argmax(dim=-1)
+        if random_rows:
+            self._draw(logits, tok, [(i, items[i]) for i in random_rows], r, qs)
+        return tok
+
+    def _draw(self, logits: torch.Tensor, tok: torch.Tensor,
+              rows: list[tuple[int, ProposeItem]], r: int,
+              qs: dict[str, list[torch.Tensor]]) -> None:
+        """Replace the argmax of each random request's row (its draft ``r + 1``) by a
+        draw from ``q``, the draft's distribution under the request's own sampling
+        parameters. A seeded request's draw is coupled to the target's: the exponential
+        race with the noise the target's sampler uses at that output position
+        (spec/verify.py)."""
+        sampler = self.runner.sampler
+        sel = torch.tensor([i for i, _ in rows], device=logits.device)
+        raw = sampler.probs(logits[sel].float(), [it.params for _, it in rows],
+                            [False] * len(rows))
+        probs = raw / raw.sum(dim=-1, keepdim=True)  # min-p leaves rows unnormalized
+        for j, (i, it) in enumerate(rows):
             if it.params.seed is not None:
                 # The draft's position in the request's output: the noise of (seed, it).
                 position = len(it.token_ids) - it.num_prompt_tokens + r
-                noise = runner.sampler.seeded_noise(it.params.seed, position,
-                                                    torch.empty_like(raw[i]))
-                tok = int((raw[i] / noise).argmax())
+                noise = sampler.seeded_noise(it.params.seed, position,
+                                             torch.empty_like(raw[j]))
+                tok[i] = (raw[j] / noise).argmax()
             else:
-                tok = int(torch.multinomial(probs[i], 1, generator=self._generator))
-            state = runner.requests[it.req_id]
-            state.output_token_ids[-1] = tok
-            if state.all_token_ids is not None:
-                state.all_token_ids[-1] = tok
-            qs[it.req_id].append(probs[i])
-
-
-    def _run(self, scheduled: dict[str, int]) -> None:
-        if scheduled:
-            self.runner.execute(SchedulerOutput(
-                num_scheduled_tokens=scheduled,
-                total_num_scheduled_tokens=sum(scheduled.values()),
-                sampling_req_ids=set(scheduled)))
+                tok[i] = torch.multinomial(probs[j], 1, generator=self._generator)[0]
+            qs[it.req_id].append(probs[j])
 
 
 def _with_compute_dtype(cfg: ModelConfig, math_dtype: str) -> ModelConfig:
