@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import random
+import resource
 import statistics
 import time
 
@@ -115,11 +116,13 @@ def main() -> None:
     llm = LLM("smollm2-135m", dtype=args.dtype, max_num_seqs=128,
               max_num_batched_tokens=TOKENS, load_format="dummy",
               enable_prefix_caching=False, attention_backend=args.attention_backend,
-              linear_backend=args.linear_backend, max_model_len=4096)
+              linear_backend=args.linear_backend)
     engine = llm.engine
     model = engine.runner.model
     rng = random.Random(0)
     timers = Timers()
+    faults: list[int] = []
+    system: list[float] = []
 
     def one_step(tag: str) -> float:
         for i, ids in enumerate(prompts(args.prompt, rng)):
@@ -127,9 +130,13 @@ def main() -> None:
                                SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0),
                                request_id=f"{tag}-{i}")
         timers.acc.clear()
+        before = resource.getrusage(resource.RUSAGE_SELF)
         t = time.perf_counter()
         engine.step()
         wall = time.perf_counter() - t
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        faults.append(after.ru_minflt - before.ru_minflt)
+        system.append(after.ru_stime - before.ru_stime)
         while engine.has_unfinished_requests():
             engine.step()
         return wall
@@ -145,6 +152,9 @@ def main() -> None:
     med = {k: statistics.median(p.get(k, 0.0) for p in parts) for k in parts[0]}
     print(f"CPU: {cpu_model_name()}, {args.dtype}, {args.threads} threads, {TOKENS} prompt "
           f"tokens in one step ({args.prompt}), median of {args.rounds}")
+    print(f"steps: {', '.join(f'{w * 1e3:.0f}' for w in walls)} ms; page faults "
+          f"{', '.join(map(str, faults[1:]))}, system time "
+          f"{', '.join(f'{s * 1e3:.0f}' for s in system[1:])} ms")
     print(f"step {wall * 1e3:8.1f} ms   GEMM floor: engine's linears {own * 1e3:.1f} ms "
           f"({wall / own:.2f}x), F.linear {flinear * 1e3:.1f} ms ({wall / flinear:.2f}x)")
     for name, s in sorted(med.items(), key=lambda kv: -kv[1]):

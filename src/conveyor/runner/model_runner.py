@@ -32,6 +32,7 @@ from conveyor.model.linear_choice import choose as choose_linears
 from conveyor.model.linear_choice import measuring_enabled, model_shapes
 from conveyor.model.loader import DTYPES, load_model
 from conveyor.model.packed_linear import pick_linear_backend
+from conveyor.runner.host_memory import keep_freed_host_memory
 from conveyor.runner.sampler import Sampler, SamplingRow
 from conveyor.sampling_params import SamplingParams
 from conveyor.spec.config import SpeculativeConfig
@@ -126,6 +127,8 @@ class ModelRunner:
         self.cfg = model_cfg
         self.cache_cfg = cache_cfg
         self.device = device
+        if device.type == "cpu":  # activations: reuse freed pages, never re-fault them
+            keep_freed_host_memory()
         self.block_size = cache_cfg.block_size
         self.tp = tp
         self.heads = tp.heads(model_cfg.num_heads, model_cfg.num_kv_heads)
