@@ -281,44 +281,61 @@ def test_proposal_cost_is_fitted_and_weighed():
 
 # ---- the outcome guard -----------------------------------------------------------------
 def test_outcome_guard_switches_a_losing_batch_size_off_and_tries_again():
-    from conveyor.spec.controller import OutcomeGuard
+    from conveyor.spec.controller import OutcomeGuard as G
 
-    g = OutcomeGuard()
-    for _ in range(OutcomeGuard.MIN_OFF):
-        g.observe(8, 0, 0, 8, 0.010, 0.0)  # draft-free: 1.25 ms a token
-    for i in range(OutcomeGuard.MIN_ON):
+    g = G()
+    for i in range(G.MIN_ON):
         assert g.allows(8), i
         g.observe(8, 0, 8, 10, 0.012, 0.002)  # drafted: 1.4 ms a token, proposer included
-    assert not g.allows(8) and g.num_switched_off == 1
+    # Nothing clean to compare with yet: an off trial (no drafts, no proposals).
+    assert not g.allows(8) and g.num_trials == 1 and g.num_switched_off == 0
+    steps = 0
+    while g.num_switched_off == 0:
+        g.observe(8, 0, 0, 8, 0.010, 0.0)  # draft-free: 1.25 ms a token
+        steps += 1
+        assert steps <= G.TRIAL + 1  # the step right after proposals is not clean
+    assert steps == G.TRIAL + 1
+    assert not g.allows(8)
     assert g.allows(1) and g.allows(64)  # other batch sizes keep their own verdicts
     assert g.allows(9) is False  # 8..15 share a bucket
-    for _ in range(OutcomeGuard.COOL_OFF):
+    for _ in range(G.COOL_OFF):
         g.observe(8, 0, 0, 8, 0.010, 0.0)
     assert g.allows(8)  # the cool-off is over: tried afresh
-    for _ in range(OutcomeGuard.MIN_ON):
+    for _ in range(G.MIN_ON):  # the cool-off's steps are the comparison: no trial
         g.observe(8, 0, 8, 10, 0.012, 0.002)
-    assert not g.allows(8) and g.num_switched_off == 2
+    assert not g.allows(8) and g.num_switched_off == 2 and g.num_trials == 1
     steps = 0
     while not g.allows(8):
         g.observe(8, 0, 0, 8, 0.010, 0.0)
         steps += 1
-    assert steps == 2 * OutcomeGuard.COOL_OFF  # a second loss waits twice as long
+    assert steps == 2 * G.COOL_OFF  # a second loss waits twice as long
 
 
-def test_outcome_guard_keeps_drafts_that_pay_and_ignores_prefill_steps():
-    from conveyor.spec.controller import OutcomeGuard
+def test_outcome_guard_keeps_drafts_that_pay_with_ever_fewer_trials():
+    from conveyor.spec.controller import OutcomeGuard as G
 
-    g = OutcomeGuard()
-    for _ in range(OutcomeGuard.MIN_OFF):
-        g.observe(4, 0, 0, 4, 0.010, 0.0)  # 2.5 ms a token
-    for _ in range(10 * OutcomeGuard.MIN_ON):
-        g.observe(4, 0, 8, 9, 0.012, 0.003)  # 1.7 ms a token: pays
+    g = G()
+    drafted = 0
+    for _ in range(2000):
+        if g.allows(4):
+            g.observe(4, 0, 8, 9, 0.012, 0.003)  # 1.7 ms a token: pays
+            drafted += 1
+        else:
+            g.observe(4, 0, 0, 4, 0.010, 0.0)  # a trial step: 2.5 ms a token
         g.observe(4, 300, 0, 4, 0.5, 0.0)  # a prefill step: not the drafts' cost
-    assert g.allows(4) and g.num_switched_off == 0
+    assert g.num_switched_off == 0
+    # Verdicts after 12, 24, 48, ... drafted steps, then every MAX_NEED_ON: a dozen
+    # trials, not one per 12 drafted steps.
+    assert 6 <= g.num_trials <= 14 and drafted >= 2000 - 14 * (G.TRIAL + 1)
     # The proposer's time counts against the drafts: the same steps with a dear proposer.
-    for _ in range(OutcomeGuard.MIN_ON):
-        g.observe(4, 0, 8, 9, 0.012, 0.020)  # 3.6 ms a token
-    assert not g.allows(4)
+    for _ in range(G.MAX_NEED_ON + 2 * (G.TRIAL + 1)):
+        if g.num_switched_off:
+            break
+        if g.allows(4):
+            g.observe(4, 0, 8, 9, 0.012, 0.020)  # 3.6 ms a token
+        else:
+            g.observe(4, 0, 0, 4, 0.010, 0.0)
+    assert g.num_switched_off == 1 and not g.allows(4)
 
 
 def test_a_measured_loss_overrules_a_wrong_cost_estimate():
@@ -330,7 +347,7 @@ def test_a_measured_loss_overrules_a_wrong_cost_estimate():
     rows = _rows(4)
     ctl.plan(rows, 0, 4, 4, 512)
     assert all(r.k_want == 4 and r.k_now == 4 for r in rows)  # the estimate: drafts pay
-    for _ in range(2):
+    for _ in range(4):  # clean steps: no drafts, no proposals
         ctl.observe_step(4, 0, 0, 4, 0.010, 0.0)
     for _ in range(16):
         ctl.observe_step(4, 0, 16, 6, 0.018, 0.001)  # 3.2 ms a token against 2.5

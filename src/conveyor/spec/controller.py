@@ -287,21 +287,25 @@ class OutcomeGuard:
 
     The rule decides from estimates (acceptance, a step-cost fit, the proposer's fitted
     time); what it must never do is lose. So each power-of-two bucket of decoding
-    requests keeps the seconds per emitted token of its decode-only steps two ways:
-    steps that verified drafts (the proposer's time included) and steps that verified
-    none (the proposer's time left out: the step as it costs with speculation off; the
-    step-cost fit's anchors provide them while drafting is on). When drafted steps cost
-    more per token than draft-free ones, the bucket is switched off (no drafts, no
-    proposals) for a cool-off that doubles at every loss, then tried afresh; a trial
-    that pays resets the cool-off. Steps with prefill in them are not compared (their
-    cost is not the drafts')."""
+    requests compares, per emitted token, its decode-only steps two ways: **on**, steps
+    that verified drafts (the proposer's time included), and **off**, clean steps with
+    no drafts and no proposals, in that step or the one before (a proposer's work also
+    slows the next forward: a draft model evicts the target's weights from the cache).
+    When drafting has run ``need_on`` steps without fresh off steps to compare with, the
+    bucket runs an **off trial**: ``TRIAL`` steps with no drafts and no proposals. Then
+    the verdict, on the last ~20 drafted steps (decayed) against the last ``TRIAL``
+    clean ones: drafts that lose switch the bucket off for a cool-off that doubles at
+    every loss (its steps are the next verdict's off steps); drafts that pay stay on,
+    and the next verdict waits twice as many drafted steps (up to ``MAX_NEED_ON``), so a
+    winning proposer pays for few trials (at most one of ``TRIAL`` steps per 256). Steps
+    with prefill in them are not compared (their cost is not the drafts')."""
 
-    MIN_ON = 16  # drafted steps before a verdict
-    MIN_OFF = 2  # draft-free steps before a verdict
+    MIN_ON = 12  # drafted steps before the first verdict
+    MAX_NEED_ON = 256  # ... and at most this many between verdicts while drafts pay
+    DECAY_ON = 0.95  # per drafted step: a verdict weighs the last ~20 of them
+    TRIAL = 3  # clean off steps a verdict compares with
     COOL_OFF = 256  # steps a bucket stays off after its first loss
     MAX_COOL_OFF = 4096
-    DECAY_ON = 0.95  # per observation: the last ~20 drafted steps
-    DECAY_OFF = 0.8  # draft-free steps are sparse while drafting is on (anchors)
 
     @dataclass
     class _Bucket:
@@ -311,6 +315,8 @@ class OutcomeGuard:
         off_s: float = 0.0
         off_tokens: float = 0.0
         num_off: int = 0
+        need_on: int = 0  # drafted steps before the next verdict
+        trial_left: int = 0  # steps of the off trial still to run
         off_until: int = 0  # step index at which drafting may resume
         cool_off: int = 0
 
@@ -318,37 +324,51 @@ class OutcomeGuard:
         self._buckets: dict[int, OutcomeGuard._Bucket] = {}
         self.step = 0
         self.num_switched_off = 0  # verdicts against speculation, all buckets
+        self.num_trials = 0  # off trials run, all buckets
+        self._proposed_before = False  # the previous step ran the proposer
 
     def allows(self, batch: int) -> bool:
         b = self._buckets.get(batch.bit_length())
-        return b is None or self.step >= b.off_until
+        return b is None or (self.step >= b.off_until and b.trial_left == 0)
 
     def observe(self, batch: int, num_prefill_tokens: int, num_drafts: int,
                 num_emitted: int, step_s: float, propose_s: float) -> None:
         """One step: ``step_s`` without the proposer's ``propose_s``."""
         self.step += 1
+        proposed_before, self._proposed_before = self._proposed_before, propose_s > 0.0
         if num_prefill_tokens or batch <= 0 or num_emitted <= 0 or not step_s > 0.0:
             return
-        b = self._buckets.setdefault(batch.bit_length(), OutcomeGuard._Bucket())
+        b = self._buckets.get(batch.bit_length())
+        if b is None:
+            b = self._buckets[batch.bit_length()] = OutcomeGuard._Bucket(need_on=self.MIN_ON)
         if num_drafts:
-            d = self.DECAY_ON
-            b.on_s = b.on_s * d + step_s + propose_s
-            b.on_tokens = b.on_tokens * d + num_emitted
+            b.on_s = b.on_s * self.DECAY_ON + step_s + propose_s
+            b.on_tokens = b.on_tokens * self.DECAY_ON + num_emitted
             b.num_on += 1
-        else:
-            d = self.DECAY_OFF
-            b.off_s = b.off_s * d + step_s
-            b.off_tokens = b.off_tokens * d + num_emitted
-            b.num_off += 1
-        if b.num_on < self.MIN_ON or b.num_off < self.MIN_OFF:
+        elif propose_s == 0.0 and not proposed_before:
+            # Clean: as the step costs with speculation off. The latest TRIAL of them.
+            keep = min(b.num_off, self.TRIAL - 1) / max(b.num_off, 1)
+            b.off_s = b.off_s * keep + step_s
+            b.off_tokens = b.off_tokens * keep + num_emitted
+            b.num_off = min(b.num_off, self.TRIAL - 1) + 1
+            b.trial_left = max(b.trial_left - 1, 0)
+        if b.num_on < b.need_on or b.trial_left:
+            return
+        if b.num_off < self.TRIAL:  # nothing fresh to compare with: an off trial first
+            b.trial_left = self.TRIAL - b.num_off
+            self.num_trials += 1
             return
         if b.on_s * b.off_tokens > b.off_s * b.on_tokens:  # on per token > off per token
             b.cool_off = min(2 * b.cool_off, self.MAX_COOL_OFF) or self.COOL_OFF
             b.off_until = self.step + b.cool_off
+            b.need_on = self.MIN_ON
             self.num_switched_off += 1
         else:
             b.cool_off = 0
-        b.on_s = b.on_tokens = 0.0  # the next verdict is on fresh drafted steps
+            b.need_on = min(2 * b.need_on, self.MAX_NEED_ON)
+            b.off_s = b.off_tokens = 0.0  # the next verdict compares with a fresh trial
+            b.num_off = 0
+        b.on_s = b.on_tokens = 0.0  # and with fresh drafted steps
         b.num_on = 0
 
 
@@ -368,6 +388,7 @@ class SpecMetrics:
     last_num_draft_tokens: int = 0  # in the last step, over every request
     num_guard_switch_offs: int = 0  # times the outcome guard found drafts losing
     num_guard_off_steps: int = 0  # steps with decodes in which the guard kept drafts off
+    num_guard_trials: int = 0  # off trials the guard ran to compare drafted steps with
     num_probe_steps: int = 0  # steps the step-cost fit asked for drafts the rule refused
     num_explore_steps: int = 0  # steps where one request drafted one more than the rule
 
@@ -392,6 +413,7 @@ class SpecMetrics:
             "mean_acceptance_length": (1 + self.num_accepted_tokens / steps) if steps else 0.0,
             "num_guard_switch_offs": self.num_guard_switch_offs,
             "num_guard_off_steps": self.num_guard_off_steps,
+            "num_guard_trials": self.num_guard_trials,
             "num_probe_steps": self.num_probe_steps,
             "num_explore_steps": self.num_explore_steps,
             "drafted_per_position": list(self.drafted_per_position),
@@ -462,6 +484,7 @@ class DraftLengthController:
             self.guard.observe(batch, num_prefill_tokens, num_drafts, num_emitted,
                                step_s, propose_s)
             self.metrics.num_guard_switch_offs = self.guard.num_switched_off
+            self.metrics.num_guard_trials = self.guard.num_trials
 
     def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """Fold in one verification: ``num_accepted`` leading drafts of ``num_drafts``."""
