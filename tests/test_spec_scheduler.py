@@ -441,3 +441,19 @@ def test_a_position_that_looked_bad_early_is_explored_again():
     assert explored[i + 1][1] == 2  # both drafts verified, though the rule wants one
     assert ctl.metrics.as_dict()["num_explore_steps"] == 2
     assert ctl.last_k_want == 1  # new requests get the rule's length, not the exploration's
+
+
+def test_a_plan_that_drafts_nothing_is_reused_for_a_few_steps_of_that_size():
+    """Nothing verified, no acceptance moved: the next steps at the same batch size skip
+    the planning (and the scheduler builds no rows for them), then plan afresh."""
+    ctl = DraftLengthController(SpeculativeConfig("ngram", num_speculative_tokens=4),
+                                FixedCost(a=0.0001, b=0.01))  # a decode row is dear
+    assert not ctl.plan(_rows(2), 0, 2, 2, 512)
+    assert not ctl.dormant(3)  # another batch size plans for itself
+    for _ in range(DraftLengthController.DORMANT_STEPS - 1):
+        assert ctl.dormant(2)
+    assert not ctl.dormant(2)  # planned afresh
+    assert ctl.metrics.num_decode_steps == 2 * DraftLengthController.DORMANT_STEPS
+    cheap = DraftLengthController(SpeculativeConfig("ngram", num_speculative_tokens=4),
+                                  FixedCost(a=0.05, b=0.0001))
+    assert cheap.plan(_rows(2), 0, 2, 2, 512) and not cheap.dormant(2)  # it drafts: no reuse

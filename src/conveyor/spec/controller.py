@@ -440,10 +440,18 @@ class DraftLengthController:
     # bad once (its few early tries failed) is ever tried again, since the rule prices a
     # position by its measured acceptance and a position never verified is never measured.
     EXPLORE_EVERY = 16
+    # After a plan that drafts nothing (adaptive), the next steps at the same batch size
+    # reuse it, this many in all before planning afresh: nothing was verified, so no
+    # acceptance moved, and the step-cost fit moves slowly. On a model whose step is
+    # ~1 ms the full plan is 1-2% of a step (benchmarks/spec_decode.py's small target).
+    DORMANT_STEPS = 8
 
     def __init__(self, config: SpeculativeConfig, cost: StepCost | None) -> None:
         self.config = config
         self.cost = cost
+        self._dormant_batch = -1
+        self._dormant_left = 0
+        self._priced = False  # the last plan knew the step's cost (its fit had two sizes)
         self._explore_age = 0
         self._explored: set[str] = set()  # requests that proposed one more last step
         self.proposal_cost = ProposalCost()
@@ -513,6 +521,23 @@ class DraftLengthController:
             m.drafted_per_position[j] += 1
 
     # ---- the decision --------------------------------------------------------------------
+    def dormant(self, batch: int) -> bool:
+        """True when this step reuses the last plan at this batch size, which drafted
+        nothing: no rows to build, no drafts, no proposals (see ``DORMANT_STEPS``)."""
+        if self._dormant_left <= 0 or batch != self._dormant_batch:
+            return False
+        self._dormant_left -= 1
+        self.metrics.num_decode_steps += batch
+        self.metrics.last_num_draft_tokens = 0
+        return True
+
+    def _drafts_nothing(self, batch: int) -> bool:
+        self.metrics.last_num_draft_tokens = 0
+        self.last_k_want = 0
+        if self.config.adaptive and self._priced:  # (unpriced: a probe is due soon)
+            self._dormant_batch, self._dormant_left = batch, self.DORMANT_STEPS - 1
+        return False
+
     def plan(self, rows: list[DraftRow], num_prefill_tokens: int, num_decode_rows: int,
              num_expected_tokens: int, budget: int) -> bool:
         """Fill each row's ``k_now`` and ``k_want``; False when every one is 0.
@@ -527,6 +552,7 @@ class DraftLengthController:
             return False
         if self.config.adaptive and not self.guard.allows(len(rows)):
             # Drafts were measured to lose at this batch size: none, and no proposals.
+            # (Not dormant: a trial's or a cool-off's end is seen at once.)
             self.metrics.num_guard_off_steps += 1
             self.metrics.last_num_draft_tokens = 0
             self.last_k_want = 0
@@ -559,9 +585,7 @@ class DraftLengthController:
                 row.k_want = row.cap
         if not verify_all and not any(r.k_want for r in rows):
             # Nothing proposed or verified (the common case under load): rows stay at 0.
-            self.metrics.last_num_draft_tokens = 0
-            self.last_k_want = 0
-            return False
+            return self._drafts_nothing(len(rows))
         # This step verifies what each request has on hand, best rows first, within budget.
         left = max(budget, 0)
         for row in sorted(rows, key=lambda r: -r.k_want):
@@ -599,6 +623,7 @@ class DraftLengthController:
                          expected: int) -> None:
         cost = self.cost
         batch = len(rows)
+        self._priced = False
         coefficients = getattr(cost, "coefficients", None)
         if coefficients is not None:  # one solve for both (the fit is linear)
             coef = coefficients(batch)
@@ -612,6 +637,7 @@ class DraftLengthController:
             if t0 is None or t1 is None:
                 return  # no cost known yet (two step sizes teach it): no drafts
             slope = max(t1 - t0, 0.0)
+        self._priced = True
         per_round, per_draft = self.proposal_cost.coefficients()
         prior = self.prior()
         # The best slot of all is some request's first draft: if even that does not pay,
