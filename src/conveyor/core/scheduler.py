@@ -168,7 +168,6 @@ class Scheduler:
         self._step_spec: dict[str, list[int]] = {}
         self._step_want: dict[str, int] = {}
         self._schedule_now: float | None = None
-        self._dormant_step = False  # this step reused a plan that drafted nothing
         # Prefill/decode disaggregation: requests in WAITING_FOR_REMOTE_KV (their load in
         # flight, or ended and queued for a sequence slot as (id, tokens computed)).
         self.connector = connector
@@ -313,8 +312,7 @@ class Scheduler:
         proposals for the next step write K/V there.
         """
         spec, lookahead = self.spec, self.config.speculative.writes_draft_kv
-        self._dormant_step = spec.dormant(len(decodes))
-        if self._dormant_step:
+        if spec.dormant(len(decodes)):
             return  # the last plan drafted nothing: no request holds drafts or asks any
         rows = []
         for req in decodes:
@@ -665,9 +663,8 @@ class Scheduler:
             num_drafts = sum(map(len, out.scheduled_spec_tokens.values()))
             batch = shape.num_decodes - num_drafts
             step_s = now - self._schedule_now - run.propose_s
-            # A dormant step is one more of the draft-free steps the fit saw at this size
-            # a moment ago: skipped (it would only decay the fit's memory faster).
-            if self._online_cost is not None and not self._dormant_step:
+            # (Dormant steps too: they age the fit's anchors and probes.)
+            if self._online_cost is not None:
                 self._online_cost.observe(shape.num_prefill_tokens, shape.num_decodes,
                                           step_s, batch)
             self.spec.observe_step(batch, shape.num_prefill_tokens, num_drafts,
