@@ -11,9 +11,11 @@ Two grids:
   says, at batch 1, 8, 32, on the same target: where speculation pays and where it would
   lose, and whether the adaptive k keeps it from losing.
 
-Every configuration runs the same prompts in the same round, rounds rotate the order,
-and each (batch, round) gets prompts of its own (the suffix proposer learns from earlier
-requests: it must not meet the same prompt twice). Greedy, fixed output length, prefix
+Every configuration runs the same prompts in the same round right after an "off" run
+on them (its speedup is the median over rounds of that pair's ratio: this VM's speed
+drifts by 5-10% between minutes, a pair's two runs are seconds apart), rounds rotate
+the order, and each (batch, round) gets prompts of its own (the suffix proposer learns
+from earlier requests: it must not meet the same prompt twice). Greedy, fixed output length, prefix
 caching off (prefill is part of end-to-end time).
 
     python benchmarks/spec_decode.py                      # both grids
@@ -91,28 +93,37 @@ def run_grid(name: str, target: str, configs: dict[str, dict | None], batches: l
     cursor = 2
     for batch in batches:
         times = {label: [] for label in configs}
+        ratios = {label: [] for label in configs}
         spec = {label: [0, 0, 0] for label in configs}
         for r in range(rounds):
             batch_prompts = prompts[cursor:cursor + batch]
             cursor += batch
             if len(batch_prompts) < batch:
                 raise ValueError("not enough prompts: raise --num-prompts")
-            order = list(configs)
-            order = order[r % len(order):] + order[:r % len(order)]
-            for label in order:
-                llm = llms[label]
-                # Each engine holds its own weights: the last one run left the caches with
-                # its own. A short call first, so no configuration pays for a cold start.
-                llm.generate(batch_prompts[:1], warm)
-                before = spec_counts(llm)
-                t0 = time.perf_counter()
-                outs = llm.generate(batch_prompts, params)
-                dt = time.perf_counter() - t0
-                assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
-                times[label].append(dt)
-                after = spec_counts(llm)
-                for i in range(3):
-                    spec[label][i] += after[i] - before[i]
+            order = [label for label in configs if label != "off"]
+            order = order[r % len(order):] + order[:r % len(order)] if order else []
+            # Each configuration right after an "off" run on the same prompts: the ratio
+            # of the pair is what the machine's drift between minutes cannot move.
+            for label in order or ["off"]:
+                pair_times = {}
+                for run in ("off", label) if label != "off" else ("off",):
+                    llm = llms[run]
+                    # Each engine holds its own weights: the last one run left the caches
+                    # with its own. A short call first: no run pays for a cold start.
+                    llm.generate(prompts[:1], warm)  # seen before: no proposer learns
+                    before = spec_counts(llm)
+                    t0 = time.perf_counter()
+                    outs = llm.generate(batch_prompts, params)
+                    dt = time.perf_counter() - t0
+                    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+                    times[run].append(dt)
+                    pair_times[run] = dt
+                    if run != "off":
+                        after = spec_counts(llm)
+                        for i in range(3):
+                            spec[run][i] += after[i] - before[i]
+                if label != "off":
+                    ratios[label].append(pair_times["off"] / pair_times[label])
         off = statistics.median(times["off"])
         rows = {}
         for label in configs:
@@ -120,7 +131,8 @@ def run_grid(name: str, target: str, configs: dict[str, dict | None], batches: l
             drafts, accepted, verifies = spec[label]
             rows[label] = {
                 "tokens_per_s": batch * max_tokens / t,
-                "speedup": off / t,
+                # the median of the paired ratios (off / this, run back to back)
+                "speedup": statistics.median(ratios[label]) if ratios[label] else off / t,
                 "mean_acceptance_length": (1 + accepted / verifies) if verifies else None,
                 "acceptance_rate": accepted / drafts if drafts else None,
                 "drafts_per_token": drafts / (batch * max_tokens * rounds),

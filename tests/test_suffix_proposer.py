@@ -346,7 +346,8 @@ def test_a_rewritten_last_token_is_detected() -> None:
 def test_finishing_queues_and_the_next_proposal_pays_a_bounded_share() -> None:
     """A request's end only queues its tokens (nothing is paid while nobody proposes, and
     what the FIFO would evict unseen is dropped); a proposal inserts at most
-    FLUSH_TOKENS of them (a long backlog is paid over several proposals)."""
+    FLUSH_TOKENS_PER_DRAFT of them per draft it asks for (a long backlog is paid over
+    several proposals)."""
     p = SuffixProposer(4, max_depth=4, max_cached_requests=3)
     seqs = [[i, i + 1, i + 2] * 200 for i in range(0, 50, 5)]  # 600 tokens each
     for i, seq in enumerate(seqs):
@@ -354,8 +355,8 @@ def test_finishing_queues_and_the_next_proposal_pays_a_bounded_share() -> None:
     for i in range(len(seqs)):
         p.finish(f"r{i}")  # then all end, with no proposal in between
     assert len(p._pending) == 3 and p._global.num_nodes == 0  # the newest three, queued
-    p.FLUSH_TOKENS = 1000
-    p.propose("x", [1, 2], 2)
+    p.FLUSH_TOKENS_PER_DRAFT = 500
+    p.propose("x", [1, 2], 2)  # 2 drafts: 1,000 tokens
     assert len(p._cached) == 2 and len(p._pending) == 1  # 601 + 601 >= 1000: two went in
     p.propose("x", [1, 2, 3], 2)
     assert len(p._cached) == 3 and not p._pending

@@ -286,7 +286,11 @@ class SuffixProposer:
     """
 
     name = "suffix"
-    FLUSH_TOKENS = 4096  # finished tokens inserted into the global tree per proposal, at most
+    # Finished tokens inserted into the global tree per proposal, at most, per draft it
+    # asks for: a lone probe (one request's drafts after a stretch without any) pays a
+    # few hundred inserts, not the whole stretch's backlog (thousands at batch 16, which
+    # priced every later draft out); drafting steadily, the backlog stays near empty.
+    FLUSH_TOKENS_PER_DRAFT = 256
 
     def __init__(self, num_speculative_tokens: int, *, max_depth: int = 32,
                  max_cached_requests: int = 1000, min_token_prob: float = 0.1,
@@ -326,8 +330,8 @@ class SuffixProposer:
     def propose(self, req_id: str, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to min(k, num_speculative_tokens) draft tokens continuing token_ids (prompt +
         output so far)."""
-        if self._pending:
-            self._flush(self.FLUSH_TOKENS)
+        if self._pending and k > 0:
+            self._flush(self.FLUSH_TOKENS_PER_DRAFT * min(k, self.num_speculative_tokens))
         st = self._requests.get(req_id)
         n = len(token_ids)
         if st is not None:
