@@ -6,10 +6,13 @@ is portable and torch's SDPA may be the faster). So ``attention_backend="auto"``
 every registered backend that supports the model, on the model's own heads, at one
 decode call (``max_num_seqs`` sequences over a paged cache of ``DECODE_CONTEXT``
 tokens each) plus one fresh-prompt prefill call (``PREFILL_TOKENS``), and keeps the
-fastest. The choice is cached per CPU model, flags, torch version, threads, dtype,
-heads and row counts (``<cache>/attention_choice.json``), logged, and
-``--attention-backend NAME`` still forces one; ``CONVEYOR_MEASURE_ATTENTION=0`` keeps the
-priority order.
+fastest. A backend's own prefill kernel is kept only where it beats SDPA on that
+prompt (the native kernel's portable C body, on a CPU without AVX2, measured 0.6-0.9x
+SDPA on an AVX-512 machine): its decode kernel may win while its prefill loses. The
+choice is cached per CPU model, flags, torch version, threads, dtype, heads, row counts
+and native kernel build (``<cache>/attention_choice.json``), logged, and
+``--attention-backend NAME`` still forces one (with its prefill kernel);
+``CONVEYOR_MEASURE_ATTENTION=0`` keeps the priority order.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ def measuring_enabled() -> bool:
 @torch.inference_mode()
 def measure(backends: dict[str, object], device: torch.device, dtype: torch.dtype,
             num_heads: int, num_kv_heads: int, head_dim: int, decode_rows: int
-            ) -> dict[str, float]:
-    """Seconds per backend name: one decode call plus one fresh-prompt prefill call."""
+            ) -> dict[str, dict[str, float]]:
+    """Seconds per backend name: one decode call (``decode``), one fresh-prompt prefill
+    through its own prefill kernel (``prefill``, absent without one) and through SDPA
+    (``sdpa_prefill``, the same for every backend: measured once)."""
     gen = torch.Generator().manual_seed(0)
     b, ctx, t = decode_rows, DECODE_CONTEXT, PREFILL_TOKENS
     slots_per_seq = -(-ctx // _BLOCK) * _BLOCK
@@ -57,7 +62,15 @@ def measure(backends: dict[str, object], device: torch.device, dtype: torch.dtyp
         t, num_kv_heads, head_dim)
     vs = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(t, num_kv_heads, head_dim)
     scale = head_dim ** -0.5
-    out: dict[str, float] = {}
+
+    def sdpa_prefill() -> None:
+        F.scaled_dot_product_attention(
+            qs.transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
+            vs.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
+            enable_gqa=num_heads != num_kv_heads)
+
+    sdpa_s = choice_cache.best_of(sdpa_prefill)
+    out: dict[str, dict[str, float]] = {}
     for name, backend in backends.items():
         decode, prefill = backend.decode_kernel(), backend.prefill_kernel()
         meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
@@ -65,45 +78,59 @@ def measure(backends: dict[str, object], device: torch.device, dtype: torch.dtyp
                                  decode_starts=starts)
         if getattr(decode, "needs_mask", False):
             meta.decode_mask = torch.ones(b, ctx, dtype=torch.bool, device=device)
-
-        def run_prefill(prefill=prefill) -> None:
-            o = torch.empty_like(qs)
-            if prefill is not None and prefill(qs, ks, vs, o, scale):
-                return
-            F.scaled_dot_product_attention(
-                qs.transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
-                vs.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
-                enable_gqa=num_heads != num_kv_heads)
-
-        out[name] = (choice_cache.best_of(lambda decode=decode, meta=meta:
-                                          decode(q, k_cache, v_cache, meta, scale))
-                     + choice_cache.best_of(run_prefill))
+        out[name] = {"decode": choice_cache.best_of(
+            lambda decode=decode, meta=meta: decode(q, k_cache, v_cache, meta, scale)),
+            "sdpa_prefill": sdpa_s}
+        o = torch.empty_like(qs)
+        if prefill is not None and prefill(qs, ks, vs, o, scale):  # it takes this prompt
+            out[name]["prefill"] = choice_cache.best_of(
+                lambda prefill=prefill: prefill(qs, ks, vs, torch.empty_like(qs), scale))
     return out
+
+
+def best_total(times: dict[str, float]) -> tuple[float, bool]:
+    """(seconds, whether its own prefill kernel is kept): decode plus the faster prefill."""
+    own = times.get("prefill")
+    keep = own is not None and own <= times["sdpa_prefill"]
+    return times["decode"] + (own if keep else times["sdpa_prefill"]), keep
 
 
 def _cache_key(dtype: torch.dtype, heads: tuple[int, int, int], rows: int,
                candidates: list[str]) -> str:
     return choice_cache.key(str(dtype), repr(heads), str(rows), ",".join(candidates),
-                            f"{DECODE_CONTEXT},{PREFILL_TOKENS}")
+                            f"{DECODE_CONTEXT},{PREFILL_TOKENS}", _kernel_build())
+
+
+def _kernel_build() -> str:
+    from conveyor.model import kernels
+
+    return kernels.build_key() if kernels.native_kernels_enabled() else "no-native"
 
 
 def choose(backends: dict[str, object], device: torch.device, dtype: torch.dtype,
-           num_heads: int, num_kv_heads: int, head_dim: int, decode_rows: int) -> str:
-    """The fastest backend's name, from the cache or measured now."""
+           num_heads: int, num_kv_heads: int, head_dim: int, decode_rows: int
+           ) -> tuple[str, bool]:
+    """(the fastest backend's name, whether its own prefill kernel beats SDPA), from the
+    cache or measured now."""
     names = list(backends)
     rows = max(1, min(decode_rows, 256))
     key = _cache_key(dtype, (num_heads, num_kv_heads, head_dim), rows, names)
     entry = choice_cache.read("attention").get(key)
     if entry is not None and entry.get("choice") in names:
-        logger.info("attention backend (cached for this CPU): %s", entry["choice"])
-        return entry["choice"]
+        logger.info("attention backend (cached for this CPU): %s%s", entry["choice"],
+                    "" if entry.get("prefill_kernel", True) else ", SDPA for prefill")
+        return entry["choice"], bool(entry.get("prefill_kernel", True))
     t0 = time.perf_counter()
     timings = measure(backends, device, dtype, num_heads, num_kv_heads, head_dim, rows)
-    choice = min(timings, key=timings.get)
+    totals = {n: best_total(t) for n, t in timings.items()}
+    choice = min(totals, key=lambda n: totals[n][0])
+    keep = totals[choice][1]
     logger.info("attention backend measured in %.1f s on %s (%d decode rows x %d context, "
-                "a %d-token prefill): %s; ms: %s", time.perf_counter() - t0, cpu_model_name(),
-                rows, DECODE_CONTEXT, PREFILL_TOKENS, choice,
-                {n: round(1e3 * v, 3) for n, v in timings.items()})
-    choice_cache.store("attention", key, {"choice": choice, "cpu": cpu_model_name(),
-                                          "timings_s": timings})
-    return choice
+                "a %d-token prefill): %s%s; ms: %s", time.perf_counter() - t0,
+                cpu_model_name(), rows, DECODE_CONTEXT, PREFILL_TOKENS, choice,
+                "" if keep or "prefill" not in timings[choice] else
+                " (its prefill kernel loses to SDPA here: SDPA for prefill)",
+                {n: {k: round(1e3 * v, 3) for k, v in t.items()} for n, t in timings.items()})
+    choice_cache.store("attention", key, {"choice": choice, "prefill_kernel": keep,
+                                          "cpu": cpu_model_name(), "timings_s": timings})
+    return choice, keep

@@ -142,16 +142,17 @@ class ModelRunner:
         # ``auto`` measures the ones that apply on this machine (model/attention_choice.py).
         heads = (self.heads.num_heads, self.heads.num_kv_heads, model_cfg.head_dim)
         math_dtype = DTYPES[model_cfg.math_dtype]
+        own_prefill = True  # the backend's own prefill kernel, unless SDPA measured faster
         if attention_backend == "auto" and measure_attention_enabled():
             names = attention_backend_names_for(device, math_dtype, *heads)
             if len(names) > 1:
-                attention_backend = choose_attention(
+                attention_backend, own_prefill = choose_attention(
                     {n: select_attention_backend(n, device, math_dtype, *heads) for n in names},
                     device, math_dtype, *heads, decode_rows=linear_rows[0])
         self.attention = select_attention_backend(attention_backend, device, math_dtype,
                                                   *heads)
         self.decode_kernel = self.attention.decode_kernel()
-        self.prefill_kernel = self.attention.prefill_kernel()
+        self.prefill_kernel = self.attention.prefill_kernel() if own_prefill else None
         layer_ops = self.attention.layer_ops()
         if layer_ops is not None:
             self.model.ops = layer_ops

@@ -71,6 +71,17 @@ def kernel_isa() -> str:
     return isa
 
 
+def build_key(isa: str | None = None) -> str:
+    """The build's cache key: sources, flags and this CPU's instruction set (measured
+    backend choices are keyed by it too: a changed kernel is measured afresh)."""
+    flags = [*_FLAGS, *ISA_FLAGS[isa or kernel_isa()]]
+    key = hashlib.sha256(" ".join(flags).encode() + _cpu_key().encode())
+    for source in [*_SOURCES, *_HEADERS]:
+        with open(source, "rb") as f:
+            key.update(f.read())
+    return key.hexdigest()[:16]
+
+
 def _build(compiler: str, out_path: str, flags: list[str]) -> None:
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     workdir = tempfile.mkdtemp(dir=os.path.dirname(out_path))
@@ -116,11 +127,7 @@ def load_variant(isa: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler found: native CPU kernels disabled")
         return None
     flags = [*_FLAGS, *ISA_FLAGS[isa]]
-    key = hashlib.sha256(" ".join(flags).encode() + _cpu_key().encode())
-    for source in [*_SOURCES, *_HEADERS]:
-        with open(source, "rb") as f:
-            key.update(f.read())
-    path = os.path.join(cache_root(), "kernels", key.hexdigest()[:16], "libconveyor_cpu.so")
+    path = os.path.join(cache_root(), "kernels", build_key(isa), "libconveyor_cpu.so")
     try:
         if not os.path.isfile(path):
             _build(compiler, path, flags)
