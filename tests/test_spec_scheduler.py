@@ -272,27 +272,11 @@ def test_proposal_cost_is_fitted_and_weighed():
     assert rows[0].k_want == 4
     # A draft forward that costs as much as the target's step: no draft pays at batch 1.
     dear = DraftLengthController(cfg, FixedCost(a=0.005, b=0.0001))
-    for k in (1, 1, 2, 3, 4):  # the first follows a pause: not steady, not fitted
+    for k in (1, 2, 3, 4):
         dear.observe_proposals({"r0": k, "r1": 1}, 0.005 * k + 0.0001 * (k + 1))
     rows = _rows(1)
     dear.plan(rows, 0, 1, 1, 512)
     assert rows[0].k_want == 0
-
-
-def test_only_steady_proposals_teach_the_proposal_cost():
-    """A proposal after a pause also catches up on every token since: left out, or a
-    proposer looks dearer per draft than it is while drafting steadily."""
-    cfg = SpeculativeConfig("suffix", num_speculative_tokens=4)
-    ctl = DraftLengthController(cfg, FixedCost(a=0.005, b=0.0001))
-    steady = {f"r{i}": 2 for i in range(4)}
-    for _ in range(6):
-        ctl.observe_proposals(steady, 0.0008)  # 0.1 ms a draft, steadily
-    before = ctl.proposal_cost.coefficients()
-    ctl.observe_proposals({}, 0.0)  # a step without proposals: a pause
-    ctl.observe_proposals(steady, 0.05)  # the catch-up after it: 60x dearer
-    assert ctl.proposal_cost.coefficients() == before
-    ctl.observe_proposals({**steady, "new": 2}, 0.001)  # one newcomer in five: steady
-    assert ctl.proposal_cost.coefficients() != before
 
 
 # ---- the outcome guard -----------------------------------------------------------------

@@ -455,7 +455,6 @@ class DraftLengthController:
         self._explore_age = 0
         self._explored: set[str] = set()  # requests that proposed one more last step
         self.proposal_cost = ProposalCost()
-        self._proposed_last: set[str] = set()  # requests that proposed in the last step
         self.guard = OutcomeGuard()
         k = config.num_speculative_tokens
         # Proposer-wide decayed (accepted, tried) per position; the prior says 1 in 2.
@@ -482,17 +481,8 @@ class DraftLengthController:
         return [(acc + w * p) / (tried + w) for (acc, tried), p in zip(own, prior)]
 
     def observe_proposals(self, wanted: dict[str, int], seconds: float) -> None:
-        """The proposer took ``seconds`` for the drafts ``wanted`` (request -> k).
-
-        Only steady proposals teach the fit: most of the requests (3 in 4) proposed in
-        the step before too. A proposal after a pause (a probe, an exploration, the first
-        drafts after the guard's cool-off) also catches up on every token since (a suffix
-        tree's extension, a draft model's forwards): fitted on those, a proposer looks
-        dearer per draft than it is while drafting, and the rule never drafts steadily
-        enough to learn otherwise (adaptive suffix at batch 4 stayed at 0.99x where a
-        fixed k reached 1.24x)."""
-        before, self._proposed_last = self._proposed_last, set(wanted)
-        if wanted and 4 * len(before.intersection(wanted)) >= 3 * len(wanted):
+        """The proposer took ``seconds`` for the drafts ``wanted`` (request -> k)."""
+        if wanted:
             self.proposal_cost.observe(max(wanted.values()), sum(wanted.values()), seconds)
 
     def observe_step(self, batch: int, num_prefill_tokens: int, num_drafts: int,
