@@ -68,23 +68,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: no trace at {args.workload}")
         return 0
 
-    from conveyor.bench.workload import load_workload
-    from conveyor.config import EngineArgs
     from conveyor.sim.capacity import SLO, at_rate, slo_attainment
-    from conveyor.sim.cost_model import make_cost_model
+    from conveyor.sim.cli import describe, sim_inputs
     from conveyor.sim.disagg import DisaggSimulator, slo_goodput
-    from conveyor.sim.model import resolve_sim_model
     from conveyor.sim.simulator import Simulator
 
-    engine_args = EngineArgs.from_cli_args(args)
-    model = resolve_sim_model(engine_args)
-    cost = make_cost_model(args.cost, model, hardware=args.hardware, tp=args.tp)
-    requests = load_workload(args, model.vocab_size)
+    engine_args, model, cost, requests = sim_inputs(args)
     slo = SLO(mine.ttft_ms / 1e3, mine.tpot_ms / 1e3, mine.attainment)
     times = sorted(r.arrival_s for r in requests)
     trace_rate = (len(times) - 1) / max(times[-1] - times[0], 1e-9)
     tol = 0.08 if mine.quick else 0.03
-    from conveyor.sim.cli import describe
 
     print(f"workload: {args.workload}: {describe(requests)} (trace rate {trace_rate:.2f} "
           f"req/s)")

@@ -40,18 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: no trace at {args.workload}")
         return 0
 
-    from conveyor.bench.workload import load_workload
-    from conveyor.config import EngineArgs
-    from conveyor.sim.cost_model import make_cost_model
-    from conveyor.sim.model import resolve_sim_model
+    from conveyor.sim.cli import describe, sim_inputs
     from conveyor.sim.results import run_result
     from conveyor.sim.simulator import Simulator
 
-    engine_args = EngineArgs.from_cli_args(args)
-    model = resolve_sim_model(engine_args)
-    cost = make_cost_model(args.cost, model, hardware=args.hardware, tp=args.tp)
-    requests = load_workload(args, model.vocab_size)
-    from conveyor.sim.cli import describe
+    engine_args, model, cost, requests = sim_inputs(args)
 
     print(f"workload: {args.workload}: {describe(requests)}")
     print(f"cost model: {cost.describe()}; SLOs TTFT <= {args.slo_ttft:g} ms, "

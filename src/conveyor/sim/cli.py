@@ -79,17 +79,24 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def _run(args: argparse.Namespace) -> int:
+def sim_inputs(args: argparse.Namespace):
+    """(engine args, model, cost model, requests) of ``conveyor sim`` options: what the
+    command runs, and what benchmark scripts that drive the simulator start from."""
     from conveyor.bench.workload import load_workload
     from conveyor.sim.cost_model import make_cost_model
     from conveyor.sim.model import resolve_sim_model
-    from conveyor.sim.simulator import Simulator
 
-    _check_args(args)
     engine_args = EngineArgs.from_cli_args(args)
     model = resolve_sim_model(engine_args)
     cost = make_cost_model(args.cost, model, hardware=args.hardware, tp=args.tp)
-    requests = load_workload(args, model.vocab_size)
+    return engine_args, model, cost, load_workload(args, model.vocab_size)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from conveyor.sim.simulator import Simulator
+
+    _check_args(args)
+    engine_args, model, cost, requests = sim_inputs(args)
     print(f"workload: {args.workload}: {describe(requests)}")
     sim = Simulator(engine_args, cost, replicas=args.replicas, router=args.router, model=model)
     print(f"target: {_target_line(args, sim)}")
