@@ -18,19 +18,7 @@ import torch.nn.functional as F
 
 from conveyor.model import kernels
 from conveyor.model.decode_attention import NativePrefill
-from conveyor.model.dtypes import cpu_flags, cpu_model_name
-
-
-def isas() -> list[str]:
-    flags = cpu_flags() or set()
-    out = ["native"]
-    if "avx512_bf16" in flags:
-        out.append("avx512")
-    if "avx512f" in flags and "avx2" in flags:
-        out.append("avx2")
-    if "avx2" in flags:
-        out.append("portable")
-    return out
+from conveyor.model.dtypes import cpu_model_name
 
 
 def main() -> None:
@@ -45,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     hq, hkv, d = (int(x) for x in args.heads.split(","))
     scale = d ** -0.5
-    libs = {isa: kernels.load_variant(isa) for isa in isas()}
+    libs = {isa: kernels.load_variant(isa) for isa in kernels.isa_builds()}
     libs = {isa: lib for isa, lib in libs.items() if lib is not None}
     if not libs:
         raise SystemExit(f"native kernels unavailable: {kernels.why_unavailable()}")

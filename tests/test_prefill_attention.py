@@ -12,18 +12,9 @@ import torch.nn.functional as F
 
 from conveyor.model import kernels
 from conveyor.model.decode_attention import NativePrefill
-from conveyor.model.dtypes import cpu_flags
 
 needs_native = pytest.mark.skipif(kernels.load() is None,
                                   reason="native kernels unavailable " + kernels.why_unavailable())
-
-
-def isa_builds() -> list[str]:
-    """The kernel builds this CPU runs: its own, and those capped below what it has."""
-    flags = cpu_flags() or set()
-    return ["native"] + (["avx512"] if "avx512_bf16" in flags else []) + (
-        ["avx2"] if {"avx512f", "avx2"} <= flags else []) + (
-        ["portable"] if "avx2" in flags else [])
 
 
 def qkv_views(length: int, hq: int, hkv: int, d: int, seed: int = 0,
@@ -59,7 +50,7 @@ def test_native_prefill_equals_causal_sdpa(d: int, hq: int, hkv: int, length: in
 
 
 @needs_native
-@pytest.mark.parametrize("isa", isa_builds())
+@pytest.mark.parametrize("isa", kernels.isa_builds())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [16, 64, 128])
 @pytest.mark.parametrize("hq,hkv,length", [(9, 3, 1), (9, 3, 47), (8, 2, 130), (6, 1, 17)])

@@ -14,6 +14,7 @@ that way too, so the fallback path stays tested).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -64,17 +65,32 @@ def why_unavailable() -> str:
 
 
 def kernel_isa() -> str:
-    """The instruction-set cap of ``CONVEYOR_KERNEL_ISA`` (native, avx2, portable)."""
+    """The instruction-set cap of ``CONVEYOR_KERNEL_ISA`` (native, avx512, avx2,
+    portable)."""
     isa = os.environ.get("CONVEYOR_KERNEL_ISA", "native").strip().lower() or "native"
     if isa not in ISA_FLAGS:
         raise ValueError(f"CONVEYOR_KERNEL_ISA={isa!r}: expected one of {sorted(ISA_FLAGS)}")
     return isa
 
 
+def isa_builds() -> list[str]:
+    """The builds this CPU runs (``ISA_FLAGS`` keys): its own, and each cap below what it
+    has, so that one machine can check the bodies another CPU would run."""
+    flags = cpu_flags() or frozenset()
+    return ["native"] + (["avx512"] if "avx512_bf16" in flags else []) + (
+        ["avx2"] if {"avx512f", "avx2"} <= flags else []) + (
+        ["portable"] if "avx2" in flags else [])
+
+
 def build_key(isa: str | None = None) -> str:
     """The build's cache key: sources, flags and this CPU's instruction set (measured
     backend choices are keyed by it too: a changed kernel is measured afresh)."""
-    flags = [*_FLAGS, *ISA_FLAGS[isa or kernel_isa()]]
+    return _build_key(isa or kernel_isa())
+
+
+@functools.cache
+def _build_key(isa: str) -> str:  # the sources do not change under a running process
+    flags = [*_FLAGS, *ISA_FLAGS[isa]]
     key = hashlib.sha256(" ".join(flags).encode() + _cpu_key().encode())
     for source in [*_SOURCES, *_HEADERS]:
         with open(source, "rb") as f:
@@ -118,8 +134,9 @@ def load() -> ctypes.CDLL | None:
 
 
 def load_variant(isa: str) -> ctypes.CDLL | None:
-    """A build of the library for ``isa`` (``ISA_FLAGS``: native, or capped at AVX2 or at
-    portable C), loaded beside any other; None if it cannot be built."""
+    """A build of the library for ``isa`` (``ISA_FLAGS``: native, or capped at AVX-512
+    without BF16, at AVX2 or at portable C), loaded beside any other; None if it cannot
+    be built."""
     if platform.system() != "Linux":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
