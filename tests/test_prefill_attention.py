@@ -58,7 +58,10 @@ def test_every_body_in_both_dtypes(isa: str, dtype: torch.dtype, d: int, hq: int
                                    length: int) -> None:
     """bf16 is read and written as bf16, float32 inside: the float64 result rounded to bf16
     once, so within half a bf16 ulp (at most 2^-8 of the value: 8 significant bits) plus
-    the float32 arithmetic's error."""
+    the float32 arithmetic's error. The body with AVX-512 BF16 also rounds the softmax
+    numerators to bf16 for P @ V, as torch's CPU flash attention does in bf16: that adds at
+    most 2^-8 of sum_j softmax_j |v_j| (each numerator within 2^-8 of itself, the
+    denominator unrounded), and no more."""
     lib = kernels.load_variant(isa)
     q, k, v = qkv_views(length, hq, hkv, d, seed=length + d + hq, dtype=dtype)
     out = torch.full((length + 2, hq, d), float("nan"), dtype=dtype)
@@ -69,7 +72,10 @@ def test_every_body_in_both_dtypes(isa: str, dtype: torch.dtype, d: int, hq: int
         torch.testing.assert_close(out[1:-1], ref, atol=2e-6, rtol=1e-5)
     else:
         err = (out[1:-1].float() - ref).abs()
-        assert (err <= ref.abs() * 2.0 ** -8 + 2e-6).all(), (err - ref.abs() * 2.0 ** -8).max()
+        bound = ref.abs() * 2.0 ** -8 + 2e-6
+        if kernels.bf16_prefill_rounds_probabilities(isa):
+            bound += reference(q, k, v.abs(), d ** -0.5) * 2.0 ** -8 * (1 + 2.0 ** -8)
+        assert (err <= bound).all(), (err - bound).max()
 
 
 @needs_native

@@ -82,6 +82,13 @@ def isa_builds() -> list[str]:
         ["portable"] if "avx2" in flags else [])
 
 
+def bf16_prefill_rounds_probabilities(isa: str | None = None) -> bool:
+    """Whether the build's bf16 prefill attention rounds the softmax numerators to bf16
+    for P @ V (as torch's CPU flash attention does in bf16): the AVX-512 BF16 body, which
+    a native build gets where the CPU has the instructions. Its error bound is wider."""
+    return (isa or kernel_isa()) == "native" and "avx512_bf16" in (cpu_flags() or ())
+
+
 def build_key(isa: str | None = None) -> str:
     """The build's cache key: sources, flags and this CPU's instruction set (measured
     backend choices are keyed by it too: a changed kernel is measured afresh)."""

@@ -1,7 +1,8 @@
 /*
  * Causal self-attention of a fresh prompt (no cached prefix), GQA; float32 or bfloat16
  * tensors (bf16 is converted where the query block and the K/V tiles are copied, and
- * rounded once on the way out, so the arithmetic is float32 in both); head dims 16, 32,
+ * rounded once on the way out, so the arithmetic is float32 in both; the AVX-512 BF16
+ * body also rounds the softmax numerators for P @ V, see its header); head dims 16, 32,
  * 64 and 128 (each a copy compiled with its dimension fixed, so that a query's
  * accumulator fits in registers).
  *
