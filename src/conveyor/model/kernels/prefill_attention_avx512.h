@@ -28,6 +28,22 @@
 #else
 #define DOT_BF16_ 0
 #endif
+#ifndef CONVEYOR_MAX4_
+#define CONVEYOR_MAX4_
+/* The maxima of four registers, the maximum of s[a] in every lane of 128-bit lane a: two
+ * folds across 128-bit lanes (shuffle_f32x4) take the four registers into one, two
+ * in-lane permutes finish each lane (8 shuffles and 6 maxes for four queries, where four
+ * _mm512_reduce_max_ps take 12 and 12 and a broadcast each). */
+static inline __m512 max4(const __m512 s[4]) {
+    const __m512 u = _mm512_max_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x44),
+                                   _mm512_shuffle_f32x4(s[0], s[1], 0xEE));
+    const __m512 w = _mm512_max_ps(_mm512_shuffle_f32x4(s[2], s[3], 0x44),
+                                   _mm512_shuffle_f32x4(s[2], s[3], 0xEE));
+    __m512 x = _mm512_max_ps(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xDD));
+    x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
+    return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+#endif
 static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restrict v,
                  TIN* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
                  int out_stride, float scale) {
@@ -76,6 +92,9 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
     float* m = (float*)malloc(sizeof(float) * (size_t)nq_max);
     float* l = (float*)malloc(sizeof(float) * (size_t)nq_max);
     float* acc = (float*)aligned_alloc(64, sizeof(float) * (size_t)nq_max * D);
+    float* lv = (float*)aligned_alloc(64, sizeof(float) * (size_t)nq_max * 16);
+    const __m512i lane_of_query = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i first_of_lane = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
     float* qs = (float*)aligned_alloc(64, sizeof(float) * (size_t)nq_max * D);
 #if DOT_BF16_
     uint32_t* qp = (uint32_t*)aligned_alloc(64, sizeof(uint32_t) * (size_t)nq_max * D / 2);
@@ -89,6 +108,7 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
         const int r0 = blk * QB, r1 = r0 + QB < L ? r0 + QB : L;
         const int nq = (r1 - r0) * G, nq4 = (nq + 3) / 4 * 4;
         START_TASK(q, qs, m, l, acc, nq, nq4, r0, G, h, q_stride, D, scale);
+        memset(lv, 0, sizeof(float) * (size_t)nq4 * 16);
 #if DOT_BF16_
         /* The queries' own bf16 pairs (unscaled: the scale multiplies the scores, so no
          * second rounding), zeros for padding. */
@@ -157,17 +177,27 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
 #else
                 float p[4][KC] __attribute__((aligned(64)));
 #endif
-                float alpha[16] __attribute__((aligned(64))) = {0.f};
-                float p_sum[4], new_m[4];
+                /* Keys past row t (and padding) are masked; padded queries mask all. */
+                __m512 s4[4];
                 for (int a = 0; a < 4; a++) {
                     const int i = i0 + a, t = r0 + i / G;
-                    /* Keys past row t (and padding) are masked; padded queries mask all. */
                     const int valid = i >= nq || t < j0 ? 0 : (t - j0 + 1 < kn ? t - j0 + 1 : kn);
-                    const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
-                    const __m512 s = _mm512_mask_blend_ps(keep, neg, sc[a]);
-                    const float cm = fmaxf(m[i], _mm512_reduce_max_ps(s));
+                    s4[a] = _mm512_mask_blend_ps((__mmask16)((1u << valid) - 1u), neg, sc[a]);
+                }
+                /* The running maxima of the four queries at once, query a in 128-bit lane
+                 * a (max4's fold), and each query's rescale alpha = e^(old max - new). */
+                const __m512 m_old = _mm512_permutexvar_ps(
+                    lane_of_query, _mm512_castps128_ps512(_mm_loadu_ps(m + i0)));
+                const __m512 m_new = _mm512_max_ps(m_old, max4(s4));
+                const __m512 alpha = exp512(_mm512_sub_ps(m_old, m_new));
+                _mm_storeu_ps(m + i0, _mm512_castps512_ps128(
+                    _mm512_permutexvar_ps(first_of_lane, m_new)));
+                __m512 al[4];
+                for (int a = 0; a < 4; a++) {
+                    al[a] = _mm512_shuffle_f32x4(alpha, alpha, 0x55 * a);
                     /* Masked lanes: exp512 of -1e30 is exactly 0. */
-                    const __m512 e = exp512(_mm512_sub_ps(s, _mm512_set1_ps(cm)));
+                    const __m512 e = exp512(_mm512_sub_ps(
+                        s4[a], _mm512_shuffle_f32x4(m_new, m_new, 0x55 * a)));
 #if DOT_BF16_
                     /* P rounded to bf16 for P @ V, as torch's CPU flash attention does in
                      * bf16; the denominator sums the unrounded exponentials (as there). */
@@ -175,17 +205,10 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
 #else
                     _mm512_store_ps(p[a], e);
 #endif
-                    p_sum[a] = _mm512_reduce_add_ps(e);
-                    alpha[a] = m[i] - cm; /* exponentiated below, the four at once */
-                    new_m[a] = cm;
+                    /* The denominator by lanes, summed once when the task ends. */
+                    float* la = lv + (int64_t)(i0 + a) * 16;
+                    _mm512_store_ps(la, _mm512_fmadd_ps(_mm512_load_ps(la), al[a], e));
                 }
-                _mm512_store_ps(alpha, exp512(_mm512_load_ps(alpha)));
-                for (int a = 0; a < 4 && i0 + a < nq; a++) {
-                    l[i0 + a] = l[i0 + a] * alpha[a] + p_sum[a];
-                    m[i0 + a] = new_m[a];
-                }
-                const __m512 al[4] = {_mm512_set1_ps(alpha[0]), _mm512_set1_ps(alpha[1]),
-                                      _mm512_set1_ps(alpha[2]), _mm512_set1_ps(alpha[3])};
                 for (int dc = 0; dc < D; dc += 16 * NV_) {
                     __m512 o[4][NV_];
                     #pragma GCC unroll 4
@@ -232,9 +255,10 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
                 }
             }
         }
+        for (int i = 0; i < nq; i++) l[i] = _mm512_reduce_add_ps(_mm512_load_ps(lv + (int64_t)i * 16));
         FINISH_TASK(out, acc, l, nq, r0, G, h, out_stride, D);
     }
-    free(m); free(l); free(acc); free(qs);
+    free(m); free(l); free(lv); free(acc); free(qs);
 #if DOT_BF16_
     free(qp);
 #endif
