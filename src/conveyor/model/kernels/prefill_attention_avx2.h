@@ -14,6 +14,20 @@
  * where the portable body reloaded each query's accumulator and every V row once per
  * query (measured 2-3x slower on the 2-core AVX2 machine this project runs on).
  */
+#ifndef CONVEYOR_MAX4_AVX2_
+#define CONVEYOR_MAX4_AVX2_
+/* The maxima of four registers in one: a fold across 128-bit halves, one within them,
+ * one of neighbours; query 0's maximum lands in lanes 0-1, 2's in 2-3, 1's in 4-5 and 3's
+ * in 6-7 (5 shuffles and 3 maxes for four queries, where reducing each took 3 and 3). */
+static inline __m256 max4_avx2(const __m256 x[4]) {
+    const __m256 u = _mm256_max_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20),
+                                   _mm256_permute2f128_ps(x[0], x[1], 0x31));
+    const __m256 w = _mm256_max_ps(_mm256_permute2f128_ps(x[2], x[3], 0x20),
+                                   _mm256_permute2f128_ps(x[2], x[3], 0x31));
+    const __m256 y = _mm256_max_ps(_mm256_shuffle_ps(u, w, 0x44), _mm256_shuffle_ps(u, w, 0xEE));
+    return _mm256_max_ps(y, _mm256_shuffle_ps(y, y, 0xB1));
+}
+#endif
 static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restrict v,
                  TIN* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
                  int out_stride, float scale) {
@@ -38,6 +52,7 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
     float* m = (float*)malloc(sizeof(float) * (size_t)nq_max);
     float* l = (float*)malloc(sizeof(float) * (size_t)nq_max);
     float* acc = (float*)aligned_alloc(64, sizeof(float) * (size_t)nq_max * D);
+    float* lv = (float*)aligned_alloc(64, sizeof(float) * (size_t)nq_max * 8);
     float* qs = (float*)aligned_alloc(64, sizeof(float) * (size_t)nq_max * D);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     /* Largest blocks first (their work grows with the row index). */
@@ -47,6 +62,7 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
         const int r0 = blk * QB, r1 = r0 + QB < L ? r0 + QB : L;
         const int nq = (r1 - r0) * G, nq4 = (nq + 3) / 4 * 4;
         START_TASK(q, qs, m, l, acc, nq, nq4, r0, G, h, q_stride, D, scale);
+        memset(lv, 0, sizeof(float) * (size_t)nq4 * 8);
         for (int j0 = 0; j0 < r1; j0 += KC) {
             const int kn = r1 - j0 < KC ? r1 - j0 : KC;
             const float* kt = kts + ((int64_t)h * nchunks + j0 / KC) * D * KC;
@@ -69,37 +85,40 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
                     s30 = _mm256_fmadd_ps(x, k0, s30); s31 = _mm256_fmadd_ps(x, k1, s31);
                 }
                 float p[4][KC] __attribute__((aligned(32)));
+                __m256 e_sum[4];
                 _mm256_store_ps(p[0], s00); _mm256_store_ps(p[0] + 8, s01);
                 _mm256_store_ps(p[1], s10); _mm256_store_ps(p[1] + 8, s11);
                 _mm256_store_ps(p[2], s20); _mm256_store_ps(p[2] + 8, s21);
                 _mm256_store_ps(p[3], s30); _mm256_store_ps(p[3] + 8, s31);
-                float alpha[4], p_sum[4], new_m[4];
+                /* Keys past row t (and padding) are masked; padded queries mask all. */
+                __m256 lo[4], hi[4], mx[4];
                 for (int a = 0; a < 4; a++) {
                     const int i = i0 + a, t = r0 + i / G;
-                    /* Keys past row t (and padding) are masked; padded queries mask all. */
                     const int valid = i >= nq || t < j0 ? 0 : (t - j0 + 1 < kn ? t - j0 + 1 : kn);
                     const __m256i nv = _mm256_set1_epi32(valid);
                     const __m256 neg = _mm256_set1_ps(NEG);
-                    __m256 lo = _mm256_load_ps(p[a]), hi = _mm256_load_ps(p[a] + 8);
-                    lo = _mm256_blendv_ps(neg, lo, _mm256_castsi256_ps(_mm256_cmpgt_epi32(nv, lane)));
-                    hi = _mm256_blendv_ps(neg, hi, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                        nv, _mm256_add_epi32(lane, _mm256_set1_epi32(8)))));
-                    __m256 mx = _mm256_max_ps(lo, hi);
-                    mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
-                    mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
-                    mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xb1));
-                    const float cm = fmaxf(m[i], _mm256_cvtss_f32(mx));
+                    lo[a] = _mm256_blendv_ps(neg, _mm256_load_ps(p[a]),
+                                             _mm256_castsi256_ps(_mm256_cmpgt_epi32(nv, lane)));
+                    hi[a] = _mm256_blendv_ps(neg, _mm256_load_ps(p[a] + 8),
+                                             _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                                                 nv, _mm256_add_epi32(lane, _mm256_set1_epi32(8)))));
+                    mx[a] = _mm256_max_ps(lo[a], hi[a]);
+                }
+                /* The four maxima by one fold (max4_avx2): query 0 in lane 0, 1 in lane 4,
+                 * 2 in lane 2, 3 in lane 6. */
+                float qmax[8] __attribute__((aligned(32)));
+                _mm256_store_ps(qmax, max4_avx2(mx));
+                float alpha[4], new_m[4];
+                for (int a = 0; a < 4; a++) {
+                    const int i = i0 + a;
+                    const float cm = fmaxf(m[i], qmax[(a & 1) * 4 + (a >> 1) * 2]);
                     /* Masked lanes: exp256 of -1e30 is exactly 0. */
-                    lo = exp256(_mm256_sub_ps(lo, _mm256_set1_ps(cm)));
-                    hi = exp256(_mm256_sub_ps(hi, _mm256_set1_ps(cm)));
-                    _mm256_store_ps(p[a], lo);
-                    _mm256_store_ps(p[a] + 8, hi);
-                    __m256 sv = _mm256_add_ps(lo, hi);
-                    sv = _mm256_add_ps(sv, _mm256_permute2f128_ps(sv, sv, 1));
-                    sv = _mm256_add_ps(sv, _mm256_shuffle_ps(sv, sv, 0x4e));
-                    sv = _mm256_add_ps(sv, _mm256_shuffle_ps(sv, sv, 0xb1));
+                    const __m256 elo = exp256(_mm256_sub_ps(lo[a], _mm256_set1_ps(cm)));
+                    const __m256 ehi = exp256(_mm256_sub_ps(hi[a], _mm256_set1_ps(cm)));
+                    _mm256_store_ps(p[a], elo);
+                    _mm256_store_ps(p[a] + 8, ehi);
+                    e_sum[a] = _mm256_add_ps(elo, ehi);
                     alpha[a] = m[i] - cm; /* exponentiated below, the four at once */
-                    p_sum[a] = _mm256_cvtss_f32(sv);
                     new_m[a] = cm;
                 }
                 {
@@ -108,8 +127,11 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
                     _mm256_store_ps(al, exp256(_mm256_load_ps(al)));
                     for (int a = 0; a < 4; a++) alpha[a] = al[a];
                 }
-                for (int a = 0; a < 4 && i0 + a < nq; a++) {
-                    l[i0 + a] = l[i0 + a] * alpha[a] + p_sum[a];
+                /* The denominators by lanes, summed once when the task ends. */
+                for (int a = 0; a < 4; a++) {
+                    float* la = lv + (int64_t)(i0 + a) * 8;
+                    _mm256_store_ps(la, _mm256_fmadd_ps(_mm256_load_ps(la),
+                                                        _mm256_set1_ps(alpha[a]), e_sum[a]));
                     m[i0 + a] = new_m[a];
                 }
                 const __m256 al0 = _mm256_set1_ps(alpha[0]), al1 = _mm256_set1_ps(alpha[1]),
@@ -143,9 +165,15 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
                 }
             }
         }
+        for (int i = 0; i < nq; i++) {
+            __m256 sv = _mm256_load_ps(lv + (int64_t)i * 8);
+            sv = _mm256_add_ps(sv, _mm256_permute2f128_ps(sv, sv, 1));
+            sv = _mm256_add_ps(sv, _mm256_shuffle_ps(sv, sv, 0x4e));
+            l[i] = _mm256_cvtss_f32(_mm256_add_ps(sv, _mm256_shuffle_ps(sv, sv, 0xb1)));
+        }
         FINISH_TASK(out, acc, l, nq, r0, G, h, out_stride, D);
     }
-    free(m); free(l); free(acc); free(qs);
+    free(m); free(l); free(lv); free(acc); free(qs);
     }
     free(kts); free(vts);
 }
