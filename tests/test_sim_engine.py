@@ -161,6 +161,29 @@ def test_batch_shape_by_hand():
     assert s.num_tokens == 11 == out.total_num_scheduled_tokens
 
 
+def test_the_step_cost_fits_split_is_batch_shapes():
+    """The scheduler's per-step split (prefill tokens, decode rows) is ``batch_shape``'s,
+    a verifying row (1 + its drafts) counted as decode rows, not as a prefill chunk."""
+    from conveyor.core.batch_shape import prefill_and_decode_rows
+    from conveyor.core.scheduler_output import (
+        CachedRequestData,
+        NewRequestData,
+        SchedulerOutput,
+    )
+    from conveyor.sampling_params import SamplingParams
+    from conveyor.sim import batch_shape
+
+    sp = SamplingParams()
+    out = SchedulerOutput(
+        new_reqs=[NewRequestData("p", [1] * 5, [], sp, [0], 0)],
+        cached_reqs=[CachedRequestData("d", [], 9), CachedRequestData("v", [], 29)],
+        num_scheduled_tokens={"p": 5, "d": 1, "v": 3},
+        total_num_scheduled_tokens=9, sampling_req_ids={"p", "d", "v"},
+        scheduled_spec_tokens={"v": [7, 8]})
+    s = batch_shape(out)
+    assert prefill_and_decode_rows(out) == (s.num_prefill_tokens, s.num_decodes) == (5, 4)
+
+
 def test_bad_scheduling_fields_are_refused_like_the_engine():
     work = [BenchRequest("neg", 0.0, [5, 6], 2, slo_ttft_ms=-1.0),
             BenchRequest("empty-tenant", 0.0, [5, 6], 2, tenant=""),

@@ -248,6 +248,33 @@ def test_blocks_and_counters_stay_consistent(seed, num_blocks, k, rate, adaptive
     assert core.kv.num_free_blocks == num_blocks
 
 
+def test_a_guard_switch_off_voids_the_drafts_on_hand():
+    """The step after the outcome guard switches a batch size off builds no draft rows;
+    the proposals made in the step before are dropped, not kept for a later step (where
+    they would be drafts for positions long past)."""
+    core, now = _core(0, 64, 3, 1.0, False, "synthetic")
+    for i in range(3):
+        core.add_request(EngineCoreRequest(
+            f"r{i}", [5 + i] * 6, SamplingParams(max_tokens=40, ignore_eos=True,
+                                                temperature=0.0), arrival_time=0.0))
+    for _ in range(3):  # the prompts, then steps that verify and propose (fixed k)
+        out = core.schedule()
+        core.update(out, core.executor.execute_model(out))
+        now[0] += 0.01
+    held = [r for r in core.scheduler.running if r.spec_token_ids]
+    assert held, "the harness should leave proposals on hand"
+    # Now adaptive, with the guard's verdict against drafts at every size.
+    spec_ctl = core.scheduler.spec
+    spec_ctl.config = SpeculativeConfig("synthetic", num_speculative_tokens=3,
+                                        acceptance_rate=1.0, adaptive=True)
+    spec_ctl.guard.allows = lambda batch: False
+    before = spec_ctl.metrics.num_guard_off_steps
+    out = core.schedule()
+    assert not out.scheduled_spec_tokens and not out.num_spec_wanted
+    assert not any(r.spec_token_ids for r in core.scheduler.running)
+    assert spec_ctl.metrics.num_guard_off_steps == before + 1
+
+
 def test_scheduler_without_speculation_has_no_controller():
     from helpers import make_scheduler
 
@@ -356,6 +383,8 @@ def test_a_measured_loss_overrules_a_wrong_cost_estimate():
     assert all(r.k_want == 0 and r.k_now == 0 for r in rows) and ctl.last_k_want == 0
     m = ctl.metrics.as_dict()
     assert m["num_guard_switch_offs"] == 1 and m["num_guard_off_steps"] == 1
+    # The scheduler asks first: no rows are built at that size while it is off.
+    assert ctl.dormant(4) and ctl.metrics.num_guard_off_steps == 2
     rows = _rows(1)  # batch 1 has its own verdict (none yet): the estimate decides
     ctl.plan(rows, 0, 1, 1, 512)
     assert rows[0].k_want == 4

@@ -70,3 +70,14 @@ def batch_shape(out: SchedulerOutput) -> BatchShape:
                 p_ctx += start + n
     num_sampled = len(out.sampling_req_ids) + sum(len(d) for d in spec.values())
     return BatchShape(p_tokens, p_rows, p_attn, p_ctx, d_rows, d_ctx, d_max, num_sampled)
+
+
+def prefill_and_decode_rows(out: SchedulerOutput) -> tuple[int, int]:
+    """``batch_shape(out)``'s (num_prefill_tokens, num_decodes) alone, for the
+    per-step step-cost fit: one pass over the scheduled counts, no attention terms."""
+    spec = out.scheduled_spec_tokens
+    prefill = 0
+    for rid, n in out.num_scheduled_tokens.items():
+        if n > 1 and rid not in spec:
+            prefill += n
+    return prefill, out.total_num_scheduled_tokens - prefill

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from conveyor.config import SchedulerConfig
-from conveyor.core.batch_shape import batch_shape
+from conveyor.core.batch_shape import prefill_and_decode_rows
 from conveyor.core.budget import BudgetController, StepCostModel, budget_mode
 from conveyor.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from conveyor.core.policies import PolicyContext, SchedulingPolicy, make_policy
@@ -313,7 +313,12 @@ class Scheduler:
         """
         spec, lookahead = self.spec, self.config.speculative.writes_draft_kv
         if spec.dormant(len(decodes)):
-            return  # the last plan drafted nothing: no request holds drafts or asks any
+            # No drafts this step: the last plan drafted nothing, or the outcome guard
+            # keeps them off (proposals from the step before it switched off are void).
+            for req in decodes:
+                if req.spec_token_ids:
+                    req.spec_token_ids = []
+            return
         rows = []
         for req in decodes:
             if req.status != _RUNNING:  # preempted for an admission
@@ -659,15 +664,14 @@ class Scheduler:
             # The step's time without the proposer's (priced apart, per draft asked for).
             self.spec.observe_proposals(out.num_spec_wanted, run.propose_s)
             # The runner's split: verify rows are decode rows (core/batch_shape.py).
-            shape = batch_shape(out)
+            num_prefill, num_decode_rows = prefill_and_decode_rows(out)
             num_drafts = sum(map(len, out.scheduled_spec_tokens.values()))
-            batch = shape.num_decodes - num_drafts
+            batch = num_decode_rows - num_drafts
             step_s = now - self._schedule_now - run.propose_s
             # (Dormant steps too: they age the fit's anchors and probes.)
             if self._online_cost is not None:
-                self._online_cost.observe(shape.num_prefill_tokens, shape.num_decodes,
-                                          step_s, batch)
-            self.spec.observe_step(batch, shape.num_prefill_tokens, num_drafts,
+                self._online_cost.observe(num_prefill, num_decode_rows, step_s, batch)
+            self.spec.observe_step(batch, num_prefill, num_drafts,
                                    sum(map(len, run.sampled_token_ids.values())),
                                    step_s, run.propose_s)
         # Locals for the per-request loop (it runs for every request of every step).

@@ -87,12 +87,20 @@ class OnlineStepCost:
         shape = (num_prefill_tokens, num_decode_rows)
         self._since_solve += 1 if shape == self._last_shape else self.RESOLVE_EVERY
         self._last_shape = shape
-        x = (1.0, float(num_prefill_tokens), float(num_decode_rows))
-        d = self.decay
-        for i in range(3):
-            self._v[i] = self._v[i] * d + x[i] * seconds
-            for j in range(3):
-                self._m[i][j] = self._m[i][j] * d + x[i] * x[j]
+        # The normal equations, decayed: m = sum x x^T, v = sum x T for x = (1, p, r);
+        # written out (a nested loop here was a third of a step's bookkeeping).
+        p, r, d = float(num_prefill_tokens), float(num_decode_rows), self.decay
+        m, v = self._m, self._v
+        v[0] = v[0] * d + seconds
+        v[1] = v[1] * d + p * seconds
+        v[2] = v[2] * d + r * seconds
+        m0, m1, m2 = m
+        m0[0] = m0[0] * d + 1.0
+        m0[1] = m1[0] = m0[1] * d + p
+        m0[2] = m2[0] = m0[2] * d + r
+        m1[1] = m1[1] * d + p * p
+        m1[2] = m2[1] = m1[2] * d + p * r
+        m2[2] = m2[2] * d + r * r
         if len(self._totals) < 2:
             self._totals.add(num_prefill_tokens + num_decode_rows)
 
@@ -522,14 +530,27 @@ class DraftLengthController:
 
     # ---- the decision --------------------------------------------------------------------
     def dormant(self, batch: int) -> bool:
-        """True when this step reuses the last plan at this batch size, which drafted
-        nothing: no rows to build, no drafts, no proposals (see ``DORMANT_STEPS``)."""
+        """True when this step drafts nothing and needs no plan: it reuses the last plan
+        at this batch size, which drafted nothing (see ``DORMANT_STEPS``), or the outcome
+        guard keeps drafts off at this size. No rows to build, no drafts, no proposals."""
+        if self.config.adaptive and batch and not self.guard.allows(batch):
+            self._guard_off(batch)
+            return True
         if self._dormant_left <= 0 or batch != self._dormant_batch:
             return False
         self._dormant_left -= 1
         self.metrics.num_decode_steps += batch
         self.metrics.last_num_draft_tokens = 0
         return True
+
+    def _guard_off(self, batch: int) -> None:
+        # Drafts were measured to lose at this batch size: none, and no proposals.
+        # (Not dormant: a trial's or a cool-off's end is seen at once.)
+        self.metrics.num_decode_steps += batch
+        self.metrics.num_guard_off_steps += 1
+        self.metrics.last_num_draft_tokens = 0
+        self.last_k_want = 0
+        self._explored = set()
 
     def _drafts_nothing(self, batch: int) -> bool:
         self.metrics.last_num_draft_tokens = 0
@@ -546,18 +567,13 @@ class DraftLengthController:
         request's tokens); ``num_expected_tokens``: tokens it yields without drafts (its
         sampling rows); ``budget``: token budget left for drafts.
         """
-        self.metrics.num_decode_steps += len(rows)
         if not rows:
             self.metrics.last_num_draft_tokens = 0
             return False
         if self.config.adaptive and not self.guard.allows(len(rows)):
-            # Drafts were measured to lose at this batch size: none, and no proposals.
-            # (Not dormant: a trial's or a cool-off's end is seen at once.)
-            self.metrics.num_guard_off_steps += 1
-            self.metrics.last_num_draft_tokens = 0
-            self.last_k_want = 0
-            self._explored = set()
+            self._guard_off(len(rows))
             return False
+        self.metrics.num_decode_steps += len(rows)
         probed = explored = None
         verify_all, self._explored = self._explored, set()
         if self.config.adaptive:

@@ -82,7 +82,15 @@ def verify(sampler: Sampler, logits: torch.Tensor, groups: list[VerifyGroup],
     draft_rows = [s + j for s, g in zip(starts, groups) for j in range(len(g.drafts))]
     draft_toks = [d for g in groups for d in g.drafts]
     accept: list[bool] = []
-    if draft_rows:
+    # Rows all greedy: every comparison in Python on one host copy of the argmaxes (a
+    # handful of small torch ops per step was most of a verification on a small model).
+    am = None if random_rows else argmax.tolist()
+    if draft_rows and am is not None and synthetic_rate is None:
+        accept = [am[i] == t for i, t in zip(draft_rows, draft_toks)]
+    elif draft_rows and am is not None:
+        u = sampler.uniform([rows[i] for i in draft_rows])
+        accept = (u < synthetic_rate).tolist()
+    elif draft_rows:
         idx = torch.tensor(draft_rows, device=logits.device)
         toks = torch.tensor(draft_toks, device=logits.device)
         u = sampler.uniform([rows[i] for i in draft_rows]) if (
@@ -120,8 +128,10 @@ def verify(sampler: Sampler, logits: torch.Tensor, groups: list[VerifyGroup],
         final_rows.append(s + a)
         rejected_at.append(a < k)
 
-    final = argmax[torch.tensor(final_rows, device=logits.device)]
-    if random_rows:
+    if am is not None:
+        final_ids = [am[i] for i in final_rows]
+    else:
+        final = argmax[torch.tensor(final_rows, device=logits.device)]
         fidx = torch.tensor(final_rows, device=logits.device)
         fp = probs[fidx].clone()
         if synthetic_rate is None:
@@ -135,9 +145,9 @@ def verify(sampler: Sampler, logits: torch.Tensor, groups: list[VerifyGroup],
         fgreedy = [greedy[i] for i in final_rows]
         sampled = (fp / sampler.noise(frows, fgreedy, fp)).argmax(dim=-1)
         is_greedy = torch.tensor(fgreedy, device=logits.device)
-        final = torch.where(is_greedy, final, sampled)
+        final_ids = torch.where(is_greedy, final, sampled).tolist()
 
-    tokens = [g.drafts[:a] + [t] for g, a, t in zip(groups, num_accepted, final.tolist())]
+    tokens = [g.drafts[:a] + [t] for g, a, t in zip(groups, num_accepted, final_ids)]
     logprobs: list = []
     for s, g, toks_g in zip(starts, groups, tokens):
         if g.rows[0].params.logprobs is None:
