@@ -18,6 +18,12 @@ the order, and each (batch, round) gets prompts of its own (the suffix proposer 
 from earlier requests: it must not meet the same prompt twice). Greedy, fixed output length, prefix
 caching off (prefill is part of end-to-end time).
 
+Each grid also runs **a second engine with speculation off** ("off, 2nd engine"), paired
+with the first like every configuration: two identical engines (their own weights,
+caches and pools in memory) measured this way come out a few percent apart on this VM,
+and that row prints how far, so that a configuration's ratio is read against the
+measurement's own resolution.
+
     python benchmarks/spec_decode.py                      # both grids
     python benchmarks/spec_decode.py --grid pair --batches 1,4 --rounds 2
 """
@@ -44,8 +50,11 @@ def load_pair_module():
     return mod
 
 
+CONTROL = "off, 2nd engine"  # speculation off on an engine of its own: the noise floor
+
+
 def pair_configs(draft_path: str, k: int) -> dict[str, dict | None]:
-    out: dict[str, dict | None] = {"off": None}
+    out: dict[str, dict | None] = {"off": None, CONTROL: None}
     methods = {"ngram": {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5},
                "suffix": {"method": "suffix"},
                "draft": {"method": "draft_model", "model": draft_path}}
@@ -57,7 +66,7 @@ def pair_configs(draft_path: str, k: int) -> dict[str, dict | None]:
 
 
 def synthetic_configs(k: int, rates: list[float]) -> dict[str, dict | None]:
-    out: dict[str, dict | None] = {"off": None}
+    out: dict[str, dict | None] = {"off": None, CONTROL: None}
     for rate in rates:
         for adaptive in (False, True):
             out[f"rate {rate}{' adaptive' if adaptive else ''}"] = {
@@ -166,7 +175,8 @@ def main() -> int:
                         "(e.g. smollm2-135m) instead of the trained target")
     p.add_argument("--configs", default=None,
                    help="comma-separated labels to run (e.g. 'off,draft+adaptive'; 'off' "
-                        "always runs): a subset of the grid's configurations")
+                        f"and '{CONTROL}' always run): a subset of the grid's "
+                        "configurations")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
 
@@ -188,7 +198,7 @@ def main() -> int:
         configs = (pair_configs(draft, args.k) if grid == "pair" else
                    synthetic_configs(args.k, [float(r) for r in args.rates.split(",")]))
         if args.configs:
-            keep = {"off", *args.configs.split(",")}
+            keep = {"off", CONTROL, *args.configs.split(",")}
             unknown = keep - set(configs)
             if unknown:
                 p.error(f"--configs: no {', '.join(sorted(unknown))} in the {grid} grid "
