@@ -365,6 +365,81 @@ def test_outcome_guard_keeps_drafts_that_pay_with_ever_fewer_trials():
     assert g.num_switched_off == 1 and not g.allows(4)
 
 
+def test_a_loss_within_the_steps_noise_waits_for_more_drafted_steps():
+    """Drafted steps that vary (a request's drafts hit or miss) and lose a little on
+    average are not switched off at the first verdict: more drafted steps first, and the
+    estimate decides after MAX_UNSURE verdicts put off. A clear loss switches off at once."""
+    from conveyor.spec.controller import OutcomeGuard as G
+
+    def run(on_costs, steps):
+        g = G()
+        for i in range(steps):
+            if g.allows(8):
+                tokens = 10
+                g.observe(8, 0, 8, tokens, on_costs[i % 2] * tokens, 0.0)
+            else:
+                g.observe(8, 0, 0, 8, 0.00115 * 8, 0.0)  # off: 1.15 ms a token
+            if g.num_switched_off:
+                break
+        return g, i
+
+    g, steps = run((0.0010, 0.0014), 400)  # 1.2 ms a token on average, +-0.2 a step
+    assert g.num_switched_off == 1  # the estimate decides in the end
+    assert steps > 3 * G.MIN_ON  # ... after drafted steps beyond the first verdict's
+    g, steps = run((0.0018, 0.0022), 400)  # 2 ms a token: clearly losing
+    assert g.num_switched_off == 1 and steps < G.MIN_ON + 2 * (G.TRIAL + 1)
+
+
+def test_a_verdict_compares_with_fresh_off_steps_only():
+    """Clean steps from long ago (another phase of the run: the machine's speed drifts)
+    are not what drafted steps are judged against now: an off trial first."""
+    from conveyor.spec.controller import OutcomeGuard as G
+
+    g = G()
+    for _ in range(G.TRIAL + 1):
+        g.observe(8, 0, 0, 8, 0.004, 0.0)  # batch 8, clean and fast (0.5 ms a token)
+    for _ in range(G.FRESH_OFF + 1):
+        g.observe(64, 0, 0, 64, 0.02, 0.0)  # other sizes meanwhile
+    for _ in range(G.MIN_ON):
+        g.observe(8, 0, 8, 12, 0.012, 0.001)  # drafted: 1.08 ms a token
+    assert g.num_switched_off == 0 and g.num_trials == 1 and not g.allows(8)
+    for _ in range(G.TRIAL + 1):  # the trial (the step right after proposals is not
+        g.observe(8, 0, 0, 8, 0.012, 0.0)  # clean), on today's machine: 1.5 ms a token
+    assert g.num_switched_off == 0 and g.allows(8)  # drafts pay against fresh off steps
+
+
+def test_drafts_that_pay_at_a_batch_size_vouch_for_the_smaller_ones():
+    """A win at batch 8 spares batches 1-7 their early off trials (a batch's tail passes
+    through every smaller size a few steps each); a loss measured at a smaller size
+    stands, and larger sizes are not vouched for."""
+    from conveyor.spec.controller import OutcomeGuard as G
+
+    g = G()
+    for _ in range(G.MIN_ON):  # batch 2 drafts and loses against its trial: cool-off
+        g.observe(2, 0, 4, 3, 0.012, 0.002)
+    while g.num_switched_off == 0:
+        g.observe(2, 0, 0, 2, 0.004, 0.0)
+    assert not g.allows(2)
+    while g._buckets.get(4) is None or g._buckets[4].need_on == G.MIN_ON:
+        if g.allows(8):  # batch 8 drafts and wins its first verdict (after a trial)
+            g.observe(8, 0, 8, 12, 0.012, 0.001)
+        else:
+            g.observe(8, 0, 0, 8, 0.012, 0.0)
+    need = g._buckets[4].need_on
+    assert need == 2 * G.MIN_ON and g.num_switched_off == 1
+    trials = g.num_trials
+    for _ in range(need - 1):  # batch 1 drafts as long as batch 8 waits, no trial
+        assert g.allows(1)
+        g.observe(1, 0, 4, 3, 0.004, 0.001)
+    assert g.num_trials == trials
+    g.observe(1, 0, 4, 3, 0.004, 0.001)
+    assert g.num_trials == trials + 1  # its own first verdict, after batch 8's wait
+    assert not g.allows(2)  # batch 2's measured loss stands
+    for _ in range(G.MIN_ON):  # batch 16 is not vouched for: its first verdict at 12
+        g.observe(16, 0, 16, 20, 0.02, 0.001)
+    assert g.num_trials == trials + 2
+
+
 def test_a_measured_loss_overrules_a_wrong_cost_estimate():
     """The step-cost estimate says drafts are nearly free (a big fixed cost per step);
     the steps as measured say a drafted step costs more per token than a plain one. The
