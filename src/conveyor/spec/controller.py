@@ -510,11 +510,8 @@ class DraftLengthController:
     # After a plan that drafts nothing (adaptive), the next steps at the same batch size
     # reuse it, this many in all before planning afresh: nothing was verified, so no
     # acceptance moved, and the step-cost fit moves slowly. On a model whose step is
-    # ~1 ms the full plan is 1-2% of a step (benchmarks/spec_decode.py's small target);
-    # reused for 32 steps, the scheduler's time per step at rest is 2 us above a plain
-    # one's at batch 16 (simulated clock, 1,000 steps), where 8 left it 6.5 us above.
-    # (Probes wait for a plan: at most this many steps past their due step.)
-    DORMANT_STEPS = 32
+    # ~1 ms the full plan is 1-2% of a step (benchmarks/spec_decode.py's small target).
+    DORMANT_STEPS = 8
 
     def __init__(self, config: SpeculativeConfig, cost: StepCost | None) -> None:
         self.config = config
