@@ -3,6 +3,9 @@
 AVX-512 without BF16, capped at AVX2, portable C), in float32 and bfloat16, side by side
 in rounds, on SmolLM2-135M's heads (9 query, 3 KV, dim 64). In bf16 the kernel also runs the way it
 did before it read bf16 itself (on fp32 copies, rounded once after), for comparison.
+Each row also says how many of its outputs are bit-equal to SDPA's in the same dtype
+(torch's CPU flash attention; in bf16 it rounds the softmax numerators for P @ V, as the
+AVX-512 BF16 body does).
 
     python benchmarks/prefill_attention.py --tokens 64,146,256 --threads 2
 """
@@ -81,10 +84,13 @@ def main() -> None:
                         fn()
                     times[name].append((time.perf_counter() - t0) / reps)
             base = statistics.median(times[f"sdpa ({dtype_name})"])
+            want = sdpa()
             print(f"\n{dtype_name}, {t} tokens:")
             for name, ts in times.items():
                 m = statistics.median(ts)
-                print(f"  {name:30s} {m * 1e6:8.1f} us per segment   {base / m:5.2f}x SDPA")
+                same = (fns[name]() == want).float().mean().item()
+                print(f"  {name:30s} {m * 1e6:8.1f} us per segment   {base / m:5.2f}x SDPA"
+                      f"   {100 * same:5.1f}% bit-equal to SDPA")
 
 
 if __name__ == "__main__":
