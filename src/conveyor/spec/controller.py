@@ -347,6 +347,14 @@ class OutcomeGuard:
         off_x2: float = 0.0
         num_unsure: int = 0  # verdicts in a row put off as within the noise
 
+        def clear_on(self) -> None:
+            self.on_s = self.on_tokens = self.on_w = self.on_x = self.on_x2 = 0.0
+            self.num_on = 0
+
+        def clear_off(self) -> None:
+            self.off_s = self.off_tokens = self.off_x = self.off_x2 = 0.0
+            self.num_off = 0
+
     def __init__(self) -> None:
         self._buckets: dict[int, OutcomeGuard._Bucket] = {}
         self.step = 0
@@ -387,8 +395,7 @@ class OutcomeGuard:
         if b.num_on < b.need_on or b.trial_left:
             return
         if b.num_off and self.step - b.off_step > self.FRESH_OFF:
-            b.off_s = b.off_tokens = b.off_x = b.off_x2 = 0.0  # stale: another phase
-            b.num_off = 0
+            b.clear_off()  # stale: from another phase of the run
         if b.num_off < self.TRIAL:  # nothing fresh to compare with: an off trial first
             b.trial_left = self.TRIAL - b.num_off
             self.num_trials += 1
@@ -410,12 +417,10 @@ class OutcomeGuard:
         else:
             b.cool_off = 0
             b.need_on = min(2 * b.need_on, self.MAX_NEED_ON)
-            b.off_s = b.off_tokens = b.off_x = b.off_x2 = 0.0  # a fresh trial next time
-            b.num_off = 0
+            b.clear_off()  # the next verdict compares with a fresh trial
             self._vouch_below(batch.bit_length(), b.need_on)
         b.num_unsure = 0
-        b.on_s = b.on_tokens = b.on_w = b.on_x = b.on_x2 = 0.0  # and fresh drafted steps
-        b.num_on = 0
+        b.clear_on()  # and with fresh drafted steps
 
     @staticmethod
     def _noise(b: OutcomeGuard._Bucket) -> float:

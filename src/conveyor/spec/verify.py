@@ -85,34 +85,28 @@ def verify(sampler: Sampler, logits: torch.Tensor, groups: list[VerifyGroup],
     # Rows all greedy: every comparison in Python on one host copy of the argmaxes (a
     # handful of small torch ops per step was most of a verification on a small model).
     am = None if random_rows else argmax.tolist()
-    if draft_rows and am is not None and synthetic_rate is None:
-        accept = [am[i] == t for i, t in zip(draft_rows, draft_toks)]
+    if draft_rows and synthetic_rate is not None:  # whatever the target says
+        accept = (sampler.uniform([rows[i] for i in draft_rows]) < synthetic_rate).tolist()
     elif draft_rows and am is not None:
-        u = sampler.uniform([rows[i] for i in draft_rows])
-        accept = (u < synthetic_rate).tolist()
-    elif draft_rows:
+        accept = [am[i] == t for i, t in zip(draft_rows, draft_toks)]
+    elif draft_rows:  # some rows random: greedy ones by argmax, the others by p/q
         idx = torch.tensor(draft_rows, device=logits.device)
         toks = torch.tensor(draft_toks, device=logits.device)
-        u = sampler.uniform([rows[i] for i in draft_rows]) if (
-            random_rows or synthetic_rate is not None) else None
-        if synthetic_rate is not None:
-            ok = u < synthetic_rate
-        else:
-            ok = argmax[idx] == toks
-            if random_rows:
-                p_d = probs[idx, toks]
-                q_d = _draft_q(groups, toks)
-                rand_ok = u * q_d < p_d  # u < min(1, p/q)
-                is_greedy = torch.tensor([greedy[i] for i in draft_rows], device=ok.device)
-                ok = torch.where(is_greedy, ok, rand_ok)
-                coupled = [j for j, i in enumerate(draft_rows) if coupled_rows[i]]
-                if coupled:
-                    # Accepted iff the draft is the token the sampler draws there.
-                    cidx = idx[coupled]
-                    crows = [rows[draft_rows[j]] for j in coupled]
-                    cp = raw_probs[cidx]
-                    race = (cp / sampler.noise(crows, [False] * len(crows), cp)).argmax(dim=-1)
-                    ok[coupled] = race == toks[coupled]
+        u = sampler.uniform([rows[i] for i in draft_rows])
+        ok = argmax[idx] == toks
+        p_d = probs[idx, toks]
+        q_d = _draft_q(groups, toks)
+        rand_ok = u * q_d < p_d  # u < min(1, p/q)
+        is_greedy = torch.tensor([greedy[i] for i in draft_rows], device=ok.device)
+        ok = torch.where(is_greedy, ok, rand_ok)
+        coupled = [j for j, i in enumerate(draft_rows) if coupled_rows[i]]
+        if coupled:
+            # Accepted iff the draft is the token the sampler draws there.
+            cidx = idx[coupled]
+            crows = [rows[draft_rows[j]] for j in coupled]
+            cp = raw_probs[cidx]
+            race = (cp / sampler.noise(crows, [False] * len(crows), cp)).argmax(dim=-1)
+            ok[coupled] = race == toks[coupled]
         accept = ok.tolist()
 
     # Leading accepts per group; the row after them yields the target's token.
@@ -131,8 +125,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, groups: list[VerifyGroup],
     if am is not None:
         final_ids = [am[i] for i in final_rows]
     else:
-        final = argmax[torch.tensor(final_rows, device=logits.device)]
         fidx = torch.tensor(final_rows, device=logits.device)
+        final = argmax[fidx]
         fp = probs[fidx].clone()
         if synthetic_rate is None:
             for i, (g, a, rej) in enumerate(zip(groups, num_accepted, rejected_at)):
