@@ -19,35 +19,60 @@
 #include "simd_math.h"
 #endif
 
+/* The widest vectors the build has: V(op) is the intrinsic op at that width (V(_add_ps):
+ * _mm512_add_ps or _mm256_add_ps), the V_ names what differs by more than the prefix. */
 #if defined(__AVX512F__)
 #define SILU_LANES 16
 typedef __m512 vf_t;
-/* 1 / d by rcp14 and one Newton step (~2^-28 relative, about an ulp): a vdivps is ~3x the
- * rest of silu on a Zen 5 */
+typedef __m512i vi_t;
+#define V(op) CONVEYOR_CAT(_mm512, op)
+#define V_EXP exp512
+#define V_RCP _mm512_rcp14_ps /* 14 bits: one Newton step gives ~2^-28, about an ulp */
+#define V_AND_SI _mm512_and_si512
+#define V_CAST_PS_SI _mm512_castps_si512
+#define V_CAST_SI_PS _mm512_castsi512_ps
+#define V_LOAD_HALF(p) _mm256_loadu_si256((const __m256i*)(p)) /* 16 bf16 */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SILU_LANES 8
+typedef __m256 vf_t;
+typedef __m256i vi_t;
+#define V(op) CONVEYOR_CAT(_mm256, op)
+#define V_EXP exp256
+#define V_RCP _mm256_rcp_ps /* 12 bits: one Newton step gives ~2^-22, one or two ulps */
+#define V_AND_SI _mm256_and_si256
+#define V_CAST_PS_SI _mm256_castps_si256
+#define V_CAST_SI_PS _mm256_castsi256_ps
+#define V_LOAD_HALF(p) _mm_loadu_si128((const __m128i*)(p)) /* 8 bf16 */
+#else
+#define SILU_LANES 0
+#endif
+
+#if SILU_LANES
+/* 1 / d by the reciprocal estimate and one Newton step: a vdivps is ~3x the rest of silu
+ * on a Zen 5 */
 static inline vf_t recip_v(vf_t d) {
-    const vf_t r = _mm512_rcp14_ps(d);
-    return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+    const vf_t r = V_RCP(d);
+    return V(_mul_ps)(r, V(_fnmadd_ps)(d, r, V(_set1_ps)(2.f)));
 }
 /* g / (1 + e^-g), -g clamped at 80 as the scalar loop does */
 static inline vf_t silu_v(vf_t g) {
-    const vf_t e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g),
-                                        _mm512_set1_ps(80.f)));
-    return _mm512_mul_ps(g, recip_v(_mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    const vf_t e = V_EXP(V(_min_ps)(V(_sub_ps)(V(_setzero_ps)(), g), V(_set1_ps)(80.f)));
+    return V(_mul_ps)(g, recip_v(V(_add_ps)(V(_set1_ps)(1.f), e)));
 }
-#define VLOAD(p) _mm512_loadu_ps(p)
-#define VSTORE(p, x) _mm512_storeu_ps(p, x)
-#define VMUL(a, b) _mm512_mul_ps(a, b)
-/* bf16.h's conversions, 16 lanes: widen by a shift, round to nearest even by integer adds */
+/* bf16.h's conversions, a vector at a time: widen by a shift, round to nearest even by
+ * integer adds */
 static inline vf_t vload_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+    return V_CAST_SI_PS(V(_slli_epi32)(V(_cvtepu16_epi32)(V_LOAD_HALF(p)), 16));
 }
-static inline __m512i rne_bits(vf_t f) { /* the rounded value's top 16 bits, as int32 */
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                                              odd), 16);
+static inline vi_t rne_bits(vf_t f) { /* the rounded value's top 16 bits, as int32 */
+    const vi_t u = V_CAST_PS_SI(f);
+    const vi_t odd = V_AND_SI(V(_srli_epi32)(u, 16), V(_set1_epi32)(1));
+    return V(_srli_epi32)(V(_add_epi32)(V(_add_epi32)(u, V(_set1_epi32)(0x7FFF)), odd), 16);
 }
+#endif
+
+/* Rounding a vector to bf16 and storing one: what each width has for it. */
+#if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
 /* vcvtneps2bf16 rounds to nearest even too (it differs from the integer adds on NaN only) */
 static inline __m256i bf16_bits(vf_t f) { return (__m256i)_mm512_cvtneps_pbh(f); }
@@ -61,31 +86,6 @@ static inline void vstore_bf16(uint16_t* p, vf_t f) {
     _mm256_storeu_si256((__m256i*)p, bf16_bits(f));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-#define SILU_LANES 8
-typedef __m256 vf_t;
-/* rcp (12 bits) and one Newton step: ~2^-22 relative, one or two ulps */
-static inline vf_t recip_v(vf_t d) {
-    const vf_t r = _mm256_rcp_ps(d);
-    return _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.f)));
-}
-static inline vf_t silu_v(vf_t g) {
-    const vf_t e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g),
-                                        _mm256_set1_ps(80.f)));
-    return _mm256_mul_ps(g, recip_v(_mm256_add_ps(_mm256_set1_ps(1.f), e)));
-}
-#define VLOAD(p) _mm256_loadu_ps(p)
-#define VSTORE(p, x) _mm256_storeu_ps(p, x)
-#define VMUL(a, b) _mm256_mul_ps(a, b)
-static inline vf_t vload_bf16(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-static inline __m256i rne_bits(vf_t f) {
-    const __m256i u = _mm256_castps_si256(f);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
-                                              odd), 16);
-}
 static inline vf_t vround_bf16(vf_t f) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(rne_bits(f), 16));
 }
@@ -94,8 +94,6 @@ static inline void vstore_bf16(uint16_t* p, vf_t f) {
     _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(b),
                                                    _mm256_extracti128_si256(b, 1)));
 }
-#else
-#define SILU_LANES 0
 #endif
 
 /* out = rms_norm(x) * w  (rows of dim) */
@@ -140,7 +138,7 @@ void silu_mul_f32(const float* gu, float* out, int rows, int inter) {
         int i = 0;
 #if SILU_LANES
         for (; i + SILU_LANES <= inter; i += SILU_LANES)
-            VSTORE(o + i, VMUL(silu_v(VLOAD(g + i)), VLOAD(u + i)));
+            V(_storeu_ps)(o + i, V(_mul_ps)(silu_v(V(_loadu_ps)(g + i)), V(_loadu_ps)(u + i)));
 #endif
         /* the clamp keeps expf finite, as -ffast-math assumes: silu(g < -80) ~ 0 */
         for (; i < inter; i++) o[i] = g[i] / (1.f + expf(fminf(-g[i], 80.f))) * u[i];
@@ -224,8 +222,8 @@ void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int inter) {
         int i = 0;
 #if SILU_LANES
         for (; i + SILU_LANES <= inter; i += SILU_LANES)
-            vstore_bf16(o + i, VMUL(vround_bf16(silu_v(vload_bf16(g + i))),
-                                    vload_bf16(u + i)));
+            vstore_bf16(o + i, V(_mul_ps)(vround_bf16(silu_v(vload_bf16(g + i))),
+                                          vload_bf16(u + i)));
 #endif
         for (; i < inter; i++) {
             const float gv = bf16_to_f32(g[i]);
