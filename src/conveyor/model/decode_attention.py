@@ -71,9 +71,10 @@ class NativePrefill:
                  scale: float) -> bool:
         d = q.shape[2]
         dt = q.dtype
-        # float32, or bfloat16 read and written as such (float32 inside, the output
-        # rounded once): 2.5-3.2x SDPA's bf16 flash attention on the peers workload's
-        # prompts with the AVX-512 body (benchmarks/prefill_attention.py).
+        # float32, or bfloat16 read and written as such (float32 sums inside; the AVX-512
+        # BF16 body also rounds the softmax numerators for P @ V, as SDPA does in bf16):
+        # on a Zen 5, 4.3-4.6x SDPA's bf16 flash attention on the peers workload's
+        # prompt lengths (benchmarks/prefill_attention.py).
         if (dt not in (torch.float32, torch.bfloat16) or k.dtype != dt or v.dtype != dt
                 or out.dtype != dt
                 or any(x.stride(2) != 1 or x.stride(1) != d for x in (q, k, v, out))

@@ -242,9 +242,11 @@ def _heads_ok(t, dtype) -> bool:
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       scale: float, lib=None) -> bool:
     """Causal attention of a fresh prompt, written into ``out``: q, out [T, Hq, D], k, v
-    [T, Hkv, D], all float32 or all bfloat16 (float32 arithmetic either way, bf16 rounded
-    once on the way out), rows strided as the packed QKV leaves them (k and v with the
-    same row stride). False (nothing written) for a head dim the kernel has no copy for.
+    [T, Hkv, D], all float32 or all bfloat16 (float32 sums either way, bf16 rounded on
+    the way out, and for P @ V by the AVX-512 BF16 body: see
+    ``kernels.bf16_prefill_rounds_probabilities``), rows strided as the packed QKV leaves
+    them (k and v with the same row stride). False (nothing written) for a head dim the
+    kernel has no copy for.
     ``lib``: a library from ``kernels.load_variant`` instead of the process's own."""
     dt = getattr(q, "dtype", None)
     try:
