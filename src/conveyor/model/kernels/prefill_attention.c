@@ -34,7 +34,8 @@
 #define NEG (-1e30f)
 
 /* A task's queries i = (row r0 + i / G, head h * G + i % G) copied pre-scaled into qs
- * (padded with zeros to nq4, a multiple of 4), its softmax state and accumulators reset;
+ * (padded with zeros to nq4, a multiple of 4; not when qs is NULL: a body that reads them
+ * in another form), its softmax state and accumulators reset;
  * and its outputs, each query's accumulator over its softmax denominator. One copy per
  * element type (float32, bfloat16: converted here, so the hot loops only see float32),
  * shared by every body and inlined with its fixed head dim. */
@@ -43,12 +44,12 @@ static inline void start_task_##SUF(const T* restrict q, float* restrict qs, flo
                                     float* l, float* acc, int nq, int nq4, int r0, int G,   \
                                     int h, int q_stride, int dim, float scale) {            \
     for (int i = 0; i < nq4; i++) {                                                         \
-        float* dst = qs + (int64_t)i * dim;                                                 \
-        if (i < nq) {                                                                       \
+        float* dst = qs == NULL ? NULL : qs + (int64_t)i * dim;                             \
+        if (dst != NULL && i < nq) {                                                        \
             const T* src = q + (int64_t)(r0 + i / G) * q_stride                             \
                          + (int64_t)(h * G + i % G) * dim;                                  \
             for (int d = 0; d < dim; d++) dst[d] = LOAD(src[d]) * scale;                    \
-        } else {                                                                            \
+        } else if (dst != NULL) {                                                           \
             for (int d = 0; d < dim; d++) dst[d] = 0.f;                                     \
         }                                                                                   \
         m[i] = NEG;                                                                         \

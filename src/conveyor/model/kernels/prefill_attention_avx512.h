@@ -95,7 +95,11 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
     float* lv = (float*)aligned_alloc(64, sizeof(float) * (size_t)nq_max * 16);
     const __m512i lane_of_query = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m512i first_of_lane = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+#if DOT_BF16_
+    float* qs = NULL; /* the queries go in as bf16 pairs (qp) */
+#else
     float* qs = (float*)aligned_alloc(64, sizeof(float) * (size_t)nq_max * D);
+#endif
 #if DOT_BF16_
     uint32_t* qp = (uint32_t*)aligned_alloc(64, sizeof(uint32_t) * (size_t)nq_max * D / 2);
     const __m512 scale_v = _mm512_set1_ps(scale);
