@@ -322,11 +322,14 @@ def test_a_draft_model_shares_the_pool_without_costing_the_target_concurrency() 
     assert LLM(path, speculative_config=cfg, **tight).engine.config.cache.num_kv_blocks == 20
 
 
-def test_draft_model_proposals_do_not_depend_on_the_batch_or_the_catch_up_path() -> None:
-    """The draft proposer's fast path (inputs of every draft position built once, rows
-    drafting fewer positions dropping out, a short catch-up as decode rows): a request's
-    greedy drafts are the same proposed alone or beside others of other lengths, and the
-    same whether its catch-up runs as decode rows or as a prefill segment."""
+@pytest.mark.parametrize("attention", ["auto", "sdpa"])
+def test_draft_model_proposals_do_not_depend_on_the_batch_or_the_catch_up_path(
+        attention: str) -> None:
+    """The draft proposer's fast path (inputs of every draft position cut from one slot
+    layout, rows drafting fewer positions dropping out, a short catch-up as decode rows):
+    a request's greedy drafts are the same proposed alone or beside others of other
+    lengths, and the same whether its catch-up runs as decode rows or as a prefill
+    segment; with the native decode kernel and with SDPA's (which reads a mask)."""
     import torch
 
     from conveyor.config import CacheConfig, load_model_config
@@ -342,7 +345,8 @@ def test_draft_model_proposals_do_not_depend_on_the_batch_or_the_catch_up_path()
     ks = [4, 1, 3]
 
     def proposer(catch_up_rows: int) -> DraftModelProposer:
-        p = DraftModelProposer(cfg, target, CacheConfig(block_size=8), torch.device("cpu"))
+        p = DraftModelProposer(cfg, target, CacheConfig(block_size=8), torch.device("cpu"),
+                               attention)
         p.DECODE_ROWS_CATCH_UP = catch_up_rows
         p.allocate_kv_cache(3 * 8)
         return p

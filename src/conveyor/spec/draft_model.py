@@ -109,14 +109,10 @@ class DraftModelProposer(Proposer):
         self._states.pop(req_id, None)
 
     def propose_batch(self, items: list[ProposeItem]) -> dict[str, list[int]]:
-        """One forward per draft position, called on the model directly: the catch-up
-        forward's inputs come from the runner's ``_prepare``; every later position's
-        inputs are built once for all of them and advanced in place (the previous
-        position's argmax is the next input, on the device), so the drafts reach the host
-        in one copy at the end (a random request's draw reads its row each position)."""
-        from conveyor.runner.model_runner import RequestState
-
-        runner = self.runner
+        """One forward per draft position, called on the model directly, every one's
+        inputs cut from one slot layout (``_DecodeLayout``); the previous position's
+        argmax is the next input, on the device, so the drafts reach the host in one copy
+        at the end (a random request's draw reads its row each position)."""
         self.last_probs = {}
         if not items:
             return {}
@@ -140,16 +136,8 @@ class DraftModelProposer(Proposer):
                         break
                     valid += 1
             valid = min(valid, n - 1)  # the last real token is always fed: it gives draft 1
-            # The target's token list is read in place (no copy): nothing appends to it
-            # while the draft runs.
-            runner.requests[it.req_id] = RequestState(it.req_id, tokens, [], _GREEDY,
-                                                      it.block_ids, valid)
             first[it.req_id] = n - valid
-        try:
-            rounds = self._forward_all(items, first, random_rows, qs)
-        finally:
-            for it in items:
-                runner.requests.pop(it.req_id, None)
+        rounds = self._forward_all(items, first, random_rows, qs)
         flat = torch.cat(rounds).tolist() if len(rounds) > 1 else rounds[0].tolist()
         out: dict[str, list[int]] = {it.req_id: [] for it in items}
         at = 0
@@ -169,13 +157,76 @@ class DraftModelProposer(Proposer):
     def _forward_all(self, items: list[ProposeItem], first: dict[str, int],
                      random_rows: list[int], qs: dict[str, list[torch.Tensor]]
                      ) -> list[torch.Tensor]:
-        """The draft tokens of every position: a list of [rows drafting at r] tensors."""
-        runner, model, device = self.runner, self.runner.model, self.runner.device
+        """The draft tokens of every position: a list of [rows drafting at r] tensors.
+
+        Position 0 is the catch-up forward over the ``first[rid]`` tokens whose draft
+        K/V is not valid yet; positions 1..k-1 feed the previous position's drafts. In the
+        steady state (every catch-up a token or two) all of them are decode rows over one
+        slot layout built once; a long catch-up (the prompt, on a request's first
+        proposal) goes through the runner's ``_prepare`` as a prefill segment."""
+        runner, model = self.runner, self.runner.model
         caches = runner.kv_caches
-        # Position 0: the catch-up forward. A short catch-up (the token or two the last
-        # step added) is decode rows, each attending up to itself, as the target verifies
-        # drafts (runner._prepare's draft rows): a prefill segment would build a mask and
-        # take SDPA for two tokens. Decode rows first, as the runner orders them.
+        lens0 = np.array([len(it.token_ids) for it in items], dtype=np.int64)
+        ks = np.array([it.k for it in items], dtype=np.int64)
+        catch = np.array([first[it.req_id] for it in items], dtype=np.int64)
+        layout = _DecodeLayout(runner, items, lens0, ks)
+        if int(catch.max()) <= self.DECODE_ROWS_CATCH_UP:
+            hidden = self._catch_up_rows(items, lens0, catch, layout)
+        else:
+            hidden = self._catch_up_prepared(items, first)
+        tok = self._next(model.compute_logits(hidden), items, random_rows, 0, qs)
+        rounds = [tok]
+        for r in range(1, int(ks[0])):
+            # Row i feeds its draft r at position n_i + r - 1, attending to n_i + r
+            # tokens; rows past their k dropped (items are longest first).
+            m = int((ks > r).sum())
+            meta = layout.meta(np.arange(m), lens0[:m] + (r - 1))
+            hidden = model(tok[:m], layout.positions(lens0[:m] + (r - 1)),
+                           meta, caches)
+            tok = self._next(model.compute_logits(hidden), items[:m],
+                             [i for i in random_rows if i < m], r, qs)
+            rounds.append(tok)
+        return rounds
+
+    def _catch_up_rows(self, items: list[ProposeItem], lens0: np.ndarray, catch: np.ndarray,
+                       layout: _DecodeLayout) -> torch.Tensor:
+        """The catch-up as decode rows, each attending up to itself (as the target
+        verifies drafts): [items] hidden states, each item's last row."""
+        rows = np.repeat(np.arange(len(items)), catch)
+        ends = np.cumsum(catch)
+        pos = lens0[rows] + np.arange(int(ends[-1])) - ends[rows]  # n_i - c_i .. n_i - 1
+        ids = [t for it, c in zip(items, catch.tolist(), strict=True)
+               for t in it.token_ids[len(it.token_ids) - c:]]
+        hidden = self.runner.model(torch.tensor(ids, dtype=torch.long, device=layout.device),
+                                   layout.positions(pos), layout.meta(rows, pos),
+                                   self.runner.kv_caches)
+        last = ends - 1
+        if len(last) != hidden.shape[0]:
+            hidden = hidden[torch.from_numpy(last).to(layout.device)]
+        return hidden
+
+    def _catch_up_prepared(self, items: list[ProposeItem], first: dict[str, int]
+                           ) -> torch.Tensor:
+        """The catch-up through the runner's ``_prepare`` (a long one is a prefill
+        segment; a short one among them decode rows, as the target verifies drafts)."""
+        from conveyor.runner.model_runner import RequestState
+
+        runner = self.runner
+        for it in items:
+            # The target's token list is read in place (no copy): nothing appends to it
+            # while the draft runs.
+            n = len(it.token_ids)
+            runner.requests[it.req_id] = RequestState(it.req_id, it.token_ids, [], _GREEDY,
+                                                      it.block_ids, n - first[it.req_id])
+        try:
+            return self._forward_prepared(items, first)
+        finally:
+            for it in items:
+                runner.requests.pop(it.req_id, None)
+
+    def _forward_prepared(self, items: list[ProposeItem], first: dict[str, int]
+                          ) -> torch.Tensor:
+        runner = self.runner
         rows = {it.req_id: it.token_ids[len(it.token_ids) - first[it.req_id] + 1:]
                 for it in items if 1 < first[it.req_id] <= self.DECODE_ROWS_CATCH_UP}
         order = sorted(first, key=lambda rid: first[rid] != 1 and rid not in rows)
@@ -184,56 +235,12 @@ class DraftModelProposer(Proposer):
                                 sampling_req_ids=set(first),
                                 scheduled_spec_tokens={r: list(t) for r, t in rows.items()})
         input_ids, positions, meta, logits_rows = runner._prepare(order, sched)
-        hidden = model(input_ids, positions, meta, caches)
+        hidden = runner.model(input_ids, positions, meta, runner.kv_caches)
         row_of = {rid: row for row, rid in logits_rows}  # (the last row of each)
         idx = [row_of[it.req_id] for it in items]
         if idx != list(range(hidden.shape[0])):
-            hidden = hidden[torch.tensor(idx, device=device)]
-        tok = self._next(model.compute_logits(hidden), items, random_rows, 0, qs)
-        rounds = [tok]
-        longest = items[0].k
-        if longest <= 1:
-            return rounds
-        # Positions 1..longest-1, all decode rows: row i feeds its draft r at position
-        # n_i + r - 1 and attends to n_i + r tokens. Inputs for every position at once.
-        bs = runner.block_size
-        lens0 = np.array([len(it.token_ids) for it in items], dtype=np.int64)
-        ks = np.array([it.k for it in items], dtype=np.int64)
-        max_ctx = int((lens0 + ks - 1).max())
-        bt = np.zeros((len(items), -(-max_ctx // bs)), dtype=np.int64)
-        for i, it in enumerate(items):
-            t = it.block_ids[:bt.shape[1]]
-            bt[i, :len(t)] = t
-        cols = np.arange(max_ctx, dtype=np.int64)
-        slots = np.ascontiguousarray(bt[:, cols // bs] * bs + cols % bs)
-        # Where each position's K/V goes: [longest - 1, rows] (rows past their k unused).
-        pos_all = lens0[None, :] + np.arange(longest - 1, dtype=np.int64)[:, None]
-        pos_all = np.minimum(pos_all, max_ctx - 1)
-        write = np.take_along_axis(slots, pos_all.T, axis=1).T.copy()
-        slots_t = torch.from_numpy(slots).to(device)
-        write_t = torch.from_numpy(write).to(device)
-        pos_t = torch.from_numpy(pos_all).to(device)
-        lens_t = torch.from_numpy(lens0.astype(np.int32)).to(device)
-        cols_t = torch.from_numpy(cols).to(device)
-        window = runner.sliding_window
-        kernel = runner.decode_kernel
-        for r in range(1, longest):
-            m = int((ks > r).sum())
-            lens = lens_t[:m] + r
-            starts = ((lens - window).clamp_min_(0) if window is not None
-                      else torch.zeros_like(lens))
-            meta = AttentionMetadata(slot_mapping=write_t[r - 1, :m], num_decodes=m,
-                                     decode_slots=slots_t[:m], decode_lens=lens,
-                                     decode_starts=starts, decode_kernel=kernel,
-                                     prefill_kernel=runner.prefill_kernel)
-            if kernel.needs_mask:
-                meta.decode_mask = ((cols_t[None, :] < lens[:, None])
-                                    & (cols_t[None, :] >= starts[:, None]))
-            hidden = model(tok[:m], pos_t[r - 1, :m], meta, caches)
-            tok = self._next(model.compute_logits(hidden), items[:m],
-                             [i for i in random_rows if i < m], r, qs)
-            rounds.append(tok)
-        return rounds
+            hidden = hidden[torch.tensor(idx, device=runner.device)]
+        return hidden
 
     def _next(self, logits: torch.Tensor, items: list[ProposeItem], random_rows: list[int],
               r: int, qs: dict[str, list[torch.Tensor]]) -> torch.Tensor:
@@ -267,6 +274,51 @@ class DraftModelProposer(Proposer):
             else:
                 tok[i] = torch.multinomial(probs[j], 1, generator=self._generator)[0]
             qs[it.req_id].append(probs[j])
+
+
+class _DecodeLayout:
+    """Every drafting request's context slots, padded to the longest context a draft
+    forward of this proposal attends to (the catch-up's and every later position's),
+    built once per proposal; ``meta`` picks the rows of one forward from it."""
+
+    def __init__(self, runner, items: list[ProposeItem], lens0: np.ndarray,
+                 ks: np.ndarray) -> None:
+        bs = runner.block_size
+        self.device = runner.device
+        self.window = runner.sliding_window
+        self.decode_kernel, self.prefill_kernel = runner.decode_kernel, runner.prefill_kernel
+        max_ctx = int((lens0 + np.maximum(ks, 1) - 1).max())
+        bt = np.zeros((len(items), -(-max_ctx // bs)), dtype=np.int64)
+        for i, it in enumerate(items):
+            t = it.block_ids[:bt.shape[1]]
+            bt[i, :len(t)] = t
+        self.cols = np.arange(max_ctx, dtype=np.int64)
+        self.slots = np.ascontiguousarray(bt[:, self.cols // bs] * bs + self.cols % bs)
+        self.slots_t = torch.from_numpy(self.slots).to(self.device)
+
+    def positions(self, pos: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(pos)).to(self.device)
+
+    def meta(self, rows: np.ndarray, pos: np.ndarray) -> AttentionMetadata:
+        """Decode rows: row ``g`` is request ``rows[g]``'s token at ``pos[g]``, writing
+        its K/V there and attending to every position up to it (its window's)."""
+        lens = (pos + 1).astype(np.int32)
+        starts = (np.maximum(lens - self.window, 0).astype(np.int32)
+                  if self.window is not None else np.zeros_like(lens))
+        m = len(rows)
+        prefix = m <= len(self.slots) and bool((rows == np.arange(m)).all())
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(self.slots[rows, pos]).to(self.device),
+            num_decodes=m,
+            decode_slots=(self.slots_t[:m] if prefix
+                          else self.slots_t[torch.from_numpy(rows).to(self.device)]),
+            decode_lens=torch.from_numpy(lens).to(self.device),
+            decode_starts=torch.from_numpy(starts).to(self.device),
+            decode_kernel=self.decode_kernel, prefill_kernel=self.prefill_kernel)
+        if self.decode_kernel.needs_mask:
+            mask = (self.cols[None, :] < lens[:, None]) & (self.cols[None, :] >= starts[:, None])
+            meta.decode_mask = torch.from_numpy(mask).to(self.device)
+        return meta
 
 
 def _with_compute_dtype(cfg: ModelConfig, math_dtype: str) -> ModelConfig:
