@@ -362,5 +362,8 @@ def test_draft_model_proposals_do_not_depend_on_the_batch_or_the_catch_up_path(
         for i in range(3):
             want.update(run(alone, [i], grow))
         assert run(together, [0, 1, 2], grow) == want
+        # Steady once past the prompt (the price of a draft leaves the prompt out).
+        assert together.last_steady == alone.last_steady == (grow > 0)
         assert run(prefill, [0, 1, 2], grow) == want
+        assert not prefill.last_steady
         assert [len(want[f"r{i}"]) for i in range(3)] == ks

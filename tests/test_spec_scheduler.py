@@ -275,6 +275,63 @@ def test_a_guard_switch_off_voids_the_drafts_on_hand():
     assert spec_ctl.metrics.num_guard_off_steps == before + 1
 
 
+def test_a_proposal_that_caught_up_is_left_out_of_the_price_of_a_draft():
+    """A draft model's proposal that also caught up (a prompt, the text of a pause) took
+    time a steady one does not: the proposal-cost fit sees only the steady ones."""
+    core, now = _core(0, 64, 3, 1.0, False, "synthetic")
+    for i in range(2):
+        core.add_request(EngineCoreRequest(
+            f"r{i}", [5 + i] * 6, SamplingParams(max_tokens=40, ignore_eos=True,
+                                                temperature=0.0), arrival_time=0.0))
+    fit = core.scheduler.spec.proposal_cost
+    seen = []
+    for step in range(8):
+        out = core.schedule()
+        run = core.executor.execute_model(out)
+        steady = step % 2 == 1
+        run.propose_s, run.propose_steady = (0.001 if steady else 0.05), steady
+        now[0] += 0.01
+        core.update(out, run)
+        if out.num_spec_wanted:
+            seen.append(steady)
+    assert True in seen and False in seen
+    assert [s for _, _, s in fit._recent] == [0.001] * seen.count(True)
+
+
+def test_a_drafted_step_of_a_new_row_count_is_left_out_of_the_fit_and_the_guard():
+    """The first step of a row count pays one-time work (a oneDNN primitive per row
+    count): a drafted one is not fitted nor compared; one without drafts is (a prompt's
+    step teaches the fit its second size), and so is every later step of that count."""
+    core, now = _core(0, 64, 3, 1.0, True, "synthetic")
+    core.add_request(EngineCoreRequest(
+        "r0", [5] * 6, SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0),
+        arrival_time=0.0))
+    sched = core.scheduler
+    fitted, compared = [], []
+    observe_fit = sched._online_cost.observe
+    sched._online_cost.observe = lambda p, d, s, b=0: (fitted.append(p + d),
+                                                        observe_fit(p, d, s, b))
+    observe_step = sched.spec.observe_step
+    sched.spec.observe_step = lambda *a: (compared.append(a[-1]), observe_step(*a))
+    steps = []
+    while core.has_unfinished_requests():
+        out = core.schedule()
+        run = core.executor.execute_model(out)
+        now[0] += 0.01
+        core.update(out, run)
+        drafts = sum(map(len, out.scheduled_spec_tokens.values()))
+        steps.append((out.total_num_scheduled_tokens, drafts))
+    seen, want_fitted, want_steady = set(), [], []
+    for rows, drafts in steps:
+        steady = not drafts or rows in seen
+        seen.add(rows)
+        want_steady.append(steady)
+        if steady:
+            want_fitted.append(rows)
+    assert any(d for _, d in steps) and False in want_steady  # both kinds ran
+    assert fitted == want_fitted and compared == want_steady
+
+
 def test_scheduler_without_speculation_has_no_controller():
     from helpers import make_scheduler
 

@@ -168,6 +168,14 @@ class Scheduler:
         self._step_spec: dict[str, list[int]] = {}
         self._step_want: dict[str, int] = {}
         self._schedule_now: float | None = None
+        # Row counts (prefill tokens + decode rows) some step has run. The first step of
+        # a row count pays one-time work (oneDNN builds a primitive per row count on its
+        # first call: the first 2-row verify step of the trained spec pair at batch 1
+        # took 3x the next ones); a drafted one is left out of the step-cost fit and the
+        # outcome guard, whose few drafted steps it would tilt against drafts. (Steps
+        # without drafts stay in: a prompt's step is what teaches the fit its second
+        # size.) At most the token budget of them.
+        self._step_rows_seen: set[int] = set()
         # Prefill/decode disaggregation: requests in WAITING_FOR_REMOTE_KV (their load in
         # flight, or ended and queued for a sequence slot as (id, tokens computed)).
         self.connector = connector
@@ -661,19 +669,24 @@ class Scheduler:
         updates = self._pending_updates
         self._pending_updates = []
         if self.spec is not None and self._schedule_now is not None:
-            # The step's time without the proposer's (priced apart, per draft asked for).
-            self.spec.observe_proposals(out.num_spec_wanted, run.propose_s)
+            # The step's time without the proposer's (priced apart, per draft asked for;
+            # a proposal that also caught up is not what a draft costs when drafting).
+            if run.propose_steady:
+                self.spec.observe_proposals(out.num_spec_wanted, run.propose_s)
             # The runner's split: verify rows are decode rows (core/batch_shape.py).
             num_prefill, num_decode_rows = prefill_and_decode_rows(out)
             num_drafts = sum(map(len, out.scheduled_spec_tokens.values()))
             batch = num_decode_rows - num_drafts
             step_s = now - self._schedule_now - run.propose_s
+            rows = num_prefill + num_decode_rows
+            steady = not num_drafts or rows in self._step_rows_seen
+            self._step_rows_seen.add(rows)
             # (Dormant steps too: they age the fit's anchors and probes.)
-            if self._online_cost is not None:
+            if self._online_cost is not None and steady:
                 self._online_cost.observe(num_prefill, num_decode_rows, step_s, batch)
             self.spec.observe_step(batch, num_prefill, num_drafts,
                                    sum(map(len, run.sampled_token_ids.values())),
-                                   step_s, run.propose_s)
+                                   step_s, run.propose_s, steady)
         # Locals for the per-request loop (it runs for every request of every step).
         get_request, cache_blocks, sampled = (self.requests.get, self.kv.cache_computed_blocks,
                                               run.sampled_token_ids)

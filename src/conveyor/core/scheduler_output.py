@@ -77,6 +77,10 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Seconds the proposer took this step (measured by the executor; data, not a clock).
     propose_s: float = 0.0
+    # False when the proposer also caught up this step (a draft model's forward over the
+    # text since it last proposed: a prompt, or what came during a pause in drafting):
+    # work a steady proposal does not do, left out of the price of a draft.
+    propose_steady: bool = True
     # req_id -> per sampled token: (top token ids, their logprobs, rank of the sampled token,
     # logprob of the sampled token); None unless the request asked for logprobs.
     logprobs: dict[str, list[tuple[list[int], list[float], int, float]]] = field(

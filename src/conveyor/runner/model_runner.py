@@ -359,6 +359,7 @@ class ModelRunner:
                 state.draft_q = None
         if items:
             result.spec_token_ids = self.proposer.propose_batch(items)
+            result.propose_steady = self.proposer.last_steady
             for rid, probs in getattr(self.proposer, "last_probs", {}).items():
                 if rid in result.spec_token_ids:
                     self.requests[rid].draft_q = (result.spec_token_ids[rid], probs)

@@ -367,11 +367,14 @@ class OutcomeGuard:
         return b is None or (self.step >= b.off_until and b.trial_left == 0)
 
     def observe(self, batch: int, num_prefill_tokens: int, num_drafts: int,
-                num_emitted: int, step_s: float, propose_s: float) -> None:
-        """One step: ``step_s`` without the proposer's ``propose_s``."""
+                num_emitted: int, step_s: float, propose_s: float,
+                steady: bool = True) -> None:
+        """One step: ``step_s`` without the proposer's ``propose_s``; one that paid
+        one-time work (not ``steady``) is counted but not compared."""
         self.step += 1
         proposed_before, self._proposed_before = self._proposed_before, propose_s > 0.0
-        if num_prefill_tokens or batch <= 0 or num_emitted <= 0 or not step_s > 0.0:
+        if (num_prefill_tokens or batch <= 0 or num_emitted <= 0 or not step_s > 0.0
+                or not steady):
             return
         b = self._buckets.get(batch.bit_length())
         if b is None:
@@ -558,11 +561,13 @@ class DraftLengthController:
             self.proposal_cost.observe(max(wanted.values()), sum(wanted.values()), seconds)
 
     def observe_step(self, batch: int, num_prefill_tokens: int, num_drafts: int,
-                     num_emitted: int, step_s: float, propose_s: float) -> None:
-        """A finished step, for the outcome guard (``step_s`` without ``propose_s``)."""
+                     num_emitted: int, step_s: float, propose_s: float,
+                     steady: bool = True) -> None:
+        """A finished step, for the outcome guard (``step_s`` without ``propose_s``;
+        ``steady`` False: it paid one-time work, such as its row count's first run)."""
         if self.config.adaptive:
             self.guard.observe(batch, num_prefill_tokens, num_drafts, num_emitted,
-                               step_s, propose_s)
+                               step_s, propose_s, steady)
             self.metrics.num_guard_switch_offs = self.guard.num_switched_off
             self.metrics.num_guard_trials = self.guard.num_trials
 

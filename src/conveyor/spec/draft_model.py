@@ -170,7 +170,9 @@ class DraftModelProposer(Proposer):
         ks = np.array([it.k for it in items], dtype=np.int64)
         catch = np.array([first[it.req_id] for it in items], dtype=np.int64)
         layout = _DecodeLayout(runner, items, lens0, ks)
-        if int(catch.max()) <= self.DECODE_ROWS_CATCH_UP:
+        # Steady: each request caught up on the token or two the last step added.
+        self.last_steady = int(catch.max()) <= self.DECODE_ROWS_CATCH_UP
+        if self.last_steady:
             hidden = self._catch_up_rows(items, lens0, catch, layout)
         else:
             hidden = self._catch_up_prepared(items, first)

@@ -30,6 +30,9 @@ class ProposeItem:
 
 class Proposer:
     name = "base"
+    # Whether the last ``propose_batch`` did only a steady proposal's work (see
+    # ``ModelRunnerOutput.propose_steady``); a proposer with a catch-up says when not.
+    last_steady = True
 
     def propose(self, req_id: str, token_ids: Sequence[int], k: int) -> list[int]:
         raise NotImplementedError
