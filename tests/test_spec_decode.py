@@ -362,8 +362,44 @@ def test_draft_model_proposals_do_not_depend_on_the_batch_or_the_catch_up_path(
         for i in range(3):
             want.update(run(alone, [i], grow))
         assert run(together, [0, 1, 2], grow) == want
-        # Steady once past the prompt (the price of a draft leaves the prompt out).
-        assert together.last_steady == alone.last_steady == (grow > 0)
+        if grow == 0:  # a prompt's catch-up: no steady proposal's work
+            assert not together.last_steady and not alone.last_steady
         assert run(prefill, [0, 1, 2], grow) == want
-        assert not prefill.last_steady
         assert [len(want[f"r{i}"]) for i in range(3)] == ks
+
+
+def test_a_draft_proposal_is_steady_only_when_it_caught_up_on_the_last_step() -> None:
+    """The price of a draft (``ProposalCost``) sees steady proposals only: a catch-up of
+    the token or two the last step added. A prompt, or the text of a pause, is not."""
+    import torch
+
+    from conveyor.config import CacheConfig, load_model_config
+    from conveyor.spec.config import SpeculativeConfig
+    from conveyor.spec.draft_model import DraftModelProposer
+    from conveyor.spec.proposers import ProposeItem
+
+    path = make_checkpoint("llama")
+    p = DraftModelProposer(SpeculativeConfig("draft_model", model=perturbed_draft()),
+                           load_model_config(path, dtype="float32"),
+                           CacheConfig(block_size=8), torch.device("cpu"))
+    p.allocate_kv_cache(8)
+    ctx = [5, 9, 14, 3, 77, 120, 40]
+
+    def propose(tokens: list[int]) -> list[int]:
+        return p.propose_batch([ProposeItem("r", tokens, 3, list(range(8)))])["r"]
+
+    def other_than(token: int) -> int:
+        return 11 if token != 11 else 12
+
+    drafts = propose(ctx)
+    assert not p.last_steady  # the prompt
+    ctx.append(other_than(drafts[0]))  # draft 1 rejected: a catch-up of 1
+    drafts = propose(ctx)
+    assert p.last_steady
+    ctx += [drafts[0], other_than(drafts[1])]  # draft 1 accepted, 2 rejected: again 1
+    drafts = propose(ctx)
+    assert p.last_steady
+    ctx.append(other_than(drafts[0]))  # then a pause: four steps without proposing
+    ctx += [21, 22, 23, 24]
+    propose(ctx)
+    assert not p.last_steady

@@ -170,9 +170,10 @@ class DraftModelProposer(Proposer):
         ks = np.array([it.k for it in items], dtype=np.int64)
         catch = np.array([first[it.req_id] for it in items], dtype=np.int64)
         layout = _DecodeLayout(runner, items, lens0, ks)
-        # Steady: each request caught up on the token or two the last step added.
-        self.last_steady = int(catch.max()) <= self.DECODE_ROWS_CATCH_UP
-        if self.last_steady:
+        # Steady: each request caught up on the token or two the last step added (more:
+        # it did not propose for a step or more, and pays for that now).
+        self.last_steady = int(catch.max()) <= 2
+        if int(catch.max()) <= self.DECODE_ROWS_CATCH_UP:
             hidden = self._catch_up_rows(items, lens0, catch, layout)
         else:
             hidden = self._catch_up_prepared(items, first)
