@@ -11,9 +11,9 @@ Two grids:
   says, at batch 1, 8, 32, on the same target: where speculation pays and where it would
   lose, and whether the adaptive k keeps it from losing.
 
-Every configuration runs the same prompts in the same round right after an "off" run
-on them (its speedup is the median over rounds of that pair's ratio: this VM's speed
-drifts by 5-10% between minutes, a pair's two runs are seconds apart), rounds rotate
+Every configuration runs the same prompts in the same round between two "off" runs on
+them (its speedup is the median over rounds of its ratio to their mean: this VM's speed
+drifts by 5-10% between minutes, the three runs are seconds apart), rounds rotate
 the order, and each (batch, round) gets prompts of its own (the suffix proposer learns
 from earlier requests: it must not meet the same prompt twice). Greedy, fixed output length, prefix
 caching off (prefill is part of end-to-end time).
@@ -111,28 +111,30 @@ def run_grid(name: str, target: str, configs: dict[str, dict | None], batches: l
                 raise ValueError("not enough prompts: raise --num-prompts")
             order = [label for label in configs if label != "off"]
             order = order[r % len(order):] + order[:r % len(order)] if order else []
-            # Each configuration right after an "off" run on the same prompts: the ratio
-            # of the pair is what the machine's drift between minutes cannot move.
-            for label in order or ["off"]:
-                pair_times = {}
-                for run in ("off", label) if label != "off" else ("off",):
-                    llm = llms[run]
-                    # Each engine holds its own weights: the last one run left the caches
-                    # with its own. A short call first: no run pays for a cold start.
-                    llm.generate(prompts[:1], warm)  # seen before: no proposer learns
-                    before = spec_counts(llm)
-                    t0 = time.perf_counter()
-                    outs = llm.generate(batch_prompts, params)
-                    dt = time.perf_counter() - t0
-                    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
-                    times[run].append(dt)
-                    pair_times[run] = dt
-                    if run != "off":
-                        after = spec_counts(llm)
-                        for i in range(3):
-                            spec[run][i] += after[i] - before[i]
+            # Each configuration between two "off" runs on the same prompts (the one
+            # before it and the one before the next configuration, or a last one): its
+            # ratio is against their mean, which a linear drift of the machine's speed
+            # between minutes cannot move.
+            seq = []
+            for label in [x for pair in zip(["off"] * len(order), order) for x in pair] + ["off"]:
+                llm = llms[label]
+                # Each engine holds its own weights: the last one run left the caches
+                # with its own. A short call first: no run pays for a cold start.
+                llm.generate(prompts[:1], warm)  # seen before: no proposer learns
+                before = spec_counts(llm)
+                t0 = time.perf_counter()
+                outs = llm.generate(batch_prompts, params)
+                dt = time.perf_counter() - t0
+                assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+                times[label].append(dt)
+                seq.append((label, dt))
                 if label != "off":
-                    ratios[label].append(pair_times["off"] / pair_times[label])
+                    after = spec_counts(llm)
+                    for i in range(3):
+                        spec[label][i] += after[i] - before[i]
+            for i in range(1, len(seq) - 1, 2):
+                label, dt = seq[i]
+                ratios[label].append((seq[i - 1][1] + seq[i + 1][1]) / 2 / dt)
         off = statistics.median(times["off"])
         rows = {}
         for label in configs:
@@ -140,7 +142,7 @@ def run_grid(name: str, target: str, configs: dict[str, dict | None], batches: l
             drafts, accepted, verifies = spec[label]
             rows[label] = {
                 "tokens_per_s": batch * max_tokens / t,
-                # the median of the paired ratios (off / this, run back to back)
+                # the median of the ratios (mean of the flanking off runs / this)
                 "speedup": statistics.median(ratios[label]) if ratios[label] else off / t,
                 "mean_acceptance_length": (1 + accepted / verifies) if verifies else None,
                 "acceptance_rate": accepted / drafts if drafts else None,
