@@ -471,6 +471,34 @@ def test_outcome_guard_keeps_drafts_that_pay_with_ever_fewer_trials():
     assert g.num_switched_off == 1 and not g.allows(4)
 
 
+def test_a_win_no_drift_explains_skips_the_trial():
+    """Drafted steps at under WIN_MARGIN x the off cost of the last trial drafts won need
+    no new trial (one per WON_AGE steps still runs); once the drafts stop paying, the
+    next verdict runs its trial again and switches them off."""
+    from conveyor.spec.controller import OutcomeGuard as G
+
+    g = G()
+    steps = 3000
+    for _ in range(steps):
+        if g.allows(1):
+            g.observe(1, 0, 4, 4, 0.004, 0.0005)  # 1.1 ms a token
+        else:
+            g.observe(1, 0, 0, 1, 0.0025, 0.0)  # a trial step: 2.5 ms a token
+    assert g.num_switched_off == 0
+    # Without the skip: a trial per verdict, after 12, 24, ..., then every 256 drafted
+    # steps (about 15 here).
+    assert 2 <= g.num_trials <= 1 + -(-steps // G.WON_AGE)
+    trials = g.num_trials
+    for _ in range(2 * G.MAX_NEED_ON + 10):
+        if g.num_switched_off:
+            break
+        if g.allows(1):
+            g.observe(1, 0, 4, 1, 0.004, 0.0005)  # 4.5 ms a token: a loss
+        else:
+            g.observe(1, 0, 0, 1, 0.0025, 0.0)
+    assert g.num_switched_off == 1 and g.num_trials == trials + 1
+
+
 def test_a_loss_within_the_steps_noise_waits_for_more_drafted_steps():
     """Drafted steps that vary (a request's drafts hit or miss) and lose a little on
     average are not switched off at the first verdict: more drafted steps first, and the

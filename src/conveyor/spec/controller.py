@@ -345,7 +345,8 @@ class OutcomeGuard:
     verdicts put off for more drafted steps) switch the bucket off for a cool-off that
     doubles at every loss (its steps are the next verdict's off steps); drafts that pay stay on,
     and the next verdict waits twice as many drafted steps (up to ``MAX_NEED_ON``), so a
-    winning proposer pays for few trials (at most one of ``TRIAL`` steps per 256), and
+    winning proposer pays for few trials (at most one of ``TRIAL`` steps per 256; none
+    for a win by ``WIN_MARGIN`` over the last trial, one per ``WON_AGE`` steps), and
     so do the smaller batch sizes (a win at one size vouches for those below it). Steps
     with prefill in them are not compared (their cost is not the drafts')."""
 
@@ -361,6 +362,13 @@ class OutcomeGuard:
     COOL_OFF = 256  # steps a bucket stays off after its first loss
     Z = 2.0  # a loss counts once it exceeds this many standard errors of the steps' noise
     MAX_UNSURE = 2  # ... or after this many verdicts put off (then the estimate decides)
+    # A verdict without fresh off steps skips its trial when the drafted steps beat the
+    # off steps of the last trial that found drafts paying by this factor, that trial at
+    # most WON_AGE steps old: the VM's drift (5-10% between minutes) cannot make such a
+    # win, and each trial's off steps cost most where drafts pay most (at batch 1 and
+    # 0.9 acceptance, 3 steps of 1 token where a drafted step makes 4).
+    WIN_MARGIN = 0.6
+    WON_AGE = 1024
     MAX_COOL_OFF = 4096
 
     @dataclass
@@ -384,6 +392,8 @@ class OutcomeGuard:
         off_x: float = 0.0
         off_x2: float = 0.0
         num_unsure: int = 0  # verdicts in a row put off as within the noise
+        won_off: float = 0.0  # off seconds per token at the last trial drafts won (0: none)
+        won_step: int = 0  # ... and the guard's step then
 
         def clear_on(self) -> None:
             self.on_s = self.on_tokens = self.on_w = self.on_x = self.on_x2 = 0.0
@@ -435,13 +445,20 @@ class OutcomeGuard:
             b.trial_left = max(b.trial_left - 1, 0)
         if b.num_on < b.need_on or b.trial_left:
             return
+        on = b.on_s / b.on_tokens  # seconds per token
         if b.num_off and self.step - b.off_step > self.FRESH_OFF:
             b.clear_off()  # stale: from another phase of the run
-        if b.num_off < self.TRIAL:  # nothing fresh to compare with: an off trial first
+        if b.num_off < self.TRIAL:  # nothing fresh to compare with: an off trial first,
+            if (b.won_off and self.step - b.won_step <= self.WON_AGE
+                    and on < self.WIN_MARGIN * b.won_off):  # unless no drift explains it
+                self._drafts_pay(b, batch)
+                b.num_unsure = 0
+                b.clear_on()
+                return
             b.trial_left = self.TRIAL - b.num_off
             self.num_trials += 1
             return
-        on, off = b.on_s / b.on_tokens, b.off_s / b.off_tokens  # seconds per token
+        off = b.off_s / b.off_tokens
         if on > off + self.Z * self._noise(b) or (on > off and b.num_unsure >= self.MAX_UNSURE):
             b.cool_off = min(2 * b.cool_off, self.MAX_COOL_OFF) or self.COOL_OFF
             b.off_until = self.step + b.cool_off
@@ -456,12 +473,16 @@ class OutcomeGuard:
             b.need_on = b.num_on + self.MIN_ON
             return
         else:
-            b.cool_off = 0
-            b.need_on = min(2 * b.need_on, self.MAX_NEED_ON)
-            b.clear_off()  # the next verdict compares with a fresh trial
-            self._vouch_below(batch.bit_length(), b.need_on)
+            b.won_off, b.won_step = off, self.step
+            self._drafts_pay(b, batch)
         b.num_unsure = 0
         b.clear_on()  # and with fresh drafted steps
+
+    def _drafts_pay(self, b: OutcomeGuard._Bucket, batch: int) -> None:
+        b.cool_off = 0
+        b.need_on = min(2 * b.need_on, self.MAX_NEED_ON)
+        b.clear_off()  # the next verdict compares with a fresh trial
+        self._vouch_below(batch.bit_length(), b.need_on)
 
     @staticmethod
     def _noise(b: OutcomeGuard._Bucket) -> float:
