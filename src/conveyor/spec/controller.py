@@ -285,36 +285,35 @@ class ProposalCost:
         if len(obs) < self.MIN_STEPS:
             return 0.0, 0.0, 0.0
         obs.remove(max(obs, key=lambda o: o[2] / o[1]))
-        # The moments of (1, rounds, tokens) and seconds, in one pass: every candidate
-        # model's normal equations are a corner of them.
-        n = float(len(obs))
-        sr = st = srr = srt = stt = sx = srx = stx = 0.0
-        for r, t, x in obs:
-            sr += r
-            st += t
-            srr += r * r
-            srt += r * t
-            stt += t * t
-            sx += x
-            srx += r * x
-            stx += t * x
-        gram = [[n, sr, st], [sr, srr, srt], [st, srt, stt]]
-        rhs = [sx, srx, stx]
         # Candidate models, richest first: columns of (intercept, rounds, tokens).
         for cols in ((0, 1, 2), (0, 1), (0, 2), (1, 2)):
-            m = [[gram[i][j] for j in cols] for i in cols]
-            sol = _solve(m, [rhs[i] for i in cols]) if _well_conditioned(m) else None
-            if sol is not None and min(sol) >= 0.0:
-                out = [0.0, 0.0, 0.0]
-                for c, i in zip(sol, cols, strict=True):
-                    out[i] = c
-                return out[0], out[1], out[2]
-        return 0.0, 0.0, max(stx / stt, 0.0)
+            coef = _least_squares(obs, cols)
+            if coef is not None:
+                return coef
+        tt = sum(t * t for _, t, _ in obs)
+        return 0.0, 0.0, max(sum(t * x for _, t, x in obs) / tt, 0.0)
+
+
+def _least_squares(obs: list[tuple[float, float, float]], cols: tuple[int, ...]
+                   ) -> tuple[float, float, float] | None:
+    """Nonnegative (intercept, per round, per token) of ``seconds ~ features[cols]``
+    over ``obs`` (rounds, tokens, seconds), the other coefficients 0; None if those
+    features do not vary apart in ``obs`` or a coefficient comes out negative."""
+    feats = [((1.0, r, t), x) for r, t, x in obs]
+    m = [[sum(f[i] * f[j] for f, _ in feats) for j in cols] for i in cols]
+    v = [sum(f[i] * x for f, x in feats) for i in cols]
+    sol = _solve(m, v) if _well_conditioned(m) else None
+    if sol is None or any(c < 0.0 for c in sol):
+        return None
+    out = [0.0, 0.0, 0.0]
+    for c, i in zip(sol, cols, strict=True):
+        out[i] = c
+    return out[0], out[1], out[2]
 
 
 def _well_conditioned(m: list[list[float]]) -> bool:
     """Whether the normal matrix ``m`` is far from singular (its features vary apart):
-    every pivot of its elimination above 1e-6 of its diagonal entry."""
+    the smallest pivot of its elimination, relative to the diagonal, above 1e-6."""
     n = len(m)
     a = [row[:] for row in m]
     for c in range(n):
