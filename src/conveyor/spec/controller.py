@@ -240,92 +240,54 @@ class BatchStepCost:
 
 
 class ProposalCost:
-    """Seconds the proposer takes, ``c + a x rounds + b x tokens`` fitted to its last
-    few steps: ``c`` once per step that proposes at all, ``rounds`` the longest draft
-    asked for (a draft model runs one forward per draft position), ``tokens`` the drafts
-    asked for over all requests. The runner measures the time (an executor may read a
-    clock) and reports it as data.
-
-    ``c`` is real for a draft model: its first forward after the target's runs on caches
-    the target's weights just went through, and costs about twice each later one (on the
-    trained pair at batch 1, in one process: a proposal of one draft 0.45-0.55 ms, each
-    further draft 0.25-0.3 ms). Priced per draft, a first draft looked dear and a fourth
-    cheap: the rule chose one draft, where three or four pay.
+    """Seconds the proposer takes, ``a x rounds + b x tokens`` fitted to its last few
+    steps: ``rounds`` the longest draft asked for (a draft model runs one forward per
+    draft position), ``tokens`` the drafts asked for over all requests. The runner
+    measures the time (an executor may read a clock) and reports it as data.
 
     A request's first proposal pays one-time work (a draft model's prefill of its
     prompt, a suffix tree's build) that later ones do not: the fit waits for a few
     steps and leaves out the dearest one per token, so that one spike does not switch
-    speculation off for good. (A draft model reports a proposal that also caught up as
-    not steady, and the scheduler leaves it out before it gets here.)"""
+    speculation off for good."""
 
     WINDOW = 8
     MIN_STEPS = 4
 
     def __init__(self) -> None:
         self._recent: deque[tuple[float, float, float]] = deque(maxlen=self.WINDOW)
-        self._solved: tuple[float, float, float] | None = None
+        self._solved: tuple[float, float] | None = None
 
     def observe(self, rounds: int, tokens: int, seconds: float) -> None:
         if rounds > 0 and tokens > 0 and seconds >= 0.0:
             self._recent.append((float(rounds), float(tokens), seconds))
             self._solved = None
 
-    def coefficients(self) -> tuple[float, float, float]:
-        """(seconds per proposing step, per round, per draft token); (0, 0, 0) until a
-        few steps were seen (proposing looks free until measured). What the steps seen
-        cannot tell apart goes to the simpler model: without two draft lengths, no
-        intercept; when rounds and tokens moved together (batch 1), no per-token part
-        beside the per-round one. Solved once per observation (every step asks)."""
+    def coefficients(self) -> tuple[float, float]:
+        """(seconds per round, seconds per draft token); (0, 0) until a few steps were
+        seen (proposing looks free until measured). When rounds and tokens moved
+        together (the same batch), it is all per token. Solved once per observation
+        (every step asks)."""
         if self._solved is None:
             self._solved = self._coefficients()
         return self._solved
 
-    def _coefficients(self) -> tuple[float, float, float]:
+    def _coefficients(self) -> tuple[float, float]:
         obs = list(self._recent)
         if len(obs) < self.MIN_STEPS:
-            return 0.0, 0.0, 0.0
+            return 0.0, 0.0
         obs.remove(max(obs, key=lambda o: o[2] / o[1]))
-        # Candidate models, richest first: columns of (intercept, rounds, tokens).
-        for cols in ((0, 1, 2), (0, 1), (0, 2), (1, 2)):
-            coef = _least_squares(obs, cols)
-            if coef is not None:
-                return coef
+        rr = sum(r * r for r, _, _ in obs)
+        rt = sum(r * t for r, t, _ in obs)
         tt = sum(t * t for _, t, _ in obs)
-        return 0.0, 0.0, max(sum(t * x for _, t, x in obs) / tt, 0.0)
-
-
-def _least_squares(obs: list[tuple[float, float, float]], cols: tuple[int, ...]
-                   ) -> tuple[float, float, float] | None:
-    """Nonnegative (intercept, per round, per token) of ``seconds ~ features[cols]``
-    over ``obs`` (rounds, tokens, seconds), the other coefficients 0; None if those
-    features do not vary apart in ``obs`` or a coefficient comes out negative."""
-    feats = [((1.0, r, t), x) for r, t, x in obs]
-    m = [[sum(f[i] * f[j] for f, _ in feats) for j in cols] for i in cols]
-    v = [sum(f[i] * x for f, x in feats) for i in cols]
-    sol = _solve(m, v) if _well_conditioned(m) else None
-    if sol is None or any(c < 0.0 for c in sol):
-        return None
-    out = [0.0, 0.0, 0.0]
-    for c, i in zip(sol, cols, strict=True):
-        out[i] = c
-    return out[0], out[1], out[2]
-
-
-def _well_conditioned(m: list[list[float]]) -> bool:
-    """Whether the normal matrix ``m`` is far from singular (its features vary apart):
-    the smallest pivot of its elimination, relative to the diagonal, above 1e-6."""
-    n = len(m)
-    a = [row[:] for row in m]
-    for c in range(n):
-        piv = max(range(c, n), key=lambda r: abs(a[r][c]))
-        if abs(a[piv][c]) <= 1e-6 * max(m[c][c], 1e-300):
-            return False
-        a[c], a[piv] = a[piv], a[c]
-        for r in range(c + 1, n):
-            f = a[r][c] / a[c][c]
-            for k in range(c, n):
-                a[r][k] -= f * a[c][k]
-    return True
+        rs = sum(r * x for r, _, x in obs)
+        ts = sum(t * x for _, t, x in obs)
+        det = rr * tt - rt * rt
+        if det > 1e-6 * rr * tt:
+            a = (tt * rs - rt * ts) / det
+            b = (rr * ts - rt * rs) / det
+            if a >= 0.0 and b >= 0.0:
+                return a, b
+        return 0.0, max(ts / tt, 0.0)
 
 
 class OutcomeGuard:
@@ -782,18 +744,14 @@ class DraftLengthController:
                 return  # no cost known yet (two step sizes teach it): no drafts
             slope = max(t1 - t0, 0.0)
         self._priced = True
-        per_step, per_round, per_draft = self.proposal_cost.coefficients()
+        per_round, per_draft = self.proposal_cost.coefficients()
         prior = self.prior()
-        # Slots are weighed with the proposer's per-step cost already paid (given that
-        # the step drafts at all, the best set of slots), and the set is kept only if
-        # it beats drafting nothing once that cost is counted.
-        t, e = t0 + per_step, float(expected)
         # The best slot of all is some request's first draft: if even that does not pay,
         # nothing does (the common case under load, decided in O(requests)).
         w, p0 = _PRIOR_WEIGHT, prior[0]
         best = max((p0 if (own := r.request.spec_acceptance) is None
                     else (own[0][0] + w * p0) / (own[0][1] + w)) for r in rows)
-        if best * t < (slope + per_draft + per_round) * e:
+        if best * t0 < (slope + per_draft + per_round) * expected:
             return
         cands: list[tuple[float, int, DraftRow]] = []
         for row in rows:
@@ -804,7 +762,7 @@ class DraftLengthController:
         if not cands:
             return
         cands.sort(key=lambda c: (-c[0], c[1]))
-        rounds = 0
+        t, e, rounds = t0, float(expected), 0
         for survive, j, row in cands:
             if j != row.k_want + 1:
                 continue  # its draft j-1 did not pay: neither does j
@@ -818,6 +776,3 @@ class DraftLengthController:
             rounds = max(rounds, j)
             t += cost
             e += survive
-        if e * t0 < expected * t:  # more expected tokens, but fewer per second
-            for row in rows:
-                row.k_want = 0
