@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import os
 import time
 from collections.abc import Callable
 
@@ -129,4 +131,19 @@ def build_local_core(args: EngineArgs, clock: Callable[[], float] = time.monoton
         from conveyor.sim.cost_model import load_step_cost
 
         step_cost = load_step_cost(args.slo_cost_model, config.model)
-    return EngineCore(config, executor, clock, step_cost=step_cost)
+    core = EngineCore(config, executor, clock, step_cost=step_cost)
+    freeze_startup_heap()
+    return core
+
+
+def freeze_startup_heap() -> None:
+    """What starting allocated (modules, the model, the engine) lives as long as the
+    process: moved out of the cyclic GC's generations (``gc.freeze``, as vLLM's engine
+    does after start-up), so that no collection walks it again. Whatever allocates many
+    objects later (the suffix proposer's trees) set off full collections over that whole
+    heap: on the trained spec pair at batch 64, 5.2 us per tree node created against 0.4
+    with it frozen. ``CONVEYOR_GC_FREEZE=0`` leaves the collector alone."""
+    if os.environ.get("CONVEYOR_GC_FREEZE", "1") == "0":
+        return
+    gc.collect(1)  # the young garbage of start-up (older cycles are rare and stay)
+    gc.freeze()
