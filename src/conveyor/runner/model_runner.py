@@ -32,6 +32,7 @@ from conveyor.model.linear_choice import choose as choose_linears
 from conveyor.model.linear_choice import measuring_enabled, model_shapes
 from conveyor.model.loader import DTYPES, load_model
 from conveyor.model.packed_linear import pick_linear_backend
+from conveyor.runner.decode_layout import attended, padded_slots, window_starts
 from conveyor.runner.host_memory import keep_freed_host_memory
 from conveyor.runner.sampler import Sampler, SamplingRow
 from conveyor.sampling_params import SamplingParams
@@ -428,23 +429,15 @@ class ModelRunner:
         Padding slots point at slot 0 (block 0 is always allocated memory); they are
         never attended.
         """
-        bs = self.block_size
-        max_ctx = max(ctx_lens)
-        max_blocks = -(-max_ctx // bs)
-        bt = np.zeros((len(tables), max_blocks), dtype=np.int64)
-        for i, t in enumerate(tables):
-            bt[i, :len(t[:max_blocks])] = t[:max_blocks]
-        cols = np.arange(max_ctx, dtype=np.int64)
-        slots = np.ascontiguousarray(bt[:, cols // bs] * bs + cols % bs)
+        slots = padded_slots(tables, max(ctx_lens), self.block_size)
         lens = np.asarray(ctx_lens, dtype=np.int32)
-        starts = (np.maximum(lens - self.sliding_window, 0).astype(np.int32)
-                  if self.sliding_window is not None else np.zeros_like(lens))
+        starts = window_starts(lens, self.sliding_window)
         meta.decode_slots = self._to_device(slots)
         meta.decode_lens = self._to_device(lens)
         meta.decode_starts = self._to_device(starts)
         if self.decode_kernel.needs_mask:
-            mask = (cols[None, :] < lens[:, None]) & (cols[None, :] >= starts[:, None])
-            meta.decode_mask = torch.from_numpy(mask).to(self.device)
+            meta.decode_mask = torch.from_numpy(attended(slots.shape[1], lens, starts)).to(
+                self.device)
 
     def _prefill_segment(self, cursor: int, n: int, start: int,
                          table: np.ndarray) -> PrefillSegment:
@@ -463,3 +456,4 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)
+

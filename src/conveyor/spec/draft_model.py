@@ -32,6 +32,7 @@ import torch
 from conveyor.config import CacheConfig, ModelConfig, load_model_config
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.model.attention import AttentionMetadata
+from conveyor.runner.decode_layout import attended, padded_slots, window_starts
 from conveyor.sampling_params import SamplingParams
 from conveyor.spec.config import SpeculativeConfig
 from conveyor.spec.proposers import ProposeItem, Proposer
@@ -215,21 +216,6 @@ class DraftModelProposer(Proposer):
         from conveyor.runner.model_runner import RequestState
 
         runner = self.runner
-        for it in items:
-            # The target's token list is read in place (no copy): nothing appends to it
-            # while the draft runs.
-            n = len(it.token_ids)
-            runner.requests[it.req_id] = RequestState(it.req_id, it.token_ids, [], _GREEDY,
-                                                      it.block_ids, n - first[it.req_id])
-        try:
-            return self._forward_prepared(items, first)
-        finally:
-            for it in items:
-                runner.requests.pop(it.req_id, None)
-
-    def _forward_prepared(self, items: list[ProposeItem], first: dict[str, int]
-                          ) -> torch.Tensor:
-        runner = self.runner
         rows = {it.req_id: it.token_ids[len(it.token_ids) - first[it.req_id] + 1:]
                 for it in items if 1 < first[it.req_id] <= self.DECODE_ROWS_CATCH_UP}
         order = sorted(first, key=lambda rid: first[rid] != 1 and rid not in rows)
@@ -237,7 +223,17 @@ class DraftModelProposer(Proposer):
                                 total_num_scheduled_tokens=sum(first.values()),
                                 sampling_req_ids=set(first),
                                 scheduled_spec_tokens={r: list(t) for r, t in rows.items()})
-        input_ids, positions, meta, logits_rows = runner._prepare(order, sched)
+        # ``_prepare`` reads the requests' states; the target's token lists are read in
+        # place (no copy): nothing appends to them while the draft runs.
+        for it in items:
+            runner.requests[it.req_id] = RequestState(
+                it.req_id, it.token_ids, [], _GREEDY, it.block_ids,
+                len(it.token_ids) - first[it.req_id])
+        try:
+            input_ids, positions, meta, logits_rows = runner._prepare(order, sched)
+        finally:
+            for it in items:
+                runner.requests.pop(it.req_id, None)
         hidden = runner.model(input_ids, positions, meta, runner.kv_caches)
         row_of = {rid: row for row, rid in logits_rows}  # (the last row of each)
         idx = [row_of[it.req_id] for it in items]
@@ -286,17 +282,11 @@ class _DecodeLayout:
 
     def __init__(self, runner, items: list[ProposeItem], lens0: np.ndarray,
                  ks: np.ndarray) -> None:
-        bs = runner.block_size
         self.device = runner.device
         self.window = runner.sliding_window
         self.decode_kernel, self.prefill_kernel = runner.decode_kernel, runner.prefill_kernel
         max_ctx = int((lens0 + np.maximum(ks, 1) - 1).max())
-        bt = np.zeros((len(items), -(-max_ctx // bs)), dtype=np.int64)
-        for i, it in enumerate(items):
-            t = it.block_ids[:bt.shape[1]]
-            bt[i, :len(t)] = t
-        self.cols = np.arange(max_ctx, dtype=np.int64)
-        self.slots = np.ascontiguousarray(bt[:, self.cols // bs] * bs + self.cols % bs)
+        self.slots = padded_slots([it.block_ids for it in items], max_ctx, runner.block_size)
         self.slots_t = torch.from_numpy(self.slots).to(self.device)
 
     def positions(self, pos: np.ndarray) -> torch.Tensor:
@@ -306,8 +296,7 @@ class _DecodeLayout:
         """Decode rows: row ``g`` is request ``rows[g]``'s token at ``pos[g]``, writing
         its K/V there and attending to every position up to it (its window's)."""
         lens = (pos + 1).astype(np.int32)
-        starts = (np.maximum(lens - self.window, 0).astype(np.int32)
-                  if self.window is not None else np.zeros_like(lens))
+        starts = window_starts(lens, self.window)
         m = len(rows)
         prefix = m <= len(self.slots) and bool((rows == np.arange(m)).all())
         meta = AttentionMetadata(
@@ -319,8 +308,8 @@ class _DecodeLayout:
             decode_starts=torch.from_numpy(starts).to(self.device),
             decode_kernel=self.decode_kernel, prefill_kernel=self.prefill_kernel)
         if self.decode_kernel.needs_mask:
-            mask = (self.cols[None, :] < lens[:, None]) & (self.cols[None, :] >= starts[:, None])
-            meta.decode_mask = torch.from_numpy(mask).to(self.device)
+            meta.decode_mask = torch.from_numpy(
+                attended(self.slots.shape[1], lens, starts)).to(self.device)
         return meta
 
 
