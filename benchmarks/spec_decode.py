@@ -115,8 +115,11 @@ def run_grid(name: str, target: str, configs: dict[str, dict | None], batches: l
             # before it and the one before the next configuration, or a last one): its
             # ratio is against their mean, which a linear drift of the machine's speed
             # between minutes cannot move.
+            runs = ["off"]
+            for label in order:
+                runs += [label, "off"]
             seq = []
-            for label in [x for pair in zip(["off"] * len(order), order) for x in pair] + ["off"]:
+            for label in runs:
                 llm = llms[label]
                 # Each engine holds its own weights: the last one run left the caches
                 # with its own. A short call first: no run pays for a cold start.

@@ -410,18 +410,16 @@ class OutcomeGuard:
         on = b.on_s / b.on_tokens  # seconds per token
         if b.num_off and self.step - b.off_step > self.FRESH_OFF:
             b.clear_off()  # stale: from another phase of the run
-        if b.num_off < self.TRIAL:  # nothing fresh to compare with: an off trial first,
-            if (b.won_off and self.step - b.won_step <= self.WON_AGE
+        off = b.off_s / b.off_tokens if b.num_off >= self.TRIAL else None
+        if off is None:  # nothing fresh to compare with: an off trial first,
+            if not (b.won_off and self.step - b.won_step <= self.WON_AGE
                     and on < self.WIN_MARGIN * b.won_off):  # unless no drift explains it
-                self._drafts_pay(b, batch)
-                b.num_unsure = 0
-                b.clear_on()
+                b.trial_left = self.TRIAL - b.num_off
+                self.num_trials += 1
                 return
-            b.trial_left = self.TRIAL - b.num_off
-            self.num_trials += 1
-            return
-        off = b.off_s / b.off_tokens
-        if on > off + self.Z * self._noise(b) or (on > off and b.num_unsure >= self.MAX_UNSURE):
+            self._drafts_pay(b, batch)
+        elif on > off + self.Z * self._noise(b) or (on > off
+                                                     and b.num_unsure >= self.MAX_UNSURE):
             b.cool_off = min(2 * b.cool_off, self.MAX_COOL_OFF) or self.COOL_OFF
             b.off_until = self.step + b.cool_off
             b.need_on = self.MIN_ON
