@@ -275,6 +275,32 @@ def test_a_guard_switch_off_voids_the_drafts_on_hand():
     assert spec_ctl.metrics.num_guard_off_steps == before + 1
 
 
+def test_a_prompt_that_ends_proposes_what_its_next_batch_size_drafts():
+    """The scheduler asks a request whose prompt ends for the drafts of the last plan at
+    the batch size it joins: none where that size's plan drafted nothing, though the
+    last plan of all (at another size) drafted."""
+    core, now = _core(0, 64, 3, 1.0, True, "synthetic")
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)
+    for i in range(3):
+        core.add_request(EngineCoreRequest(f"r{i}", [5 + i] * 6, params, arrival_time=0.0))
+    for _ in range(2):
+        out = core.schedule()
+        core.update(out, core.executor.execute_model(out))
+        now[0] += 0.01
+    spec_ctl = core.scheduler.spec
+    spec_ctl.dormant = lambda batch: True  # the running ones draft nothing this step
+    spec_ctl._set_k_want(4, 0)  # batch 4 (bucket 4-7) drafted nothing,
+    spec_ctl._set_k_want(1, 3)  # batch 1 drafted 3 last
+    core.add_request(EngineCoreRequest("new", [9] * 6, params, arrival_time=0.0))
+    out = core.schedule()
+    assert "new" in out.sampling_req_ids and len(out.sampling_req_ids) == 4
+    assert "new" not in out.num_spec_wanted
+    spec_ctl._set_k_want(4, 2)
+    core.update(out, core.executor.execute_model(out))
+    core.add_request(EngineCoreRequest("new2", [8] * 6, params, arrival_time=0.0))
+    out = core.schedule()
+    assert out.num_spec_wanted.get("new2") == 2
+
 def test_a_proposal_that_caught_up_is_left_out_of_the_price_of_a_draft():
     """A draft model's proposal that also caught up (a prompt, the text of a pause) took
     time a steady one does not: the proposal-cost fit sees only the steady ones."""
@@ -631,6 +657,20 @@ def test_a_position_that_looked_bad_early_is_explored_again():
     assert ctl.metrics.as_dict()["num_explore_steps"] == 2
     assert ctl.last_k_want == 1  # new requests get the rule's length, not the exploration's
 
+
+def test_a_new_decode_is_asked_for_the_drafts_its_batch_size_pays_for():
+    """A request whose prompt ends this step proposes its first drafts now, as many as
+    the last plan at the next step's batch size chose: not the count of the last plan at
+    some other size (a draft model would catch up on whole prompts for drafts the next
+    plan refuses). A size not planned yet takes the nearest smaller one's."""
+    cfg = SpeculativeConfig("ngram", num_speculative_tokens=4)
+    ctl = DraftLengthController(cfg, FixedCost(a=0.05, b=0.001))
+    assert ctl.k_want_for(8) == 4  # nothing planned yet: the configured length
+    ctl.plan(_rows(64), 0, 64, 64, 512)  # saturated: no draft pays
+    ctl.plan(_rows(1), 0, 1, 1, 512)  # alone: every one does
+    assert ctl.last_k_want == 4
+    assert ctl.k_want_for(64) == 0 and ctl.k_want_for(100) == 0
+    assert ctl.k_want_for(1) == 4 and ctl.k_want_for(3) == 4  # (3: batch 1's plan)
 
 def test_a_plan_that_drafts_nothing_is_reused_for_a_few_steps_of_that_size():
     """Nothing verified, no acceptance moved: the next steps at the same batch size skip

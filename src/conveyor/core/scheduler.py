@@ -371,9 +371,10 @@ class Scheduler:
 
     def _want_after_prefill(self, out: SchedulerOutput) -> None:
         """A request whose prompt ends this step decodes next: ask for its first drafts
-        now (as many as this step's decodes got), so that its first decode verifies some.
-        A draft model writes K/V for them: only into slots the request already holds."""
-        k = self.spec.last_k_want
+        now (as many as the last plan at the next step's batch size chose), so that its
+        first decode verifies some. A draft model writes K/V for them: only into slots the
+        request already holds."""
+        k = self.spec.k_want_for(len(out.sampling_req_ids))
         if k <= 0:
             return
         want, bs = out.num_spec_wanted, self.kv.block_size

@@ -555,9 +555,11 @@ class DraftLengthController:
         self._glob_acc = [0.5] * k
         self._glob_try = [1.0] * k
         self.metrics = SpecMetrics(config.method, k)
-        # The largest draft length chosen in the last step (what a request that starts
-        # decoding next step is asked for); k until a step has decided.
+        # The largest draft length chosen in the last step, and in the last step at each
+        # batch size (power-of-two bucket of decoding requests): what a request that
+        # starts decoding next step is asked for (``k_want_for``).
         self.last_k_want = k
+        self._k_want_at: dict[int, int] = {}
 
     # ---- acceptance ----------------------------------------------------------------------
     def prior(self) -> list[float]:
@@ -637,12 +639,30 @@ class DraftLengthController:
         self.metrics.num_decode_steps += batch
         self.metrics.num_guard_off_steps += 1
         self.metrics.last_num_draft_tokens = 0
-        self.last_k_want = 0
+        self._set_k_want(batch, 0)
         self._explored = set()
+
+    def _set_k_want(self, batch: int, k: int) -> None:
+        self.last_k_want = k
+        self._k_want_at[batch.bit_length()] = k
+
+    def k_want_for(self, batch: int) -> int:
+        """Drafts to propose for a request whose prompt ends this step, so that its first
+        decode verifies some, in a step of ``batch`` decoding requests: what the last
+        plan at that batch size chose. A size not planned yet takes the nearest smaller
+        one's (drafts that do not pay at a size pay at no larger one; at batch 4 a draft
+        model's catch-up on four whole prompts for drafts the next plan refused was 2.5%
+        of the run), and ``num_speculative_tokens`` before any plan."""
+        key = batch.bit_length()
+        for b in range(key, 0, -1):
+            k = self._k_want_at.get(b)
+            if k is not None:
+                return k
+        return self.config.num_speculative_tokens
 
     def _drafts_nothing(self, batch: int) -> bool:
         self.metrics.last_num_draft_tokens = 0
-        self.last_k_want = 0
+        self._set_k_want(batch, 0)
         if self.config.adaptive and self._priced:  # (unpriced: a probe is due soon)
             self._dormant_batch, self._dormant_left = batch, self.DORMANT_STEPS - 1
         return False
@@ -701,8 +721,8 @@ class DraftLengthController:
         self.metrics.last_num_draft_tokens = sum(r.k_now for r in rows)
         # What a request that starts decoding next step is asked for: the rule's choice,
         # not a probe's or an exploration's.
-        self.last_k_want = max((r.k_want - (r is explored) for r in rows if r is not probed),
-                               default=0)
+        self._set_k_want(len(rows), max(
+            (r.k_want - (r is explored) for r in rows if r is not probed), default=0))
         return True
 
     def _explore(self, rows: list[DraftRow]) -> DraftRow | None:
