@@ -180,6 +180,41 @@ def test_online_step_cost_recovers_prefill_and_decode_costs():
     assert a == pytest.approx(0.002, rel=1e-3) and bd == pytest.approx(0.0003, rel=1e-3)
 
 
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([(0, 1), (0, 4), (0, 5), (64, 4), (512, 9)]),
+                          st.integers(1, 40), st.floats(0.5, 2.0), st.integers(0, 50)),
+                min_size=2, max_size=12))
+def test_online_step_cost_folds_repeated_steps_exactly(runs):
+    """Steps of one shape in a row are folded into the fit at once: its normal equations
+    equal the decayed sums over every step taken one by one, whatever the runs and
+    wherever the fit is read (a read folds the run so far; the run goes on after it)."""
+    fit = OnlineStepCost()
+    steps = []
+    for (p, d), n, noise, read_at in runs:
+        for i in range(n):
+            t = (0.004 + 0.0001 * p + 0.0005 * d) * (noise if i % 2 else 1.0)
+            fit.observe(p, d, t)
+            steps.append((p, d, t))
+            if i == read_at:
+                fit._since_solve = fit.RESOLVE_EVERY  # solve now, whatever the cache
+                fit.coefficients()
+    fit._fold()
+    m = [[0.0] * 3 for _ in range(3)]
+    v = [0.0] * 3
+    w = 1.0
+    for p, d, t in reversed(steps):  # the latest step weighs 1, each older one d more
+        x = (1.0, p, d)
+        for i in range(3):
+            v[i] += w * x[i] * t
+            for j in range(3):
+                m[i][j] += w * x[i] * x[j]
+        w *= fit.decay
+    for i in range(3):
+        assert fit._v[i] == pytest.approx(v[i], rel=1e-9, abs=1e-12)
+        for j in range(3):
+            assert fit._m[i][j] == pytest.approx(m[i][j], rel=1e-9, abs=1e-12)
+
 # ---- invariants under rejection, abort and preemption ----------------------------------
 def _core(seed: int, num_blocks: int, k: int, rate: float, adaptive: bool, method: str):
     cfg = {**spec(rate, k, adaptive, method), "seed": seed}

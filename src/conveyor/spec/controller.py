@@ -79,33 +79,58 @@ class OnlineStepCost:
         # bookkeeping on a small model.
         self._solved: tuple[float, float, float] | None = None
         self._since_solve = self.RESOLVE_EVERY
-        self._last_shape: tuple[int, int] | None = None
+        # Steps of one shape in a row (the common case: a decode batch, step after step)
+        # are folded into the normal equations at once, when the shape changes or the fit
+        # is read: ``_run_n`` steps of ``_run_shape``, their seconds decayed into
+        # ``_run_s``. Exact (the decay is geometric); a repeated step costs a few
+        # attribute updates, not the equations' dozen, on every step of a batch.
+        self._run_shape: tuple[int, int] | None = None
+        self._run_n = 0
+        self._run_s = 0.0
 
     def observe(self, num_prefill_tokens: int, num_decode_rows: int, seconds: float) -> None:
         if not (seconds > 0.0) or num_prefill_tokens + num_decode_rows <= 0:
             return
         shape = (num_prefill_tokens, num_decode_rows)
-        self._since_solve += 1 if shape == self._last_shape else self.RESOLVE_EVERY
-        self._last_shape = shape
-        # The normal equations, decayed: m = sum x x^T, v = sum x T for x = (1, p, r);
-        # written out (a nested loop here was a third of a step's bookkeeping).
-        p, r, d = float(num_prefill_tokens), float(num_decode_rows), self.decay
-        m, v = self._m, self._v
-        v[0] = v[0] * d + seconds
-        v[1] = v[1] * d + p * seconds
-        v[2] = v[2] * d + r * seconds
-        m0, m1, m2 = m
-        m0[0] = m0[0] * d + 1.0
-        m0[1] = m1[0] = m0[1] * d + p
-        m0[2] = m2[0] = m0[2] * d + r
-        m1[1] = m1[1] * d + p * p
-        m1[2] = m2[1] = m1[2] * d + p * r
-        m2[2] = m2[2] * d + r * r
+        if shape == self._run_shape:
+            self._run_n += 1
+            self._run_s = self._run_s * self.decay + seconds
+            self._since_solve += 1
+            return
+        self._fold()
+        self._run_shape, self._run_n, self._run_s = shape, 1, seconds
+        self._since_solve += self.RESOLVE_EVERY
         if len(self._totals) < 2:
             self._totals.add(num_prefill_tokens + num_decode_rows)
 
+    def _fold(self) -> None:
+        """Add the pending run of one shape to the normal equations, decayed: m = sum of
+        x x^T, v = sum of x T over x = (1, p, r), each older step weighted by the decay
+        once more. n steps of one x: m <- m d^n + x x^T (1 + d + ... + d^(n-1)) and
+        v <- v d^n + x S, S their seconds decayed as they came."""
+        n = self._run_n
+        if not n:
+            return
+        t, self._run_n, self._run_s = self._run_s, 0, 0.0  # (a run may go on after it)
+        p, r = (float(x) for x in self._run_shape)
+        d = self.decay
+        dn = d ** n
+        g = (1.0 - dn) / (1.0 - d) if d != 1.0 else float(n)
+        m, v = self._m, self._v
+        v[0] = v[0] * dn + t
+        v[1] = v[1] * dn + p * t
+        v[2] = v[2] * dn + r * t
+        m0, m1, m2 = m
+        m0[0] = m0[0] * dn + g
+        m0[1] = m1[0] = m0[1] * dn + p * g
+        m0[2] = m2[0] = m0[2] * dn + r * g
+        m1[1] = m1[1] * dn + p * p * g
+        m1[2] = m2[1] = m1[2] * dn + p * r * g
+        m2[2] = m2[2] * dn + r * r * g
+
     def _combined_slope(self) -> float | None:
         """Seconds per token of ``T = a + b x (prefill tokens + decode rows)``."""
+        self._fold()
         m, v = self._m, self._v
         w, n, nn = m[0][0], m[0][1] + m[0][2], m[1][1] + 2 * m[1][2] + m[2][2]
         ny = v[1] + v[2]
@@ -125,6 +150,7 @@ class OnlineStepCost:
     def _coefficients(self) -> tuple[float, float, float] | None:
         if len(self._totals) < 2:
             return None
+        self._fold()
         combined = self._combined_slope()
         if combined is None:
             return None
