@@ -707,17 +707,37 @@ def test_a_new_decode_is_asked_for_the_drafts_its_batch_size_pays_for():
     assert ctl.k_want_for(64) == 0 and ctl.k_want_for(100) == 0
     assert ctl.k_want_for(1) == 4 and ctl.k_want_for(3) == 4  # (3: batch 1's plan)
 
+
 def test_a_plan_that_drafts_nothing_is_reused_for_a_few_steps_of_that_size():
     """Nothing verified, no acceptance moved: the next steps at the same batch size skip
-    the planning (and the scheduler builds no rows for them), then plan afresh."""
-    ctl = DraftLengthController(SpeculativeConfig("ngram", num_speculative_tokens=4),
-                                FixedCost(a=0.0001, b=0.01))  # a decode row is dear
+    the planning (and the scheduler builds no rows for them), then plan afresh; each
+    further plan in a row that drafts nothing is reused twice as long, up to a cap, and
+    a plan that drafts starts the count again."""
+    cost = FixedCost(a=0.0001, b=0.01)  # a decode row is dear
+    ctl = DraftLengthController(SpeculativeConfig("ngram", num_speculative_tokens=4), cost)
+    n = DraftLengthController.DORMANT_STEPS
+
+    def reused(batch: int) -> int:
+        steps = 0
+        while ctl.dormant(batch):
+            steps += 1
+        return steps
+
     assert not ctl.plan(_rows(2), 0, 2, 2, 512)
     assert not ctl.dormant(3)  # another batch size plans for itself
-    for _ in range(DraftLengthController.DORMANT_STEPS - 1):
-        assert ctl.dormant(2)
-    assert not ctl.dormant(2)  # planned afresh
-    assert ctl.metrics.num_decode_steps == 2 * DraftLengthController.DORMANT_STEPS
+    assert reused(2) == n - 1  # then planned afresh
+    assert ctl.metrics.num_decode_steps == 2 * n
+    top = DraftLengthController.MAX_DORMANT_DOUBLINGS
+    runs = []
+    for _ in range(top + 1):
+        assert not ctl.plan(_rows(2), 0, 2, 2, 512)
+        runs.append(reused(2) + 1)
+    assert runs == [n << min(i, top) for i in range(1, top + 2)]  # 2n, 4n, ..., capped
+    cost.b = 0.00001  # a cheap row: the plan drafts
+    assert ctl.plan(_rows(2), 0, 2, 2, 512)
+    cost.b = 0.01
+    assert not ctl.plan(_rows(2), 0, 2, 2, 512)
+    assert reused(2) == n - 1
     cheap = DraftLengthController(SpeculativeConfig("ngram", num_speculative_tokens=4),
                                   FixedCost(a=0.05, b=0.0001))
     assert cheap.plan(_rows(2), 0, 2, 2, 512) and not cheap.dormant(2)  # it drafts: no reuse

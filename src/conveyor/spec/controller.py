@@ -564,13 +564,18 @@ class DraftLengthController:
     # reuse it, this many in all before planning afresh: nothing was verified, so no
     # acceptance moved, and the step-cost fit moves slowly. On a model whose step is
     # ~1 ms the full plan is 1-2% of a step (benchmarks/spec_decode.py's small target).
+    # Each further plan in a row at that size that drafts nothing doubles the reuse, up
+    # to MAX_DORMANT_DOUBLINGS times (the rule's probes wait for a plan: at most
+    # DORMANT_STEPS << MAX_DORMANT_DOUBLINGS steps late).
     DORMANT_STEPS = 8
+    MAX_DORMANT_DOUBLINGS = 3
 
     def __init__(self, config: SpeculativeConfig, cost: StepCost | None) -> None:
         self.config = config
         self.cost = cost
         self._dormant_batch = -1
         self._dormant_left = 0
+        self._dormant_run = 0  # plans in a row at _dormant_batch that drafted nothing, - 1
         self._priced = False  # the last plan knew the step's cost (its fit had two sizes)
         self._explore_age = 0
         self._explored: set[str] = set()  # requests that proposed one more last step
@@ -690,7 +695,10 @@ class DraftLengthController:
         self.metrics.last_num_draft_tokens = 0
         self._set_k_want(batch, 0)
         if self.config.adaptive and self._priced:  # (unpriced: a probe is due soon)
-            self._dormant_batch, self._dormant_left = batch, self.DORMANT_STEPS - 1
+            run = self._dormant_run + 1 if batch == self._dormant_batch else 0
+            self._dormant_batch, self._dormant_run = batch, run
+            self._dormant_left = (self.DORMANT_STEPS
+                                  << min(run, self.MAX_DORMANT_DOUBLINGS)) - 1
         return False
 
     def plan(self, rows: list[DraftRow], num_prefill_tokens: int, num_decode_rows: int,
@@ -745,6 +753,7 @@ class DraftLengthController:
             row.k_now = min(want, len(row.request.spec_token_ids), left)
             left -= row.k_now
         self.metrics.last_num_draft_tokens = sum(r.k_now for r in rows)
+        self._dormant_batch = -1  # (a plan that drafts ends a run of dormant ones)
         # What a request that starts decoding next step is asked for: the rule's choice,
         # not a probe's or an exploration's.
         self._set_k_want(len(rows), max(
