@@ -645,6 +645,31 @@ def test_a_fit_that_found_drafts_dear_probes_them_again():
     assert rows[0].k_want > 0  # the refitted slope lets the rule draft by itself
 
 
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_probe_verifies_enough_drafts_to_measure_a_row(method):
+    """One request's drafts against the step's noise priced a row at 3x its cost and
+    kept drafting off: a probe spreads PROBE_DRAFTS drafts over several requests (a
+    draft model's one each, a forward per draft, over a few requests: each catches up)."""
+    from conveyor.spec.controller import BatchStepCost
+
+    cost = BatchStepCost()
+    cost.observe(0, 8, 0.001, batch=8)
+    cost.observe(0, 12, 0.1, batch=8)  # a first drafted step, slowed by first-call costs
+    for _ in range(BatchStepCost.PROBE_EVERY):
+        cost.observe(0, 8, 0.001, batch=8)
+    assert cost.needs_probe(8)
+    cfg = SpeculativeConfig(method, num_speculative_tokens=4, model="unused")
+    ctl = DraftLengthController(cfg, cost)
+    rows = _rows(8)
+    ctl.plan(rows, 0, 8, 8, 512)
+    wants = sorted((r.k_want for r in rows), reverse=True)
+    if method == "ngram":
+        assert wants == [4] * 4 + [0] * 4  # 16 drafts
+    else:
+        assert wants == [1] * DraftLengthController.PROBE_DRAFT_MODEL_ROWS + [0] * 4
+    assert ctl.last_k_want == 0  # new requests get the rule's length, not the probe's
+
 def test_probes_back_off_while_the_rule_keeps_refusing():
     from conveyor.spec.controller import BatchStepCost
 

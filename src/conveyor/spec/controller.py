@@ -726,21 +726,16 @@ class DraftLengthController:
             if needs_anchor is not None and needs_anchor(len(rows)):
                 budget = 0  # verify none this step (proposals go on: no step is lost twice)
             elif probe is not None and probe(len(rows), any(r.k_want for r in rows)):
-                # The rule drafts nothing here: one request proposes, and verifies what it
-                # has on hand, so the fit sees a step with drafts again. One is enough for
-                # the slope of a decode row, and a probe costs its proposals (a draft
-                # model's catch-up over the tokens since it last proposed).
+                # The rule drafts nothing here: a few requests propose, and verify what
+                # they have on hand, so the fit sees a step with drafts again.
                 self.metrics.num_probe_steps += 1
-                probed = max(rows, key=lambda r: (r.cap > 0, r.request.request_id))
-                # A draft model's further drafts cost a forward each: one draft is a
-                # decode row for the fit all the same.
-                probed.k_want = min(probed.cap, 1) if self.config.writes_draft_kv \
-                    else probed.cap
+                probed = self._probe_rows(rows)
             else:
                 explored = self._explore(rows)
         else:
             for row in rows:
                 row.k_want = row.cap
+        probed_ids = {id(r) for r in probed} if probed else ()
         if not verify_all and not any(r.k_want for r in rows):
             # Nothing proposed or verified (the common case under load): rows stay at 0.
             return self._drafts_nothing(len(rows))
@@ -757,8 +752,36 @@ class DraftLengthController:
         # What a request that starts decoding next step is asked for: the rule's choice,
         # not a probe's or an exploration's.
         self._set_k_want(len(rows), max(
-            (r.k_want - (r is explored) for r in rows if r is not probed), default=0))
+            (r.k_want - (r is explored) for r in rows if id(r) not in probed_ids),
+            default=0))
         return True
+
+    # Drafts a probe verifies, at most: the slope of a decode row comes from the probe's
+    # step against the draft-free ones, whose time varies by ~0.5 ms on this VM at batch
+    # 4 (1.4 ms). One request's 4 drafts priced a row at 0.25 ms where it cost 0.07, the
+    # rule refused, the probes backed off and suffix drafting (1.2x there) stayed off
+    # for the run; 16 rows put such noise at 0.03 ms a row. A draft model's further
+    # drafts cost a forward each and every probed request a catch-up: one draft each,
+    # from at most PROBE_DRAFT_MODEL_ROWS requests.
+    PROBE_DRAFTS = 16
+    PROBE_DRAFT_MODEL_ROWS = 4
+
+    def _probe_rows(self, rows: list[DraftRow]) -> list[DraftRow]:
+        """The probe's rows, their ``k_want`` set: requests in a fixed order (by id), each
+        to its cap (a draft model's to 1), until ``PROBE_DRAFTS`` drafts."""
+        per_row = 1 if self.config.writes_draft_kv else self.config.num_speculative_tokens
+        max_rows = self.PROBE_DRAFT_MODEL_ROWS if self.config.writes_draft_kv else len(rows)
+        left = self.PROBE_DRAFTS
+        probed = []
+        for row in sorted(rows, key=lambda r: r.request.request_id):
+            if left <= 0 or len(probed) >= max_rows:
+                break
+            k = min(row.cap, per_row, left)
+            if k > 0:
+                row.k_want = k
+                left -= k
+                probed.append(row)
+        return probed
 
     def _explore(self, rows: list[DraftRow]) -> DraftRow | None:
         """Every ``EXPLORE_EVERY`` steps where the rule drafts: the row drafting most
