@@ -21,7 +21,7 @@ from conveyor.sampling_params import SamplingParams
 from conveyor.sim import Simulator
 from conveyor.sim.model import resolve_sim_model
 from conveyor.spec.config import SpeculativeConfig
-from conveyor.spec.controller import DraftLengthController, DraftRow, OnlineStepCost
+from conveyor.spec.controller import DraftLengthController, DraftRow, OnlineStepCost, PriorWeight
 
 
 def spec(rate: float, k: int = 4, adaptive: bool = True, method: str = "synthetic") -> dict:
@@ -132,6 +132,59 @@ def test_budget_and_drafts_on_hand_bound_the_draft_length():
     assert all(r.k_now <= min(len(r.request.spec_token_ids), r.cap) for r in rows)
     assert sum(r.k_now for r in rows) == 5
 
+
+
+def _finished_requests(rates: list[float], tries: int, seed: int = 0) -> PriorWeight:
+    rng = random.Random(seed)
+    weight = PriorWeight()
+    for rate in rates:
+        weight.observe(sum(rng.random() < rate for _ in range(tries)), tries)
+    return weight
+
+
+def test_the_prior_weighs_by_how_much_requests_differ():
+    """Beta-binomial moments over finished requests: alike ones (every rate 0.7) give the
+    proposer-wide estimate a large weight; different ones (0.1 or 0.9) a small one; too
+    few requests, or too few tries each, leave it at LOW."""
+    alike = _finished_requests([0.7] * 60, 20)
+    different = _finished_requests([0.1, 0.9] * 30, 20)
+    assert alike.weight >= 30 and different.weight == PriorWeight.LOW
+    assert _finished_requests([0.7] * (PriorWeight.MIN_REQUESTS - 1), 20).weight \
+        == PriorWeight.LOW
+    assert _finished_requests([0.7] * 60, PriorWeight.MIN_TRIES - 1).weight == PriorWeight.LOW
+    spread = _finished_requests([0.3, 0.5, 0.7, 0.9] * 15, 40)  # a beta of weight ~5
+    assert PriorWeight.LOW < spread.weight < 15
+
+
+def test_one_rejection_does_not_stop_drafts_where_requests_are_alike():
+    """Where finished requests accepted draft 1 alike, a request's one rejection moves its
+    estimate a little and its drafts go on; where they differed, its own record decides
+    and one rejection stops them."""
+    for rates, drafts_after in (([0.8] * 40, True), ([0.05, 1.0] * 20, False)):
+        ctl = DraftLengthController(SpeculativeConfig("ngram", num_speculative_tokens=1),
+                                    FixedCost(a=0.001, b=0.0015))  # pays above 0.6
+        ctl.prior_weight = _finished_requests(rates, 20)
+        for i in range(200):  # the proposer-wide estimate: 0.8
+            ctl.observe(_rows(1)[0].request, 1, int(i % 5 != 0))
+        rows = _rows(1)
+        ctl.observe(rows[0].request, 1, 0)  # this request's first draft was rejected
+        ctl.plan(rows, 0, 1, 1, 512)
+        assert (rows[0].k_want > 0) == drafts_after, rates[:2]
+
+
+def test_finished_requests_feed_the_prior_weight():
+    """The scheduler hands every request that leaves to the controller: its draft-1
+    record (verifications, accepted) counts in the prior's weight."""
+    core, now = _core(0, 64, 2, 0.7, False, "synthetic")
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+    for i in range(PriorWeight.MIN_REQUESTS):
+        core.add_request(EngineCoreRequest(f"r{i}", [5 + i] * 6, params, arrival_time=0.0))
+    while core.scheduler.has_unfinished():
+        out = core.schedule()
+        core.update(out, core.executor.execute_model(out))
+        now[0] += 0.01
+    weight = core.scheduler.spec.prior_weight
+    assert weight._count == PriorWeight.MIN_REQUESTS and weight.weight > PriorWeight.LOW
 
 def test_acceptance_is_counted_up_to_the_first_rejection():
     cfg = SpeculativeConfig("ngram", num_speculative_tokens=4)

@@ -227,6 +227,8 @@ class Scheduler:
         self._wait_entry.pop(req.request_id, None)
         self._overdue_ids.discard(req.request_id)
         self.policy.on_finished(req)
+        if self.spec is not None:
+            self.spec.request_done(req)
 
     def _cached_prefix_tokens(self, req: Request) -> int:
         """The policy's one window on the KV cache: prompt tokens it holds for ``req``."""
