@@ -34,6 +34,7 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -75,6 +76,20 @@ def synthetic_configs(k: int, rates: list[float]) -> dict[str, dict | None]:
     return out
 
 
+def median_ci(values: list[float], level: float = 0.95,
+              resamples: int = 2000) -> tuple[float, float]:
+    """A bootstrap interval for the median of ``values`` (rounds resampled with
+    replacement; a fixed seed, so a rerun on the same numbers prints the same interval).
+    Two rounds or fewer: the range."""
+    if len(values) <= 2:
+        return min(values), max(values)
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values)))
+                  for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return meds[int(tail * resamples)], meds[min(int((1 - tail) * resamples), resamples - 1)]
+
+
 def spec_counts(llm: LLM) -> tuple[int, int, int]:
     s = llm.stats().get("spec_decode") or {}
     return (s.get("num_draft_tokens", 0), s.get("num_accepted_tokens", 0),
@@ -82,8 +97,8 @@ def spec_counts(llm: LLM) -> tuple[int, int, int]:
 
 
 def run_grid(name: str, target: str, configs: dict[str, dict | None], batches: list[int],
-             rounds: int, prompts: list[list[int]], max_tokens: int, threads: int,
-             load_format: str = "auto") -> dict:
+             rounds: dict[int, int], prompts: list[list[int]], max_tokens: int,
+             threads: int, load_format: str = "auto") -> dict:
     max_batch = max(batches)
     # Every request fits in this: the KV pool (sized from it) stays small, so that a
     # dozen engines side by side fit in memory.
@@ -104,7 +119,7 @@ def run_grid(name: str, target: str, configs: dict[str, dict | None], batches: l
         times = {label: [] for label in configs}
         ratios = {label: [] for label in configs}
         spec = {label: [0, 0, 0] for label in configs}
-        for r in range(rounds):
+        for r in range(rounds[batch]):
             batch_prompts = prompts[cursor:cursor + batch]
             cursor += batch
             if len(batch_prompts) < batch:
@@ -147,20 +162,24 @@ def run_grid(name: str, target: str, configs: dict[str, dict | None], batches: l
                 "tokens_per_s": batch * max_tokens / t,
                 # the median of the ratios (mean of the flanking off runs / this)
                 "speedup": statistics.median(ratios[label]) if ratios[label] else off / t,
+                "speedup_ci95": median_ci(ratios[label]) if ratios[label] else None,
                 "mean_acceptance_length": (1 + accepted / verifies) if verifies else None,
                 "acceptance_rate": accepted / drafts if drafts else None,
-                "drafts_per_token": drafts / (batch * max_tokens * rounds),
+                "drafts_per_token": drafts / (batch * max_tokens * rounds[batch]),
             }
         results[str(batch)] = rows
-        print(f"\n[{name}] batch {batch}: median of {rounds} rounds, {max_tokens} tokens each")
-        print(f"  {'config':<18} {'tokens/s':>9} {'vs off':>7} {'acc.len':>8} "
+        print(f"\n[{name}] batch {batch}: median of {rounds[batch]} rounds, "
+              f"{max_tokens} tokens each")
+        print(f"  {'config':<18} {'tokens/s':>9} {'vs off':>7} {'95% CI':>13} {'acc.len':>8} "
               f"{'acc.rate':>8} {'drafts/tok':>10}")
         for label, row in rows.items():
             acc, rate = row["mean_acceptance_length"], row["acceptance_rate"]
             acc_s = "-" if acc is None else f"{acc:.2f}"
             rate_s = "-" if rate is None else f"{rate:.2f}"
+            ci = row["speedup_ci95"]
+            ci_s = "-" if ci is None else f"[{ci[0]:.2f}, {ci[1]:.2f}]"
             print(f"  {label:<18} {row['tokens_per_s']:>9.1f} {row['speedup']:>6.2f}x "
-                  f"{acc_s:>8} {rate_s:>8} {row['drafts_per_token']:>10.2f}")
+                  f"{ci_s:>13} {acc_s:>8} {rate_s:>8} {row['drafts_per_token']:>10.2f}")
         sys.stdout.flush()
     return results
 
@@ -169,7 +188,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", choices=("pair", "synthetic", "both"), default="both")
     p.add_argument("--batches", default=None, help="comma-separated (default per grid)")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", default="2",
+                   help="rounds per batch size: one number for all, or one per batch "
+                        "(comma-separated, as --batches)")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -197,7 +218,13 @@ def main() -> int:
     for grid in grids:
         default = "1,4,16,64" if grid == "pair" else "1,8,32"
         batches = [int(b) for b in (args.batches or default).split(",")]
-        need = 2 + sum(batches) * args.rounds
+        per_batch = [int(r) for r in args.rounds.split(",")]
+        if len(per_batch) == 1:
+            per_batch *= len(batches)
+        if len(per_batch) != len(batches) or min(per_batch) < 1:
+            p.error(f"--rounds: one number, or one per batch size ({len(batches)})")
+        rounds = dict(zip(batches, per_batch))
+        need = 2 + sum(b * r for b, r in rounds.items())
         prompts = pair.code_prompts(target, need, args.prompt_tokens,
                                     seed=0 if grid == "pair" else 1)
         configs = (pair_configs(draft, args.k) if grid == "pair" else
@@ -213,7 +240,7 @@ def main() -> int:
         if grid == "synthetic" and args.synthetic_model:
             model, load_format = args.synthetic_model, "dummy"
         print(f"\n== {grid}: {model}")
-        out[grid] = run_grid(grid, model, configs, batches, args.rounds, prompts,
+        out[grid] = run_grid(grid, model, configs, batches, rounds, prompts,
                              args.max_tokens, args.threads, load_format)
     if args.json:
         with open(args.json, "w") as f:
