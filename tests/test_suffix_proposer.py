@@ -365,3 +365,27 @@ def test_finishing_queues_and_the_next_proposal_pays_a_bounded_share() -> None:
         _finish(fresh, f"r{i}", seq)
     fresh.stats()
     assert p._global.counts() == fresh._global.counts()
+
+
+def test_a_step_of_proposals_pays_the_upkeep_once_within_its_budget() -> None:
+    """``propose_batch`` (one step) inserts at most FLUSH_TOKENS_PER_STEP queued tokens
+    (one sequence at least), however many drafts its requests ask for: a probe of 16
+    drafts paid 16 x 256 inserts, ~16 ms on code text. Its drafts are ``propose``'s."""
+    from conveyor.spec.proposers import ProposeItem
+
+    p = SuffixProposer(4, max_depth=4, max_cached_requests=10)
+    seqs = [[i, i + 1, i + 2] * 100 for i in range(0, 50, 5)]  # 300 tokens each
+    for i, seq in enumerate(seqs):
+        p.propose(f"done{i}", seq, 4)  # all running at once
+    for i in range(len(seqs)):
+        p.finish(f"done{i}")
+    assert len(p._pending) == 10
+    p.FLUSH_TOKENS_PER_STEP = 700
+    items = [ProposeItem(f"x{j}", [1, 2, 3, 1, 2], 4, []) for j in range(4)]
+    out = p.propose_batch(items)
+    assert len(p._cached) == 3 and len(p._pending) == 7  # 301 x 3 >= 700: three went in
+    ref = SuffixProposer(4, max_depth=4, max_cached_requests=10)
+    for i, seq in enumerate(seqs[:3]):
+        _finish(ref, f"done{i}", seq)
+    ref.stats()
+    assert out == {it.req_id: ref.propose(it.req_id, it.token_ids, 4) for it in items}

@@ -120,6 +120,10 @@ class _Delegate(Proposer):
     def propose(self, req_id: str, token_ids: Sequence[int], k: int) -> list[int]:
         return self.inner.propose(req_id, token_ids, k)
 
+    def propose_batch(self, items: list[ProposeItem]) -> dict[str, list[int]]:
+        batch = getattr(self.inner, "propose_batch", None)
+        return batch(items) if batch is not None else super().propose_batch(items)
+
     def finish(self, req_id: str) -> None:
         self.inner.finish(req_id)
 

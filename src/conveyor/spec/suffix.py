@@ -291,6 +291,11 @@ class SuffixProposer:
     # few hundred inserts, not the whole stretch's backlog (thousands at batch 16, which
     # priced every later draft out); drafting steadily, the backlog stays near empty.
     FLUSH_TOKENS_PER_DRAFT = 256
+    # ... and per step (``propose_batch``), whatever the drafts asked: inserts cost ~4 us
+    # a token on code text, and a probe's 16 drafts would otherwise pay 4,096 of them
+    # (16 ms, five steps at batch 16). Drafting at batch 64, requests end at ~128 tokens
+    # a step: the backlog still drains.
+    FLUSH_TOKENS_PER_STEP = 512
 
     def __init__(self, num_speculative_tokens: int, *, max_depth: int = 32,
                  max_cached_requests: int = 1000, min_token_prob: float = 0.1,
@@ -327,10 +332,24 @@ class SuffixProposer:
 
     # -- the engine's calls -------------------------------------------------------------
 
-    def propose(self, req_id: str, token_ids: Sequence[int], k: int) -> list[int]:
+    def propose_batch(self, items: Sequence) -> dict[str, list[int]]:
+        """One step's proposals (``ProposeItem``s): the global tree's upkeep once, within
+        the step's budget, then each request's drafts."""
+        asked = sum(min(it.k, self.num_speculative_tokens) for it in items if it.k > 0)
+        if self._pending and asked:
+            self._flush(min(self.FLUSH_TOKENS_PER_DRAFT * asked, self.FLUSH_TOKENS_PER_STEP))
+        out = {}
+        for it in items:
+            drafts = self.propose(it.req_id, it.token_ids, it.k, flush=False)
+            if drafts:
+                out[it.req_id] = drafts
+        return out
+
+    def propose(self, req_id: str, token_ids: Sequence[int], k: int,
+                flush: bool = True) -> list[int]:
         """Up to min(k, num_speculative_tokens) draft tokens continuing token_ids (prompt +
-        output so far)."""
-        if self._pending and k > 0:
+        output so far); ``flush``: pay some of the global tree's upkeep first."""
+        if flush and self._pending and k > 0:
             self._flush(self.FLUSH_TOKENS_PER_DRAFT * min(k, self.num_speculative_tokens))
         st = self._requests.get(req_id)
         n = len(token_ids)
