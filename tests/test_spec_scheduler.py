@@ -123,6 +123,20 @@ def test_draft_length_falls_with_load_and_rises_with_acceptance():
     assert crowd[0].k_now == 4 and sum(r.k_now for r in crowd[1:]) == 0
 
 
+
+@pytest.mark.parametrize("rate, drafts", [(0.55, False), (0.65, True)])
+def test_a_slot_must_pay_its_cost_with_a_margin(rate, drafts):
+    """A draft worth 1.1x its marginal cost (acceptance 0.55, a step of 2 ms whose one
+    more row costs 1 ms) is not taken; one worth 1.3x (0.65) is."""
+    cfg = SpeculativeConfig("ngram", num_speculative_tokens=1)
+    ctl = DraftLengthController(cfg, FixedCost(a=0.001, b=0.001))
+    for i in range(400):
+        ctl.observe(_rows(1)[0].request, 1, int(i % 20 < rate * 20))
+    assert ctl.prior()[0] == pytest.approx(rate, abs=0.02)
+    rows = _rows(1)
+    ctl.plan(rows, 0, 1, 1, 512)
+    assert (rows[0].k_want > 0) == drafts
+
 def test_budget_and_drafts_on_hand_bound_the_draft_length():
     cfg = SpeculativeConfig("ngram", num_speculative_tokens=4, adaptive=False)
     ctl = DraftLengthController(cfg, None)
