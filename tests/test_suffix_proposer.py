@@ -389,3 +389,22 @@ def test_a_step_of_proposals_pays_the_upkeep_once_within_its_budget() -> None:
         _finish(ref, f"done{i}", seq)
     ref.stats()
     assert out == {it.req_id: ref.propose(it.req_id, it.token_ids, 4) for it in items}
+
+
+def test_the_global_tree_takes_finished_outputs_not_prompts() -> None:
+    """Told the prompt's length (the runner's ProposeItem), a finished request's outputs
+    go into the global tree and its prompt does not; its own tree held both."""
+    from conveyor.spec.proposers import ProposeItem
+
+    prompt, output = [7, 8, 9, 7, 8], [1, 2, 3, 1, 2, 3]
+    p = SuffixProposer(4, max_depth=4)
+    for end in range(len(prompt), len(prompt) + len(output) + 1):
+        p.propose_batch([ProposeItem("r", prompt + output[:end - len(prompt)], 4, [],
+                                     num_prompt_tokens=len(prompt))])
+    p.finish("r")
+    assert p.stats()["cached_tokens"] == len(output)
+    ref = SuffixTrie(p._depth)
+    ref.insert(output)
+    assert p._global.counts() == ref.counts()
+    assert p.propose("x", [7, 8], 4) == []  # the prompt's text: not in the global tree
+    assert p.propose("y", [1, 2], 4)[:1] == [3]  # the outputs' are

@@ -4,8 +4,9 @@ Two kinds of counted suffix tries, both of bounded depth:
 
 * one per running request, over its own context (prompt + outputs so far), updated as the
   context grows;
-* one global trie over the whole token sequences of the last ``max_cached_requests``
-  finished requests, FIFO; an evicted request's counts come out exactly.
+* one global trie over the outputs of the last ``max_cached_requests`` finished
+  requests (their prompts too where the proposer was not told the prompt's length),
+  FIFO; an evicted request's counts come out exactly.
 
 A draft: the longest suffix of the context (at most ``max_depth`` tokens, at least
 ``min_match``) that occurs in a trie followed by some token, then the most frequent child
@@ -262,10 +263,11 @@ def _draft(pos: _Pos, d: int, max_len: int, min_prob: float,
 class _Request:
     """One running request: its context, its own trie and its match in the global trie."""
 
-    __slots__ = ("active", "gen", "glen", "gpos", "tokens", "trie")
+    __slots__ = ("active", "gen", "glen", "gpos", "prompt_len", "tokens", "trie")
 
-    def __init__(self, depth: int, global_root: _Node) -> None:
+    def __init__(self, depth: int, global_root: _Node, prompt_len: int = 0) -> None:
         self.tokens: list[int] = []
+        self.prompt_len = prompt_len  # its first tokens that are the prompt
         self.trie = SuffixTrie(depth)
         self.active: list[_Node] = [self.trie.root]
         # Invariant (while gen == the proposer's generation): gpos is the global position of
@@ -340,15 +342,18 @@ class SuffixProposer:
             self._flush(min(self.FLUSH_TOKENS_PER_DRAFT * asked, self.FLUSH_TOKENS_PER_STEP))
         out = {}
         for it in items:
-            drafts = self.propose(it.req_id, it.token_ids, it.k, flush=False)
+            drafts = self.propose(it.req_id, it.token_ids, it.k, flush=False,
+                                  num_prompt_tokens=it.num_prompt_tokens)
             if drafts:
                 out[it.req_id] = drafts
         return out
 
     def propose(self, req_id: str, token_ids: Sequence[int], k: int,
-                flush: bool = True) -> list[int]:
+                flush: bool = True, num_prompt_tokens: int = 0) -> list[int]:
         """Up to min(k, num_speculative_tokens) draft tokens continuing token_ids (prompt +
-        output so far); ``flush``: pay some of the global tree's upkeep first."""
+        output so far); ``flush``: pay some of the global tree's upkeep first. The first
+        ``num_prompt_tokens`` are the prompt: its own trie holds them, the global trie
+        only what follows (0: all of them go there too)."""
         if flush and self._pending and k > 0:
             self._flush(self.FLUSH_TOKENS_PER_DRAFT * min(k, self.num_speculative_tokens))
         st = self._requests.get(req_id)
@@ -360,7 +365,8 @@ class SuffixProposer:
             if n < m or (m and (token_ids[m - 1] != seen[m - 1] or token_ids[0] != seen[0])):
                 st = None
         if st is None:
-            st = self._requests[req_id] = _Request(self._depth, self._global.root)
+            st = self._requests[req_id] = _Request(self._depth, self._global.root,
+                                                   num_prompt_tokens)
         start = len(st.tokens)
         toks = st.tokens
         if n > start:
@@ -397,12 +403,16 @@ class SuffixProposer:
         return best
 
     def finish(self, req_id: str) -> None:
-        """The request ended: drop its own tree and queue its tokens for the global tree.
-        O(1): what a FIFO of ``max_cached_requests`` would evict unseen is dropped here."""
+        """The request ended: drop its own tree and queue its outputs for the global tree
+        (SuffixDecoding's "previous outputs": other requests' prompts are other texts,
+        and inserting them doubled the upkeep, ~4 us a token in Python). O(1) but for
+        the outputs' copy: what a FIFO of ``max_cached_requests`` would evict unseen is
+        dropped here."""
         st = self._requests.pop(req_id, None)
         if st is None or self.max_cached_requests == 0:
             return
-        self._pending.append(st.tokens)  # no longer appended to: the trie may reference it
+        outputs = st.tokens[st.prompt_len:] if st.prompt_len else st.tokens
+        self._pending.append(outputs)  # no longer appended to: the trie may reference it
         while len(self._pending) > self.max_cached_requests:
             self._pending.popleft()  # would be inserted, then evicted before any lookup
 
