@@ -15,12 +15,17 @@ from conveyor import LLM, SamplingParams
 from helpers import make_checkpoint
 
 HAS_SUFFIX = importlib.util.find_spec("conveyor.spec.suffix") is not None
+HAS_NATIVE_SUFFIX = importlib.util.find_spec("arctic_inference") is not None
 # Fixed k, so that how much gets verified does not depend on the machine's step times
 # (the adaptive choice reads them); the adaptive path runs in "adaptive".
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
               "adaptive": False},
-    "suffix": {"method": "suffix", "num_speculative_tokens": 3, "adaptive": False},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 3, "adaptive": False,
+               "suffix_backend": "python"},
+    # Arctic Inference's trees (spec/suffix_native.py), where installed.
+    "suffix_native": {"method": "suffix", "num_speculative_tokens": 3, "adaptive": False,
+                      "suffix_backend": "native"},
 }
 CONFIGS = {
     "default": dict(),
@@ -53,13 +58,20 @@ def spec_config(method: str, config: str) -> dict:
 
 
 # Every configuration under ngram; the suffix proposer (the same scheduler path) on two.
-CASES = [("ngram", c) for c in CONFIGS] + [("suffix", "default"), ("suffix", "preempt")]
+CASES = [("ngram", c) for c in CONFIGS] + [(m, c) for m in ("suffix", "suffix_native")
+                                           for c in ("default", "preempt")]
+
+
+def _skip_unbuilt(method: str) -> None:
+    if method == "suffix" and not HAS_SUFFIX:
+        pytest.skip("suffix proposer not built")
+    if method == "suffix_native" and not HAS_NATIVE_SUFFIX:
+        pytest.skip("arctic_inference (native suffix trees) is not installed")
 
 
 @pytest.mark.parametrize(("method", "config"), CASES)
 def test_greedy_tokens_equal_transformers(method: str, config: str) -> None:
-    if method == "suffix" and not HAS_SUFFIX:
-        pytest.skip("suffix proposer not built")
+    _skip_unbuilt(method)
     path = make_checkpoint("llama")
     prompts, params = repetitive_batch()
     llm = LLM(path, dtype="float32", speculative_config=spec_config(method, config),
@@ -280,11 +292,13 @@ def test_draft_model_draws_from_its_distribution_at_temperature() -> None:
     assert argmax.stats()["spec_decode"]["acceptance_rate"] < 0.8
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "draft_adaptive"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "suffix_native", "draft_model",
+                                    "draft_adaptive"])
 def test_seeded_sampling_with_speculation_equals_it_without(method: str) -> None:
     """A seeded request's output is its output without speculation, token for token
     (verification is coupled to the sampler's own draws), whatever the batch, the draft
     length or the proposer; the others in the batch are merely random."""
+    _skip_unbuilt(method)
     path = make_checkpoint("llama")
     if method.startswith("draft"):
         cfg = {"method": "draft_model", "model": perturbed_draft(), "num_speculative_tokens": 3,

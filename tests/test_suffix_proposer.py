@@ -408,3 +408,59 @@ def test_the_global_tree_takes_finished_outputs_not_prompts() -> None:
     assert p._global.counts() == ref.counts()
     assert p.propose("x", [7, 8], 4) == []  # the prompt's text: not in the global tree
     assert p.propose("y", [1, 2], 4)[:1] == [3]  # the outputs' are
+
+
+# -- the native backend (Arctic Inference's trees), where installed ----------------------
+
+def _native(num_spec: int = 4, **kw):
+    pytest.importorskip("arctic_inference.suffix_decoding")
+    from conveyor.spec.suffix_native import NativeSuffixProposer
+
+    return NativeSuffixProposer(num_spec, **kw)
+
+
+def test_native_trees_draft_what_followed_the_match() -> None:
+    """Its own tree (prompt and outputs) gives the continuation of the longest match;
+    a finished request's outputs, not its prompt, serve the next request; a token list
+    that does not extend what it saw starts the request over."""
+    from conveyor.spec.proposers import ProposeItem
+
+    p = _native(4, max_depth=8)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    # a match of 3 tokens (5, 6, 7): 3 drafts at most (max_spec_factor 1), k caps them too
+    assert p.propose("a", prompt, 4, num_prompt_tokens=len(prompt)) == [8, 9, 5]
+    assert p.propose("a", prompt, 2, num_prompt_tokens=len(prompt)) == [8, 9]
+    out = [1, 2, 3, 4, 1, 2, 3, 4]
+    p.propose_batch([ProposeItem("a", prompt + out, 4, [], num_prompt_tokens=len(prompt))])
+    p.finish("a")
+    assert p.propose("b", [40, 1, 2], 4, num_prompt_tokens=3)[:2] == [3, 4]  # a's outputs
+    assert p.propose("c", [41, 5, 6], 4, num_prompt_tokens=3) == []  # not a's prompt
+    assert p.propose("b", [40, 9, 9, 9, 9], 4, num_prompt_tokens=3)[:1] == [9]  # started over
+    assert p.stats()["active_requests"] == 2 and p.stats()["cached_requests"] >= 1
+
+
+def test_native_suffix_backend_is_chosen_by_config() -> None:
+    pytest.importorskip("arctic_inference.suffix_decoding")
+    from conveyor.spec.config import SpeculativeConfig
+    from conveyor.spec.proposers import make_proposer
+    from conveyor.spec.suffix_native import NativeSuffixProposer
+
+    def inner(backend: str):
+        return make_proposer(SpeculativeConfig("suffix", suffix_backend=backend)).inner
+
+    assert isinstance(inner("native"), NativeSuffixProposer)
+    assert isinstance(inner("auto"), NativeSuffixProposer)
+    assert isinstance(inner("python"), SuffixProposer)
+
+
+def test_a_native_backend_that_is_not_installed_is_a_clear_error(monkeypatch) -> None:
+    import conveyor.spec.suffix_native as native
+    from conveyor.spec.config import SpeculativeConfig
+    from conveyor.spec.proposers import make_proposer
+
+    monkeypatch.setattr(native, "native_suffix_available", lambda: False)
+    with pytest.raises(ValueError, match="arctic"):
+        make_proposer(SpeculativeConfig("suffix", suffix_backend="native"))
+    assert isinstance(make_proposer(SpeculativeConfig("suffix")).inner, SuffixProposer)
+    with pytest.raises(ValueError, match="suffix_backend"):
+        SpeculativeConfig("suffix", suffix_backend="c++")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "suffix", "draft_model", "synthetic")
+SUFFIX_BACKENDS = ("auto", "native", "python")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class SpeculativeConfig:
     suffix_max_cached_requests: int = 1000
     suffix_min_token_prob: float = 0.1
     suffix_max_spec_factor: float = 1.0
+    # ... and whose trees: "native" (Arctic Inference's, C++: spec/suffix_native.py),
+    # "python" (spec/suffix.py), or "auto" (native where arctic_inference imports).
+    suffix_backend: str = "auto"
     # synthetic (benchmarks only, not lossless): each draft token is accepted with this
     # probability given the ones before it were, whatever the target says. The simulator
     # (any method) draws accepted lengths from it, or from one rate per position.
@@ -60,6 +64,8 @@ class SpeculativeConfig:
                f"must be in [0, 1], got {self.suffix_min_token_prob}")
         _check(self.suffix_max_spec_factor > 0, "suffix_max_spec_factor",
                f"must be > 0, got {self.suffix_max_spec_factor}")
+        _check(self.suffix_backend in SUFFIX_BACKENDS, "suffix_backend",
+               f"must be one of {', '.join(SUFFIX_BACKENDS)}, got {self.suffix_backend!r}")
         if self.method == "draft_model":
             _check(isinstance(self.model, str) and bool(self.model), "model",
                    "is required for method 'draft_model' (a Hugging Face checkpoint folder)")

@@ -128,6 +128,27 @@ class _Delegate(Proposer):
         self.inner.finish(req_id)
 
 
+def _suffix_trees(config: SpeculativeConfig):
+    """The suffix proposer of ``config.suffix_backend`` (spec/suffix_native.py)."""
+    from conveyor.spec.suffix_native import NativeSuffixProposer, native_suffix_available
+
+    backend = config.suffix_backend
+    if backend == "native" and not native_suffix_available():
+        raise ValueError("speculative_config.suffix_backend 'native' needs Arctic "
+                         "Inference's suffix trees, and arctic_inference.suffix_decoding "
+                         "does not import (see README: install arctic-inference), or use "
+                         "'python'")
+    kwargs = dict(max_depth=config.suffix_max_depth,
+                  max_cached_requests=config.suffix_max_cached_requests,
+                  min_token_prob=config.suffix_min_token_prob,
+                  max_spec_factor=config.suffix_max_spec_factor)
+    if backend == "native" or (backend == "auto" and native_suffix_available()):
+        return NativeSuffixProposer(config.num_speculative_tokens, **kwargs)
+    from conveyor.spec.suffix import SuffixProposer
+
+    return SuffixProposer(config.num_speculative_tokens, **kwargs)
+
+
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     """A torch-free proposer; ``draft_model`` is built by the runner (it needs a device)."""
     if config.method == "ngram":
@@ -135,11 +156,5 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "synthetic":
         return SyntheticProposer()
     if config.method == "suffix":
-        from conveyor.spec.suffix import SuffixProposer
-
-        return _Delegate(SuffixProposer(
-            config.num_speculative_tokens, max_depth=config.suffix_max_depth,
-            max_cached_requests=config.suffix_max_cached_requests,
-            min_token_prob=config.suffix_min_token_prob,
-            max_spec_factor=config.suffix_max_spec_factor))
+        return _Delegate(_suffix_trees(config))
     raise ValueError(f"method {config.method!r} has no torch-free proposer")
