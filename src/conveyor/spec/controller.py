@@ -182,8 +182,8 @@ class OnlineStepCost:
         m2[2] = m2[2] * dn + r * r * g
 
     def _combined_slope(self) -> float | None:
-        """Seconds per token of ``T = a + b x (prefill tokens + decode rows)``."""
-        self._fold()
+        """Seconds per token of ``T = a + b x (prefill tokens + decode rows)`` (the run
+        folded in: ``_coefficients`` calls it after ``_fold``)."""
         m, v = self._m, self._v
         w, n, nn = m[0][0], m[0][1] + m[0][2], m[1][1] + 2 * m[1][2] + m[2][2]
         ny = v[1] + v[2]
@@ -635,7 +635,7 @@ class DraftLengthController:
         self.cost = cost
         self._dormant_batch = -1
         self._dormant_left = 0
-        self._dormant_run = 0  # plans in a row at _dormant_batch that drafted nothing, - 1
+        self._dormant_run = 0  # further plans in a row at _dormant_batch drafting nothing
         self._priced = False  # the last plan knew the step's cost (its fit had two sizes)
         self._explore_age = 0
         self._explored: set[str] = set()  # requests that proposed one more last step
