@@ -182,6 +182,13 @@ def test_the_step_cost_fits_split_is_batch_shapes():
         scheduled_spec_tokens={"v": [7, 8]})
     s = batch_shape(out)
     assert prefill_and_decode_rows(out) == (s.num_prefill_tokens, s.num_decodes) == (5, 4)
+    decodes = SchedulerOutput(  # a token a row (one a 1-token prompt): all decode rows
+        new_reqs=[NewRequestData("p1", [1], [], sp, [0], 0)],
+        cached_reqs=[CachedRequestData("d", [], 9), CachedRequestData("e", [], 4)],
+        num_scheduled_tokens={"p1": 1, "d": 1, "e": 1}, total_num_scheduled_tokens=3,
+        sampling_req_ids={"p1", "d", "e"})
+    s = batch_shape(decodes)
+    assert prefill_and_decode_rows(decodes) == (s.num_prefill_tokens, s.num_decodes) == (0, 3)
 
 
 def test_bad_scheduling_fields_are_refused_like_the_engine():

@@ -75,9 +75,12 @@ def batch_shape(out: SchedulerOutput) -> BatchShape:
 def prefill_and_decode_rows(out: SchedulerOutput) -> tuple[int, int]:
     """``batch_shape(out)``'s (num_prefill_tokens, num_decodes) alone, for the
     per-step step-cost fit: one pass over the scheduled counts, no attention terms."""
+    total = out.total_num_scheduled_tokens
+    if total == len(out.num_scheduled_tokens):
+        return 0, total  # a token a row: all decodes (the common step, at any batch size)
     spec = out.scheduled_spec_tokens
     prefill = 0
     for rid, n in out.num_scheduled_tokens.items():
         if n > 1 and rid not in spec:
             prefill += n
-    return prefill, out.total_num_scheduled_tokens - prefill
+    return prefill, total - prefill

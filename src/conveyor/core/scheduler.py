@@ -674,11 +674,12 @@ class Scheduler:
         if self.spec is not None and self._schedule_now is not None:
             # The step's time without the proposer's (priced apart, per draft asked for;
             # a proposal that also caught up is not what a draft costs when drafting).
-            if run.propose_steady:
+            if run.propose_steady and out.num_spec_wanted:
                 self.spec.observe_proposals(out.num_spec_wanted, run.propose_s)
             # The runner's split: verify rows are decode rows (core/batch_shape.py).
             num_prefill, num_decode_rows = prefill_and_decode_rows(out)
-            num_drafts = sum(map(len, out.scheduled_spec_tokens.values()))
+            spec = out.scheduled_spec_tokens
+            num_drafts = sum(map(len, spec.values())) if spec else 0
             batch = num_decode_rows - num_drafts
             step_s = now - self._schedule_now - run.propose_s
             rows = num_prefill + num_decode_rows
@@ -687,8 +688,9 @@ class Scheduler:
             # (Dormant steps too: they age the fit's anchors and probes.)
             if self._online_cost is not None and steady:
                 self._online_cost.observe(num_prefill, num_decode_rows, step_s, batch)
+            sampled = run.sampled_token_ids  # (a token each, unless drafts were verified)
             self.spec.observe_step(batch, num_prefill, num_drafts,
-                                   sum(map(len, run.sampled_token_ids.values())),
+                                   sum(map(len, sampled.values())) if spec else len(sampled),
                                    step_s, run.propose_s, steady)
         # Locals for the per-request loop (it runs for every request of every step).
         get_request, cache_blocks, sampled = (self.requests.get, self.kv.cache_computed_blocks,
