@@ -464,3 +464,35 @@ def test_a_native_backend_that_is_not_installed_is_a_clear_error(monkeypatch) ->
     assert isinstance(make_proposer(SpeculativeConfig("suffix")).inner, SuffixProposer)
     with pytest.raises(ValueError, match="suffix_backend"):
         SpeculativeConfig("suffix", suffix_backend="c++")
+
+
+@given(_params, st.integers(3, 6).flatmap(lambda v: st.tuples(
+    _tokens(v, 60), st.lists(_tokens(v, 40), max_size=4),
+    st.lists(st.tuples(st.integers(0, 60), _tokens(v, 6)), max_size=4))))
+@settings(max_examples=150, deadline=None)
+def test_native_drafts_continue_a_suffix_seen_before(prm: dict, data) -> None:
+    """Whatever the parameters, every native draft continues a suffix of the context
+    (up to max_depth tokens) as some text it was shown did: the request's own, or the
+    requests' before it; and a shrunk or rewritten context (preemption) starts the
+    request over instead of failing."""
+    ctx, finished, rewrites = data
+    p = _native(prm["num_spec"], max_depth=prm["max_depth"],
+                max_cached_requests=prm["max_cached"], min_token_prob=prm["min_prob"],
+                max_spec_factor=prm["factor"])
+    for i, seq in enumerate(finished):
+        for end in range(1, len(seq) + 1):
+            p.propose(f"o{i}", seq[:end], prm["k"])
+        p.finish(f"o{i}")
+    seen = [s for s in finished if s]
+    contexts = [ctx[:end] for end in range(len(ctx) + 1)]
+    for cut, tail in rewrites:  # then cut back and recomputed otherwise
+        contexts.append(ctx[:cut] + tail)
+    for cur in contexts:
+        draft = p.propose("r", cur, prm["k"])
+        assert len(draft) <= min(prm["k"], prm["num_spec"])
+        if draft:
+            assert any(_occurs(cur[len(cur) - m:] + draft, s)
+                       for m in range(1, min(prm["max_depth"], len(cur)) + 1)
+                       for s in [cur, *seen])
+    p.finish("r")
+    assert p.stats()["active_requests"] == 0

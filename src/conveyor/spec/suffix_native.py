@@ -102,9 +102,7 @@ class NativeSuffixProposer:
         seen = self._seen.get(req_id)
         if seen is not None and (n < seen.num_tokens or token_ids[0] != seen.first_token
                                  or token_ids[seen.num_tokens - 1] != seen.last_token):
-            self._cache.stop_request(req_id)
-            if req_id in self._cache.cached_requests:
-                self._cache.evict_cached_response(req_id)
+            self._cache.stop_request(req_id)  # (start_request drops its cached outputs)
             seen = None
         if seen is None:
             prompt = min(max(num_prompt_tokens, 1), n)  # (its tree needs a token)
