@@ -22,10 +22,13 @@ Each grid also runs **a second engine with speculation off** ("off, 2nd engine")
 with the first like every configuration: two identical engines (their own weights,
 caches and pools in memory) measured this way come out a few percent apart on this VM,
 and that row prints how far, so that a configuration's ratio is read against the
-measurement's own resolution.
+measurement's own resolution. Each ratio also gets a bootstrap 95% interval of its median
+over the rounds (the engines' own few-percent difference is not in it: no number of
+rounds averages out where each engine's memory landed).
 
     python benchmarks/spec_decode.py                      # both grids
     python benchmarks/spec_decode.py --grid pair --batches 1,4 --rounds 2
+    python benchmarks/spec_decode.py --grid pair --rounds 20,20,12,6   # per batch size
 """
 
 from __future__ import annotations
