@@ -1,7 +1,8 @@
 /*
  * simd_math.h's exp at one vector width, included once per width with VEC_EXP (its
  * name), VF, VI (the float and integer vectors), V(op) (the intrinsic op at that width:
- * V(_add_ps) is _mm256_add_ps or _mm512_add_ps), V_CAST_SI_PS and V_FLOOR defined.
+ * V(_add_ps) is _mm256_add_ps or _mm512_add_ps), V_CAST_SI_PS and V_FLOOR defined; it
+ * undefines them at its end, so the next width defines its own.
  *
  * e^x (Cephes' expf: a degree-5 polynomial on x - n ln 2, then 2^n through the exponent
  * bits); within ~1 ulp of expf, 0 below -88.37.
@@ -22,3 +23,10 @@ static inline VF VEC_EXP(VF x) {
     const VI e = V(_slli_epi32)(V(_add_epi32)(V(_cvttps_epi32)(n), V(_set1_epi32)(127)), 23);
     return V(_mul_ps)(y, V_CAST_SI_PS(e));
 }
+
+#undef VEC_EXP
+#undef VF
+#undef VI
+#undef V
+#undef V_CAST_SI_PS
+#undef V_FLOOR

@@ -16,13 +16,7 @@
 #define V(op) CONVEYOR_CAT(_mm256, op)
 #define V_CAST_SI_PS _mm256_castsi256_ps
 #define V_FLOOR _mm256_floor_ps
-#include "simd_exp.h"
-#undef VEC_EXP
-#undef VF
-#undef VI
-#undef V
-#undef V_CAST_SI_PS
-#undef V_FLOOR
+#include "simd_exp.h" /* (it undefines its parameters) */
 #endif
 
 #if defined(__AVX512F__)
@@ -32,13 +26,7 @@
 #define V(op) CONVEYOR_CAT(_mm512, op)
 #define V_CAST_SI_PS _mm512_castsi512_ps
 #define V_FLOOR(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
-#include "simd_exp.h"
-#undef VEC_EXP
-#undef VF
-#undef VI
-#undef V
-#undef V_CAST_SI_PS
-#undef V_FLOOR
+#include "simd_exp.h" /* (it undefines its parameters) */
 #endif
 
 #endif
