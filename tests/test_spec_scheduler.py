@@ -668,7 +668,7 @@ def test_a_measured_loss_overrules_a_wrong_cost_estimate():
         ctl.observe_step(4, 0, 16, 6, 0.018, 0.001)  # 3.2 ms a token against 2.5
     rows = _rows(4)
     ctl.plan(rows, 0, 4, 4, 512)
-    assert all(r.k_want == 0 and r.k_now == 0 for r in rows) and ctl.last_k_want == 0
+    assert all(r.k_want == 0 and r.k_now == 0 for r in rows) and ctl.k_want_for(4) == 0
     m = ctl.metrics.as_dict()
     assert m["num_guard_switch_offs"] == 1 and m["num_guard_off_steps"] == 1
     # The scheduler asks first: no rows are built at that size while it is off.
@@ -735,7 +735,7 @@ def test_a_probe_verifies_enough_drafts_to_measure_a_row(method):
         assert wants == [4] * 4 + [0] * 4  # 16 drafts
     else:
         assert wants == [1] * DraftLengthController.PROBE_DRAFT_MODEL_ROWS + [0] * 4
-    assert ctl.last_k_want == 0  # new requests get the rule's length, not the probe's
+    assert ctl.k_want_for(8) == 0  # new requests get the rule's length, not the probe's
 
 def test_probes_back_off_while_the_rule_keeps_refusing():
     from conveyor.spec.controller import BatchStepCost
@@ -782,7 +782,7 @@ def test_a_position_that_looked_bad_early_is_explored_again():
     i = explored.index((2, 1))  # one more proposed (what it has on hand is verified next)
     assert explored[i + 1][1] == 2  # both drafts verified, though the rule wants one
     assert ctl.metrics.as_dict()["num_explore_steps"] == 2
-    assert ctl.last_k_want == 1  # new requests get the rule's length, not the exploration's
+    assert ctl.k_want_for(1) == 1  # new requests get the rule's length, not the exploration's
 
 
 def test_a_new_decode_is_asked_for_the_drafts_its_batch_size_pays_for():
@@ -794,8 +794,7 @@ def test_a_new_decode_is_asked_for_the_drafts_its_batch_size_pays_for():
     ctl = DraftLengthController(cfg, FixedCost(a=0.05, b=0.001))
     assert ctl.k_want_for(8) == 4  # nothing planned yet: the configured length
     ctl.plan(_rows(64), 0, 64, 64, 512)  # saturated: no draft pays
-    ctl.plan(_rows(1), 0, 1, 1, 512)  # alone: every one does
-    assert ctl.last_k_want == 4
+    ctl.plan(_rows(1), 0, 1, 1, 512)  # alone: every one does (asserted below)
     assert ctl.k_want_for(64) == 0 and ctl.k_want_for(100) == 0
     assert ctl.k_want_for(1) == 4 and ctl.k_want_for(3) == 4  # (3: batch 1's plan)
 

@@ -647,10 +647,9 @@ class DraftLengthController:
         self._glob_acc = [0.5] * k
         self._glob_try = [1.0] * k
         self.metrics = SpecMetrics(config.method, k)
-        # The largest draft length chosen in the last step, and in the last step at each
-        # batch size (power-of-two bucket of decoding requests): what a request that
-        # starts decoding next step is asked for (``k_want_for``).
-        self.last_k_want = k
+        # The largest draft length chosen in the last step at each batch size (power-of-two
+        # bucket of decoding requests): what a request that starts decoding next step is
+        # asked for (``k_want_for``).
         self._k_want_at: dict[int, int] = {}
 
     # ---- acceptance ----------------------------------------------------------------------
@@ -742,7 +741,6 @@ class DraftLengthController:
         self._explored = set()
 
     def _set_k_want(self, batch: int, k: int) -> None:
-        self.last_k_want = k
         self._k_want_at[batch.bit_length()] = k
 
     def k_want_for(self, batch: int) -> int:
