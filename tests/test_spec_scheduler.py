@@ -3,6 +3,7 @@ blocks, and the simulator's accepted-length model (all in virtual time)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -471,12 +472,19 @@ def test_proposal_cost_is_fitted_and_weighed():
     from conveyor.spec.controller import ProposalCost
 
     fit = ProposalCost()
-    assert fit.coefficients() == (0.0, 0.0)  # not measured yet: proposing looks free
+    assert fit.coefficients() == (0.0, 0.0, 0.0)  # not measured yet: proposing looks free
     fit.observe(1, 1, 0.5)  # a first proposal's one-time work: left out
     for rounds, tokens in [(4, 4), (4, 64), (2, 30), (3, 12), (1, 2), (2, 9), (4, 40)]:
+        fit.observe(rounds, tokens, 0.003 + 0.002 * rounds + 0.0001 * tokens)
+    c, a, b = fit.coefficients()
+    assert c == pytest.approx(0.003, rel=1e-6) and a == pytest.approx(0.002, rel=1e-6)
+    assert b == pytest.approx(0.0001, rel=1e-6)
+    # Without a cost per call the fit finds none.
+    fit = ProposalCost()
+    for rounds, tokens in [(4, 4), (4, 64), (2, 30), (3, 12), (1, 2), (2, 9), (4, 40)]:
         fit.observe(rounds, tokens, 0.002 * rounds + 0.0001 * tokens)
-    a, b = fit.coefficients()
-    assert a == pytest.approx(0.002, rel=1e-6) and b == pytest.approx(0.0001, rel=1e-6)
+    c, a, b = fit.coefficients()
+    assert c == pytest.approx(0.0, abs=1e-9) and a == pytest.approx(0.002, rel=1e-6)
     cfg = SpeculativeConfig("draft_model", model="x", num_speculative_tokens=4)
     cheap = DraftLengthController(cfg, FixedCost(a=0.005, b=0.0001))
     rows = _rows(1)
@@ -489,6 +497,90 @@ def test_proposal_cost_is_fitted_and_weighed():
     rows = _rows(1)
     dear.plan(rows, 0, 1, 1, 512)
     assert rows[0].k_want == 0
+
+
+def test_one_batch_size_fits_a_cost_per_call_and_per_draft():
+    """At batch 1 rounds and tokens move together: the fit is a cost per proposal and
+    one per draft (from proposals of two lengths), or all per draft from one length."""
+    from conveyor.spec.controller import ProposalCost
+
+    fit = ProposalCost()
+    for k in (2, 2, 3, 2, 2, 3, 2):
+        fit.observe(k, k, 0.0006 + 0.0002 * k)
+    c, a, b = fit.coefficients()
+    assert c == pytest.approx(0.0006, rel=1e-6) and a + b == pytest.approx(0.0002, rel=1e-6)
+    one = ProposalCost()
+    for _ in range(6):
+        one.observe(2, 2, 0.001)
+    assert one.coefficients() == (0.0, 0.0, pytest.approx(0.0005))
+
+
+def _dear_first_draft(per_call: float) -> DraftLengthController:
+    """Batch 1, a 1 ms step, drafts that survive 4 in 5: proposing costs ``per_call``
+    plus 0.1 ms a draft (the fit learns it from proposals of 1-4 drafts)."""
+    cfg = SpeculativeConfig("draft_model", model="x", num_speculative_tokens=4)
+    ctl = DraftLengthController(cfg, FixedCost(a=0.001, b=0.0))
+    ctl._glob_acc, ctl._glob_try = [0.8] * 4, [1.0] * 4
+    for k in (1, 2, 3, 4, 1, 2):
+        ctl.observe_proposals({"r0": k}, per_call + 0.0001 * k)
+    return ctl
+
+
+def test_a_proposal_dear_to_start_drafts_long_not_nothing():
+    """A proposal whose first draft costs more than it brings but whose next ones are
+    cheap: drafting one loses, drafting four wins. The plan takes the best prefix of
+    slots, not the first that does not pay: k = 4 (the old rule stopped at k = 0)."""
+    ctl = _dear_first_draft(0.0008)
+    rows = _rows(1)
+    ctl.plan(rows, 0, 1, 1, 512)
+    # One draft: 1.8 expected tokens in 1 + 1.2 x 0.9 ms (0.87 a ms, against 1 a ms
+    # without); four: 3.36 in 1 + 1.2 x 1.2 ms (1.38 a ms). Every k by the same rule:
+    c, a, b = ctl.proposal_cost.coefficients()
+    rates = []
+    for k in range(5):
+        e = 1 + sum(0.8 ** j for j in range(1, k + 1))
+        t = 0.001 + (k > 0) * c + k * (a + b)
+        rates.append(e / (0.001 + 1.2 * (t - 0.001)))
+    assert rows[0].k_want == max(range(5), key=rates.__getitem__) == 4
+    # Dearer still: no prefix pays, none is taken.
+    ctl = _dear_first_draft(0.004)
+    rows = _rows(1)
+    ctl.plan(rows, 0, 1, 1, 512)
+    assert rows[0].k_want == 0
+
+
+def test_the_plan_is_the_best_prefix_of_slots_by_brute_force():
+    """Against every plan of a small batch (each request 0..cap drafts): the plan
+    taken rates within a hair of the best of them by the rule's own measure."""
+    import functools
+    import itertools
+    import random
+
+    rng = random.Random(5)
+    cfg = SpeculativeConfig("draft_model", model="x", num_speculative_tokens=3)
+    for trial in range(60):
+        n = rng.randint(1, 3)
+        ctl = DraftLengthController(cfg, FixedCost(a=rng.uniform(0.0005, 0.003),
+                                                   b=rng.uniform(0.00002, 0.0004)))
+        ctl._glob_acc = [rng.uniform(0.2, 0.95) for _ in range(3)]
+        ctl._glob_try = [1.0] * 3
+        per_call, per_round = rng.uniform(0, 0.002), rng.uniform(0, 0.0008)
+        ctl.proposal_cost._solved = (per_call, per_round, 0.00001)
+        rows = _rows(n, drafts=3, cap=3)
+        ctl.plan(rows, 0, n, n, 512)
+        plan_rate = functools.partial(_plan_rate, n, ctl.prior(), ctl.cost.step_s(0, n),
+                                      ctl.cost.b + 0.00001, per_round, per_call)
+        got = plan_rate(tuple(r.k_want for r in rows))
+        best = max(plan_rate(ks) for ks in itertools.product(range(4), repeat=n))
+        assert got >= best * 0.97, (trial, [r.k_want for r in rows], got, best)
+
+
+def _plan_rate(n: int, prior: list[float], t0: float, per_slot: float, per_round: float,
+               per_call: float, ks: tuple[int, ...]) -> float:
+    """The rule's measure of a plan: expected tokens per second, added costs x 1.2."""
+    e = n + sum(sum(math.prod(prior[:j]) for j in range(1, k + 1)) for k in ks)
+    added = sum(ks) * per_slot + max(ks) * per_round + (per_call if any(ks) else 0.0)
+    return e / (t0 + 1.2 * added)
 
 
 # ---- the outcome guard -----------------------------------------------------------------

@@ -3,16 +3,20 @@
 Each step the scheduler hands over its decoding requests (after every running request
 got its one token). Draft slot ``j`` of request ``r`` is worth ``P(drafts 1..j of r all
 survive)`` expected tokens; it costs the marginal step time of one more token, from a
-step-cost model. Slots are taken best first while
+step-cost model, plus what proposing it costs (a share of the proposal call, a new
+draft position's round, the draft itself: ``ProposalCost``). Slots are ordered best
+first, and the plan is the prefix of that order with the highest
 
-    P(first j survive) x (T / E)  >=  margin x dT
+    E / (T0 + margin x (T - T0))
 
-where ``T / E`` is the step's time per expected token so far (the value of a saved
-step, shared by everyone in the batch), ``dT`` the time of one more token and
-``margin`` 1.2 (``BENEFIT_MARGIN``). The step's throughput (expected tokens per second)
-then only grows. Under saturation the
-average ``T / E`` falls to the marginal ``dT`` and ``k`` falls to 0 by itself; at batch
-1, where a step's fixed cost dominates, nearly every slot pays.
+the step's expected tokens ``E`` per second with every added cost (``T - T0``) taken
+``margin`` = 1.2 times (``BENEFIT_MARGIN``), if it beats no drafts' ``E0 / T0``. Where
+each slot costs at least the one before, that is taking slots while
+``P(first j survive) x (T / E) >= margin x dT`` (the value of a saved step, shared by
+everyone in the batch, against the slot's cost); a proposal's own cost makes a first
+draft dear and the next ones cheap, which a prefix sees and a first refusal would not.
+Under saturation the average ``T / E`` falls to the marginal ``dT`` and ``k`` falls to
+0 by itself; at batch 1, where a step's fixed cost dominates, nearly every slot pays.
 
 Acceptance is tracked online per position (the probability that draft ``j`` survives
 given drafts ``1..j-1`` did), per request and per proposer, counted the honest way: up
@@ -319,54 +323,93 @@ class BatchStepCost:
 
 
 class ProposalCost:
-    """Seconds the proposer takes, ``a x rounds + b x tokens`` fitted to its last few
-    steps: ``rounds`` the longest draft asked for (a draft model runs one forward per
-    draft position), ``tokens`` the drafts asked for over all requests. The runner
-    measures the time (an executor may read a clock) and reports it as data.
+    """Seconds the proposer takes, ``c + a x rounds + b x tokens`` fitted to its last
+    steps: ``c`` per proposal (a call that drafts anything: a draft model's first
+    forward right after the target's runs on caches the target just used, and catches
+    up on the tokens the last step added; a lookup's setup), ``rounds`` the longest
+    draft asked for (a draft model runs one forward per draft position), ``tokens`` the
+    drafts asked for over all requests. The runner measures the time (an executor may
+    read a clock) and reports it as data.
+
+    On the 2-core Zen 4 a trained draft's proposal at batch 1 cost about as much for one
+    draft as the next three together: priced per draft, k stopped at 1-2 where k = 4
+    ran 1.36x off against 1.07x. ``c`` is known once proposals of two lengths were seen
+    (the controller's exploration makes them); until then, or where the fit does not
+    hold (a negative term), fewer terms: rounds and tokens, then tokens alone.
 
     A request's first proposal pays one-time work (a draft model's prefill of its
     prompt, a suffix tree's build) that later ones do not: the fit waits for a few
     steps and leaves out the dearest one per token, so that one spike does not switch
     speculation off for good."""
 
-    WINDOW = 8
+    WINDOW = 32
     MIN_STEPS = 4
+    # Terms tried, best first: (per call, per round, per draft) as indices of the
+    # features (1, rounds, tokens).
+    _TERMS = ((0, 1, 2), (0, 2), (1, 2), (2,))
 
     def __init__(self) -> None:
         self._recent: deque[tuple[float, float, float]] = deque(maxlen=self.WINDOW)
-        self._solved: tuple[float, float] | None = None
+        self._solved: tuple[float, float, float] | None = None
 
     def observe(self, rounds: int, tokens: int, seconds: float) -> None:
         if rounds > 0 and tokens > 0 and seconds >= 0.0:
             self._recent.append((float(rounds), float(tokens), seconds))
             self._solved = None
 
-    def coefficients(self) -> tuple[float, float]:
-        """(seconds per round, seconds per draft token); (0, 0) until a few steps were
-        seen (proposing looks free until measured). When rounds and tokens moved
-        together (the same batch), it is all per token. Solved once per observation
+    def coefficients(self) -> tuple[float, float, float]:
+        """(seconds per proposal, per round, per draft token); zeros until a few steps
+        were seen (proposing looks free until measured). Solved once per observation
         (every step asks)."""
         if self._solved is None:
             self._solved = self._coefficients()
         return self._solved
 
-    def _coefficients(self) -> tuple[float, float]:
+    def _coefficients(self) -> tuple[float, float, float]:
         obs = list(self._recent)
         if len(obs) < self.MIN_STEPS:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         obs.remove(max(obs, key=lambda o: o[2] / o[1]))
-        rr = sum(r * r for r, _, _ in obs)
-        rt = sum(r * t for r, t, _ in obs)
-        tt = sum(t * t for _, t, _ in obs)
-        rs = sum(r * x for r, _, x in obs)
-        ts = sum(t * x for _, t, x in obs)
-        det = rr * tt - rt * rt
-        if det > 1e-6 * rr * tt:
-            a = (tt * rs - rt * ts) / det
-            b = (rr * ts - rt * rs) / det
-            if a >= 0.0 and b >= 0.0:
-                return a, b
-        return 0.0, max(ts / tt, 0.0)
+        xs = [(1.0, r, t) for r, t, _ in obs]
+        ys = [x for _, _, x in obs]
+        for terms in self._TERMS:
+            m = [[sum(x[i] * x[j] for x in xs) for j in terms] for i in terms]
+            v = [sum(x[i] * y for x, y in zip(xs, ys)) for i in terms]
+            # Near-collinear features (one batch size: rounds and tokens move together;
+            # one length: no slope to see) give no answer here, only noise.
+            diag = 1.0
+            for i in range(len(terms)):
+                diag *= m[i][i]
+            det = _det(m)
+            if len(terms) > 1 and det <= 1e-6 * diag:
+                continue
+            sol = _solve(m, v)
+            if sol is None or min(sol) < 0.0:
+                continue
+            out = [0.0, 0.0, 0.0]
+            for i, c in zip(terms, sol):
+                out[i] = c
+            return out[0], out[1], out[2]
+        return 0.0, 0.0, 0.0
+
+
+def _det(m: list[list[float]]) -> float:
+    """Determinant of a small matrix (Gaussian elimination)."""
+    a = [row[:] for row in m]
+    n, det = len(a), 1.0
+    for c in range(n):
+        piv = max(range(c, n), key=lambda r: abs(a[r][c]))
+        if abs(a[piv][c]) < 1e-300:
+            return 0.0
+        if piv != c:
+            a[c], a[piv] = a[piv], a[c]
+            det = -det
+        det *= a[c][c]
+        for r in range(c + 1, n):
+            f = a[r][c] / a[c][c]
+            for k in range(c, n):
+                a[r][k] -= f * a[c][k]
+    return det
 
 
 class OutcomeGuard:
@@ -886,15 +929,19 @@ class DraftLengthController:
                 return  # no cost known yet (two step sizes teach it): no drafts
             slope = max(t1 - t0, 0.0)
         self._priced = True
-        per_round, per_draft = self.proposal_cost.coefficients()
+        per_call, per_round, per_draft = self.proposal_cost.coefficients()
         prior = self.prior()
-        # The best slot of all is some request's first draft: if even that does not pay,
-        # nothing does (the common case under load, decided in O(requests)).
+        margin = self.BENEFIT_MARGIN
+        # No slot is worth more than the best first draft of any request, nor costs less
+        # than its row and its draft plus its share of one proposal and one round over
+        # every slot there is: if even that does not pay, nothing does (the common case
+        # under load, decided in O(requests)).
         w, p0 = self.prior_weight.weight, prior[0]
         best = max((p0 if (own := r.request.spec_acceptance) is None
                     else (own[0][0] + w * p0) / (own[0][1] + w)) for r in rows)
-        margin = self.BENEFIT_MARGIN
-        if best * t0 < margin * (slope + per_draft + per_round) * expected:
+        slots = sum(r.cap for r in rows)
+        if slots <= 0 or t0 <= 0.0 or best * t0 < margin * expected * (
+                slope + per_draft + (per_call + per_round) / slots):
             return
         cands: list[tuple[float, int, DraftRow]] = []
         for row in rows:
@@ -902,20 +949,31 @@ class DraftLengthController:
             for j, a in enumerate(self.acceptance(row.request, prior)[:row.cap], start=1):
                 survive *= a
                 cands.append((survive, j, row))
-        if not cands:
-            return
         cands.sort(key=lambda c: (-c[0], c[1]))
+        # Slots best first, each plan a prefix of them; the plan kept is the prefix of
+        # the highest rate ``E / (T0 + margin x (T - T0))``: the step's expected tokens
+        # per second with every added cost taken ``margin`` times, against no drafts'
+        # ``E0 / T0``. Not the first slot that does not pay: a proposal's own cost and
+        # each new round come at once, so a slot that does not pay alone can with the
+        # ones after it (k = 4 where k = 1 loses).
         t, e, rounds = t0, float(expected), 0
+        best_rate, best_n = e / t0, 0
+        taken: list[DraftRow] = []
+        floor = margin * (slope + per_draft)  # the least any further slot costs
         for survive, j, row in cands:
+            if survive <= best_rate * floor:
+                break  # no slot from here on is worth the rate already had
             if j != row.k_want + 1:
-                continue  # its draft j-1 did not pay: neither does j
-            # Verifying it, and proposing it (one more draft position may cost a round).
-            cost = slope + per_draft + (per_round if j > rounds else 0.0)
-            if survive * t < margin * cost * e:
-                if j > rounds:
-                    continue  # a new round does not pay; shorter drafts still may
-                break  # this token would cost more than the step's average token
+                continue  # (ties: its draft j - 1 comes first)
+            cost = (slope + per_draft + (per_round if j > rounds else 0.0)
+                    + (0.0 if taken else per_call))
             row.k_want = j
+            taken.append(row)
             rounds = max(rounds, j)
             t += cost
             e += survive
+            rate = e / (t0 + margin * (t - t0))
+            if rate > best_rate:
+                best_rate, best_n = rate, len(taken)
+        for row in taken[best_n:]:  # (each entry took one slot of its row)
+            row.k_want -= 1
