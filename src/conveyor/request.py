@@ -81,10 +81,12 @@ class Request:
     # Free-form slot for a policy's own bookkeeping (e.g. a deadline); never read elsewhere.
     policy_state: dict = field(default_factory=dict)
     # Speculative decoding: the draft tokens proposed after its last step (verified, in
-    # part or whole, at its next), its per-position [accepted, tried] decayed counts, and
-    # draft 1's plain ones (verifications, and how many accepted it).
+    # part or whole, at its next), its per-position [accepted, tried] decayed counts (as
+    # of output token ``spec_seen_at``: they fade with the tokens after it), and draft
+    # 1's plain ones (verifications, and how many accepted it).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_acceptance: list[list[float]] | None = None
+    spec_seen_at: int = 0
     spec_first_tries: int = 0
     spec_first_hits: int = 0
     # Prefill/decode disaggregation: the request's KVTransferParams (None: none), and
