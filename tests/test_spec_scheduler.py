@@ -427,14 +427,13 @@ def test_a_proposal_that_caught_up_is_left_out_of_the_price_of_a_draft():
     assert [s for _, _, s in fit._recent] == [0.001] * seen.count(True)
 
 
-def test_a_drafted_step_of_a_new_row_count_is_left_out_of_the_fit_and_the_guard():
-    """The first step of a row count pays one-time work (a oneDNN primitive per row
-    count): a drafted one is not fitted nor compared; one without drafts is (a prompt's
-    step teaches the fit its second size), and so is every later step of that count."""
+def _core_watching_the_fit(max_tokens: int):
+    """A one-request synthetic core, and what its scheduler fits (each step's rows) and
+    hands the outcome guard (each step's steady flag)."""
     core, now = _core(0, 64, 3, 1.0, True, "synthetic")
     core.add_request(EngineCoreRequest(
-        "r0", [5] * 6, SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0),
-        arrival_time=0.0))
+        "r0", [5] * 6, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                      temperature=0.0), arrival_time=0.0))
     sched = core.scheduler
     fitted, compared = [], []
     observe_fit = sched._online_cost.observe
@@ -442,6 +441,14 @@ def test_a_drafted_step_of_a_new_row_count_is_left_out_of_the_fit_and_the_guard(
                                                         observe_fit(p, d, s, b))
     observe_step = sched.spec.observe_step
     sched.spec.observe_step = lambda *a: (compared.append(a[-1]), observe_step(*a))
+    return core, now, fitted, compared
+
+
+def test_a_drafted_step_of_a_new_row_count_is_left_out_of_the_fit_and_the_guard():
+    """The first step of a row count pays one-time work (a oneDNN primitive per row
+    count): a drafted one is not fitted nor compared; one without drafts is (a prompt's
+    step teaches the fit its second size), and so is every later step of that count."""
+    core, now, fitted, compared = _core_watching_the_fit(30)
     steps = []
     while core.has_unfinished_requests():
         out = core.schedule()
@@ -466,17 +473,7 @@ def test_a_drafted_step_right_after_a_catch_up_is_left_out_of_the_fit_and_the_gu
     model's prefill of a prompt or of a pause's text evicted the target's weights) runs
     slow for a reason a steady step does not have: it is not fitted nor compared; the
     same row count after a steady proposal is."""
-    core, now = _core(0, 64, 3, 1.0, True, "synthetic")
-    core.add_request(EngineCoreRequest(
-        "r0", [5] * 6, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0),
-        arrival_time=0.0))
-    sched = core.scheduler
-    fitted, compared = [], []
-    observe_fit = sched._online_cost.observe
-    sched._online_cost.observe = lambda p, d, s, b=0: (fitted.append(len(steps) - 1),
-                                                        observe_fit(p, d, s, b))
-    observe_step = sched.spec.observe_step
-    sched.spec.observe_step = lambda *a: (compared.append(a[-1]), observe_step(*a))
+    core, now, fitted, compared = _core_watching_the_fit(40)
     steps: list[tuple[int, int, bool]] = []  # (rows, drafts, its proposal steady)
     while core.has_unfinished_requests():
         out = core.schedule()
@@ -490,14 +487,14 @@ def test_a_drafted_step_right_after_a_catch_up_is_left_out_of_the_fit_and_the_gu
         core.update(out, run)
     seen, want_fitted, want_steady, after_steady = set(), [], [], True
     left_out_for_it = 0  # drafted, a row count seen before, after a catch-up
-    for i, (rows, drafts, proposal_steady) in enumerate(steps):
+    for rows, drafts, proposal_steady in steps:
         ok = not drafts or (rows in seen and after_steady)
         left_out_for_it += bool(drafts and rows in seen and not after_steady)
         seen.add(rows)
         after_steady = proposal_steady
         want_steady.append(ok)
         if ok:
-            want_fitted.append(i)
+            want_fitted.append(rows)
     assert left_out_for_it >= 3 and any(d for _, d, _ in steps[1:] if d)
     assert fitted == want_fitted and compared == want_steady
 
