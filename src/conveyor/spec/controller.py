@@ -37,11 +37,14 @@ from conveyor.spec.config import SpeculativeConfig
 _REQUEST_DECAY = 0.9
 _GLOBAL_DECAY = 0.995
 # A request's own counts also fade by _REQUEST_DECAY per output token it emitted without
-# verifying drafts: acceptance runs in stretches of the text (a loop the draft follows,
-# then code it cannot guess), and what failed a stretch ago says less about the text
-# now. Without it a request whose estimate fell in one bad stretch stayed below the
-# rule's bar for good (nothing verified, nothing moved it) but for the probes: the
-# trained draft at batch 1 drafted 0.72 a token and ran 1.08x off where k = 4 ran 1.31x.
+# verifying drafts (``DraftLengthController.fade_idle``): acceptance runs in stretches of
+# the text (a loop the drafts follow, then code they cannot guess), and what failed a
+# stretch ago says less about the text now. Without it a request whose estimate fell in
+# one bad stretch stays below the rule's bar (nothing verified, nothing moves it) until
+# a probe. Measured with the trained draft at batch 1 (drafts 1.00 a token with it
+# against 0.36, 1.17x off against 1.04x, one in-process A/B), where it is then kept off;
+# n-gram on the trained pair, with it and without: 1.095x / 1.102x at batch 16, 0.973x /
+# 0.948x at batch 64 (neutral within this VM's noise).
 
 
 def _own_counts(req: Request, fade: bool = True) -> list[list[float]] | None:
@@ -710,8 +713,10 @@ class DraftLengthController:
         self.metrics = SpecMetrics(config.method, k)
         # Whether a request's own record fades while it does not draft (_REQUEST_DECAY's
         # note). Not for a draft model: a request that resumes drafting pays a catch-up
-        # on the text since, which no fit prices (at batch 16, 0.92-0.95x off with the
-        # fade against 0.98-1.00x without, drafting 0.08 a token).
+        # on the text since, which no fit prices (at batch 16, 0.92x and 0.95x off with
+        # the fade against 1.00x and 0.99x without in two in-process A/Bs, drafting
+        # 0.08 a token; the engines were built in one order, so part of it may be where
+        # they landed).
         self.fade_idle = not config.writes_draft_kv
         # The largest draft length chosen in the last step at each batch size (power-of-two
         # bucket of decoding requests): what a request that starts decoding next step is
@@ -970,7 +975,8 @@ class DraftLengthController:
         # since it last proposed: a forward's worth that the fit of steady proposals does
         # not see. Its first draft is bounded by a round of its own, as before the
         # per-call term: amortized, single drafts got through at batch 64 and paid
-        # catch-ups, 0.93x off against 0.97x, drafting 0.02 a token.)
+        # catch-ups, 0.13 drafts a token and 0.91x off in one grid; a round each: none,
+        # 0.99x.)
         share = per_round if self.config.writes_draft_kv else (per_call + per_round) / max(
             slots, 1)
         if slots <= 0 or t0 <= 0.0 or best * t0 < margin * expected * (
