@@ -274,11 +274,11 @@ def steps_for_minutes(model: Any, lr: float, data: Any, minutes: float,
 
 
 def train_model(name: str, data: Any, minutes: float | None, autocast: bool,
-                teacher: Any = None, spec: dict | None = None) -> tuple[Any, dict]:
+                teacher: Any = None) -> tuple[Any, dict]:
     import torch
     from transformers import LlamaForCausalLM
 
-    spec = spec or MODELS[name]
+    spec = MODELS[name]
     distill = spec.get("distill", 0.0) if teacher is not None else 0.0
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(llama_config(spec["arch"])).float().train()

@@ -122,20 +122,28 @@ class StepCost(Protocol):
         ...
 
 
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None if singular."""
+def _solve(m: list[list[float]], v: list[float],
+           min_det_ratio: float = 0.0) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular, or if ``|det m|``
+    (the product of the pivots) is at most ``min_det_ratio`` x the product of ``m``'s
+    diagonal: for normal equations, features too nearly collinear to tell apart."""
     n = len(v)
     a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    diag = det = 1.0
     for c in range(n):
+        diag *= m[c][c]
         piv = max(range(c, n), key=lambda r: abs(a[r][c]))
         if abs(a[piv][c]) < 1e-12:
             return None
         a[c], a[piv] = a[piv], a[c]
+        det *= abs(a[c][c])
         for r in range(n):
             if r != c:
                 f = a[r][c] / a[c][c]
                 for k in range(c, n + 1):
                     a[r][k] -= f * a[c][k]
+    if min_det_ratio and det <= min_det_ratio * diag:
+        return None
     return [a[i][n] / a[i][i] for i in range(n)]
 
 
@@ -398,13 +406,7 @@ class ProposalCost:
             v = [sum(x[i] * y for x, y in zip(xs, ys)) for i in terms]
             # Near-collinear features (one batch size: rounds and tokens move together;
             # one length: no slope to see) give no answer here, only noise.
-            diag = 1.0
-            for i in range(len(terms)):
-                diag *= m[i][i]
-            det = _det(m)
-            if len(terms) > 1 and det <= 1e-6 * diag:
-                continue
-            sol = _solve(m, v)
+            sol = _solve(m, v, 1e-6 if len(terms) > 1 else 0.0)
             if sol is None or min(sol) < 0.0:
                 continue
             out = [0.0, 0.0, 0.0]
@@ -412,25 +414,6 @@ class ProposalCost:
                 out[i] = c
             return out[0], out[1], out[2]
         return 0.0, 0.0, 0.0
-
-
-def _det(m: list[list[float]]) -> float:
-    """Determinant of a small matrix (Gaussian elimination)."""
-    a = [row[:] for row in m]
-    n, det = len(a), 1.0
-    for c in range(n):
-        piv = max(range(c, n), key=lambda r: abs(a[r][c]))
-        if abs(a[piv][c]) < 1e-300:
-            return 0.0
-        if piv != c:
-            a[c], a[piv] = a[piv], a[c]
-            det = -det
-        det *= a[c][c]
-        for r in range(c + 1, n):
-            f = a[r][c] / a[c][c]
-            for k in range(c, n):
-                a[r][k] -= f * a[c][k]
-    return det
 
 
 class OutcomeGuard:
