@@ -27,10 +27,11 @@ reported losses and ``code_prompts`` come from them.
   steps (1500 target, 800 draft) keeps the result reproducible (the target's held-out
   loss came out 4.0623 on a Zen 5 and on a Zen 4). On the 2-core Zen 5 a target step
   took 0.26 s; on the 2-core Zen 4, 0.47 s, and a distilled draft step 0.37 s: 12 and
-  5 minutes. ``--minutes-target`` / ``--minutes-draft`` instead size the step count
+  5 minutes; on a 2-core Zen 3 (AVX2, no bf16: float32) a target step took 1.0 s.
+  ``--minutes-target`` / ``--minutes-draft`` instead size the step count
   from a 3-step timing run (not reproducible). A run that spends over 3x its planned
-  time in CPU time (not wall time, so a busy machine does not cut it short) stops early
-  and is marked ``truncated`` in the manifest.
+  time in CPU time (2.5x more planned without bf16; not wall time, so a busy machine
+  does not cut it short) stops early and is marked ``truncated`` in the manifest.
 - held-out loss (nats/token, float32, 128 fixed windows): target 4.06; draft 4.18
   distilled (4.44 trained on the corpus alone, v1). The draft's argmax equals the
   target's on 79% of the positions of the target's greedy continuations of 16
@@ -74,6 +75,7 @@ MAX_FILE_BYTES = 200_000
 EVAL_WINDOWS = 128
 EVAL_SEED = 1234
 THREADS = 2
+FP32_SLOWDOWN = 2.5  # planned time without bf16 autocast, against with it
 
 # In this budget both models see 1-3M tokens, where loss follows the step count more than
 # the size (a 0.4M model out-trained a 9.4M one step for step): so a modest target that runs
@@ -285,6 +287,11 @@ def train_model(name: str, data: Any, minutes: float | None, autocast: bool,
     steps = spec["steps"] if minutes is None else steps_for_minutes(
         model, spec["lr"], data, minutes, autocast)
     planned_s = 60 * (minutes if minutes is not None else spec["minutes"])
+    if not autocast and minutes is None:
+        # The minutes were planned with bf16 autocast (2.5x faster than float32 on the
+        # Zen 5); without bf16 instructions the same steps take that much longer. (With 3x
+        # alone, a 2-core Zen 3 stopped the target at step 822 of 1500: 4.48 nats.)
+        planned_s *= FP32_SLOWDOWN
     opt = make_optimizer(model, spec["lr"])
     gen = torch.Generator().manual_seed(SEED + (1 if name == "target" else 2))
     losses: list[float] = []
@@ -298,7 +305,7 @@ def train_model(name: str, data: Any, minutes: float | None, autocast: bool,
             log(f"{name} step {done}/{steps} loss {sum(losses[-50:]) / len(losses[-50:]):.3f} "
                 f"{time.perf_counter() - t0:.0f}s")
         # The guard counts CPU time, not wall time: a machine shared with other work only
-        # slows the run down, while one without the speed planned for (no bf16) is stopped.
+        # slows the run down, while one far slower than planned is stopped.
         cpu_s = (time.process_time() - c0) / THREADS
         if cpu_s > 3 * planned_s:
             log(f"{name}: stopping at step {done}: {cpu_s:.0f} CPU-s per thread, over 3x "
