@@ -171,6 +171,23 @@ def test_the_prior_weighs_by_how_much_requests_differ():
     assert PriorWeight.LOW < spread.weight < 15
 
 
+def test_an_untried_position_leans_on_the_one_before_it():
+    """Drafts 1-3 always accepted, draft 4 never verified (no request drafted 4): its
+    estimate is the third's, not 1 in 2, and k = 4 pays where a fourth slot that
+    survives under ~0.73 of the time would not (step 1 ms + 0.5 ms a row)."""
+    cfg = SpeculativeConfig("ngram", num_speculative_tokens=4)
+    ctl = DraftLengthController(cfg, FixedCost(a=0.001, b=0.0005))
+    for _ in range(200):
+        ctl.observe(_rows(1)[0].request, 3, 3)
+    prior = ctl.prior()
+    assert prior[0] > 0.95 and prior[3] == pytest.approx(prior[2])
+    rows = _rows(1)
+    ctl.plan(rows, 0, 1, 1, 512)
+    assert rows[0].k_want == 4
+    ctl.observe(_rows(1)[0].request, 4, 3)  # now draft 4 is tried: its own count moves it
+    assert ctl.prior()[3] < 0.6
+
+
 def test_one_rejection_does_not_stop_drafts_where_requests_are_alike():
     """Where finished requests accepted draft 1 alike, a request's one rejection moves its
     estimate a little and its drafts go on; where they differed, its own record decides
@@ -248,10 +265,31 @@ def test_online_step_cost_recovers_prefill_and_decode_costs():
     assert a == pytest.approx(0.002, rel=1e-3) and bd == pytest.approx(0.0003, rel=1e-3)
 
 
+def test_what_a_proposal_costs_the_next_step_is_not_put_on_the_decode_rows():
+    """Batch 1: steps without drafts mostly follow no proposal (3 ms); steps with drafts
+    all follow one, which costs the forward 0.5 ms more, and each draft row 0.2 ms. The
+    fit tells the two apart (one row's price stays 0.2 ms, not ~0.5), and where every
+    step follows a proposal (a fixed k) the term is not known: 0, the intercept holds it."""
+    def step(rows: int, after: bool) -> float:
+        return 0.003 + 0.0002 * (rows - 1) + 0.0005 * after
+
+    fit, fixed = OnlineStepCost(), OnlineStepCost()
+    for rows, after in [(1, False)] * 6 + [(2, True), (3, True), (5, True), (1, True)] * 3:
+        fit.observe(0, rows, step(rows, after), after)
+    for rows in [5, 5, 5, 3, 5, 2] * 3:
+        fixed.observe(0, rows, step(rows, True), True)
+    assert fit.coefficients()[2] == pytest.approx(0.0002, rel=1e-3)
+    assert fit.after_proposal_s() == pytest.approx(0.0005, rel=1e-3)
+    assert fit.step_s(0, 1) == pytest.approx(0.003, rel=1e-3)  # no drafts: no proposal
+    assert fixed.after_proposal_s() == 0.0
+    assert fixed.coefficients()[2] == pytest.approx(0.0002, rel=1e-3)
+
+
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from([(0, 1), (0, 4), (0, 5), (64, 4), (512, 9)]),
-                          st.integers(1, 40), st.floats(0.5, 2.0), st.integers(0, 50)),
+                          st.integers(1, 40), st.floats(0.5, 2.0), st.integers(0, 50),
+                          st.booleans()),
                 min_size=2, max_size=12))
 def test_online_step_cost_folds_repeated_steps_exactly(runs):
     """Steps of one shape in a row are folded into the fit at once: its normal equations
@@ -259,28 +297,28 @@ def test_online_step_cost_folds_repeated_steps_exactly(runs):
     wherever the fit is read (a read folds the run so far; the run goes on after it)."""
     fit = OnlineStepCost()
     steps = []
-    for (p, d), n, noise, read_at in runs:
+    for (p, d), n, noise, read_at, after in runs:
         for i in range(n):
             t = (0.004 + 0.0001 * p + 0.0005 * d) * (noise if i % 2 else 1.0)
-            fit.observe(p, d, t)
-            steps.append((p, d, t))
+            fit.observe(p, d, t, after)
+            steps.append((p, d, t, after))
             if i == read_at:
                 fit._since_solve = fit.RESOLVE_EVERY  # solve now, whatever the cache
                 fit.coefficients()
     fit._fold()
-    m = [[0.0] * 3 for _ in range(3)]
-    v = [0.0] * 3
+    m = [[0.0] * 4 for _ in range(4)]
+    v = [0.0] * 4
     w = 1.0
-    for p, d, t in reversed(steps):  # the latest step weighs 1, each older one d more
-        x = (1.0, p, d)
-        for i in range(3):
+    for p, d, t, after in reversed(steps):  # the latest step weighs 1, each older one d more
+        x = (1.0, p, d, float(after))
+        for i in range(4):
             v[i] += w * x[i] * t
-            for j in range(3):
+            for j in range(4):
                 m[i][j] += w * x[i] * x[j]
         w *= fit.decay
-    for i in range(3):
+    for i in range(4):
         assert fit._v[i] == pytest.approx(v[i], rel=1e-9, abs=1e-12)
-        for j in range(3):
+        for j in range(4):
             assert fit._m[i][j] == pytest.approx(m[i][j], rel=1e-9, abs=1e-12)
 
 # ---- invariants under rejection, abort and preemption ----------------------------------
@@ -437,8 +475,8 @@ def _core_watching_the_fit(max_tokens: int):
     sched = core.scheduler
     fitted, compared = [], []
     observe_fit = sched._online_cost.observe
-    sched._online_cost.observe = lambda p, d, s, b=0: (fitted.append(p + d),
-                                                        observe_fit(p, d, s, b))
+    sched._online_cost.observe = lambda p, d, s, *a: (fitted.append(p + d),
+                                                       observe_fit(p, d, s, *a))
     observe_step = sched.spec.observe_step
     sched.spec.observe_step = lambda *a: (compared.append(a[-1]), observe_step(*a))
     return core, now, fitted, compared
@@ -579,6 +617,23 @@ def test_one_batch_size_fits_a_cost_per_call_and_per_draft():
     for _ in range(6):
         one.observe(2, 2, 0.001)
     assert one.coefficients() == (0.0, 0.0, pytest.approx(0.0005))
+
+
+def test_a_window_of_one_length_keeps_the_last_split():
+    """Once proposals of several lengths showed a cost per call, a window of one length
+    (the plan settled on k = 1) keeps that split at the window's level: a longer proposal
+    is priced as the call plus its drafts, not as k times the one-draft proposal."""
+    from conveyor.spec.controller import ProposalCost
+
+    fit = ProposalCost()
+    for k in (1, 2, 3, 4) * 2:
+        fit.observe(k, k, 0.001 + 0.0003 * k)
+    assert fit.coefficients()[0] == pytest.approx(0.001)  # (every plan asks)
+    for _ in range(fit.WINDOW):  # the old lengths leave the window
+        fit.observe(1, 1, 0.0026)  # the machine got 2x slower meanwhile
+    c, a, b = fit.coefficients()
+    assert c == pytest.approx(0.002) and a + b == pytest.approx(0.0006)
+    assert c + 4 * (a + b) < 0.5 * 4 * 0.0026  # not four one-draft proposals
 
 
 def _dear_first_draft(per_call: float) -> DraftLengthController:

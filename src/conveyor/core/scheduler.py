@@ -168,6 +168,7 @@ class Scheduler:
         self._step_spec: dict[str, list[int]] = {}
         self._step_want: dict[str, int] = {}
         self._schedule_now: float | None = None
+        self._proposed_before = False  # the last step ran the proposer (its next pays)
         # Row counts (prefill tokens + decode rows) some step has run. The first step of
         # a row count pays one-time work (oneDNN builds a primitive per row count on its
         # first call: the first 2-row verify step of the trained spec pair at batch 1
@@ -699,7 +700,9 @@ class Scheduler:
             self._after_steady_proposal = run.propose_steady or not out.num_spec_wanted
             # (Dormant steps too: they age the fit's anchors and probes.)
             if self._online_cost is not None and steady:
-                self._online_cost.observe(num_prefill, num_decode_rows, step_s, batch)
+                self._online_cost.observe(num_prefill, num_decode_rows, step_s, batch,
+                                          self._proposed_before)
+            self._proposed_before = run.propose_s > 0.0
             sampled = run.sampled_token_ids  # (a token each, unless drafts were verified)
             self.spec.observe_step(batch, num_prefill, num_drafts,
                                    sum(map(len, sampled.values())) if spec else len(sampled),

@@ -72,7 +72,10 @@ class PriorWeight:
     request's drafts for good. (With a fixed ``w`` of 2, one rejection at draft 1 took
     the trained draft model's estimate from 0.74 to 0.49 and its drafts off; nothing
     verified, nothing moved it back: 141 of 3,698 decode steps at batch 1 verified
-    drafts.) ``LOW`` until ``MIN_REQUESTS`` requests of ``MIN_TRIES`` tries finished."""
+    drafts.) ``LOW`` until ``MIN_REQUESTS`` requests of ``MIN_TRIES`` tries finished.
+    (A weight of 8 there instead drafted less in three in-process A/Bs with the trained
+    draft at batch 1 on a 2-core Zen 3: 0.20, 0.62, 0.35 drafts a token against 0.48,
+    0.77, 0.50; it pulls a request in a good stretch down to the proposer's mean.)"""
 
     LOW, HIGH = 2.0, 64.0
     MIN_REQUESTS = 8
@@ -148,36 +151,45 @@ def _solve(m: list[list[float]], v: list[float],
 
 
 class OnlineStepCost:
-    """``T = a + b_p x prefill tokens + b_d x decode rows`` fitted online (weighted least
-    squares, old steps fading, a touch of ridge so that a load without prefill still
-    fits) from the step times the engine core measures on its own clock."""
+    """``T = a + b_p x prefill tokens + b_d x decode rows + e x [after a proposal]``
+    fitted online (weighted least squares, old steps fading, a touch of ridge so that a
+    load without prefill still fits) from the step times the engine core measures on its
+    own clock. ``e`` is what a proposal costs the next forward (a draft model's forwards
+    leave its own weights in the caches, not the target's): without it, at batch 1 the
+    steps with drafts, all right after a proposal, against the steps without, mostly not,
+    put that cost on the decode rows (the trained draft on a 2-core Zen 3: 0.5-1.1 ms a
+    row fitted where a row cost ~0.2 ms and a step after a proposal ~0.5 ms more), and a
+    long draft looked as dear as that many short ones. Fitted only while both kinds of
+    step are seen (``MIN_SHARE``); else 0, and the intercept holds it."""
 
     RESOLVE_EVERY = 8
+    MIN_SHARE = 0.02  # of the (decayed) steps after a proposal, and of those not
 
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
-        self._m = [[0.0] * 3 for _ in range(3)]
-        self._v = [0.0] * 3
+        self._m = [[0.0] * 4 for _ in range(4)]
+        self._v = [0.0] * 4
         self._totals: set[int] = set()  # distinct step sizes seen (two make a slope)
         # The last solution, kept while steps of the same shape repeat, for at most
         # RESOLVE_EVERY of them (they move the fit slowly; a step of a new shape, such as a
         # probe's, is solved at once). A solve in Python was most of a step's speculative
         # bookkeeping on a small model.
-        self._solved: tuple[float, float, float] | None = None
+        self._solved: tuple[float, float, float, float] | None = None
         self._since_solve = self.RESOLVE_EVERY
         # Steps of one shape in a row (the common case: a decode batch, step after step)
         # are folded into the normal equations at once, when the shape changes or the fit
         # is read: ``_run_n`` steps of ``_run_shape``, their seconds decayed into
         # ``_run_s``. Exact (the decay is geometric); a repeated step costs a few
         # attribute updates, not the equations' dozen, on every step of a batch.
-        self._run_shape: tuple[int, int] | None = None
+        self._run_shape: tuple[int, int, int] | None = None
         self._run_n = 0
         self._run_s = 0.0
 
-    def observe(self, num_prefill_tokens: int, num_decode_rows: int, seconds: float) -> None:
+    def observe(self, num_prefill_tokens: int, num_decode_rows: int, seconds: float,
+                after_proposal: bool = False) -> None:
         if not (seconds > 0.0) or num_prefill_tokens + num_decode_rows <= 0:
             return
-        shape = (num_prefill_tokens, num_decode_rows)
+        shape = (num_prefill_tokens, num_decode_rows, int(after_proposal))
         if shape == self._run_shape:
             self._run_n += 1
             self._run_s = self._run_s * self.decay + seconds
@@ -191,70 +203,84 @@ class OnlineStepCost:
 
     def _fold(self) -> None:
         """Add the pending run of one shape to the normal equations, decayed: m = sum of
-        x x^T, v = sum of x T over x = (1, p, r), each older step weighted by the decay
+        x x^T, v = sum of x T over x = (1, p, r, q), each older step weighted by the decay
         once more. n steps of one x: m <- m d^n + x x^T (1 + d + ... + d^(n-1)) and
         v <- v d^n + x S, S their seconds decayed as they came."""
         n = self._run_n
         if not n:
             return
         t, self._run_n, self._run_s = self._run_s, 0, 0.0  # (a run may go on after it)
-        p, r = (float(x) for x in self._run_shape)
+        x = (1.0, *(float(f) for f in self._run_shape))
         d = self.decay
         dn = d ** n
         g = (1.0 - dn) / (1.0 - d) if d != 1.0 else float(n)
         m, v = self._m, self._v
-        v[0] = v[0] * dn + t
-        v[1] = v[1] * dn + p * t
-        v[2] = v[2] * dn + r * t
-        m0, m1, m2 = m
-        m0[0] = m0[0] * dn + g
-        m0[1] = m1[0] = m0[1] * dn + p * g
-        m0[2] = m2[0] = m0[2] * dn + r * g
-        m1[1] = m1[1] * dn + p * p * g
-        m1[2] = m2[1] = m1[2] * dn + p * r * g
-        m2[2] = m2[2] * dn + r * r * g
+        for i in range(4):
+            v[i] = v[i] * dn + x[i] * t
+            row = m[i]
+            for j in range(4):
+                row[j] = row[j] * dn + x[i] * x[j] * g
 
-    def _combined_slope(self) -> float | None:
-        """Seconds per token of ``T = a + b x (prefill tokens + decode rows)`` (the run
-        folded in: ``_coefficients`` calls it after ``_fold``)."""
-        m, v = self._m, self._v
-        w, n, nn = m[0][0], m[0][1] + m[0][2], m[1][1] + 2 * m[1][2] + m[2][2]
-        ny = v[1] + v[2]
-        det = w * nn - n * n
-        if det <= 1e-9 * w * nn:
-            return None
-        return max((w * ny - n * v[0]) / det, 0.0)
+    @staticmethod
+    def _project(m: list[list[float]], v: list[float], rows: list[tuple[float, ...]]
+                 ) -> tuple[list[list[float]], list[float]]:
+        """The normal equations of features ``rows`` (each a combination of the four)."""
+        mr = [[sum(a[i] * m[i][j] for i in range(4)) for j in range(4)] for a in rows]
+        return ([[sum(r[j] * b[j] for j in range(4)) for b in rows] for r in mr],
+                [sum(a[i] * v[i] for i in range(4)) for a in rows])
+
+    def _combined_slope(self, q: bool) -> float | None:
+        """Seconds per token of ``T = a + b x (prefill tokens + decode rows) (+ e q)``
+        (the run folded in: ``_coefficients`` calls it after ``_fold``)."""
+        rows = [(1, 0, 0, 0), (0, 1, 1, 0)] + ([(0, 0, 0, 1)] if q else [])
+        m, v = self._project(self._m, self._v, rows)
+        sol = _solve(m, v, 1e-9)
+        return None if sol is None else max(sol[1], 0.0)
 
     def coefficients(self, batch: int = 0) -> tuple[float, float, float] | None:
         """(fixed s, s per prefill token, s per decode row), or None until two step sizes
         were seen. The decode row's cost is never taken below the plain per-token slope:
         where decode rows did not vary apart from prefill, the split is not known."""
+        full = self._full()
+        return None if full is None else full[:3]
+
+    def after_proposal_s(self) -> float:
+        """Seconds a step right after a proposal costs more (0 until both kinds seen)."""
+        full = self._full()
+        return 0.0 if full is None else full[3]
+
+    def _full(self) -> tuple[float, float, float, float] | None:
         if self._since_solve >= self.RESOLVE_EVERY or self._solved is None:
             self._solved, self._since_solve = self._coefficients(), 0
         return self._solved
 
-    def _coefficients(self) -> tuple[float, float, float] | None:
+    def _coefficients(self) -> tuple[float, float, float, float] | None:
         if len(self._totals) < 2:
             return None
         self._fold()
-        combined = self._combined_slope()
+        share = self._m[0][3] / self._m[0][0]
+        q = self.MIN_SHARE < share < 1.0 - self.MIN_SHARE
+        combined = self._combined_slope(q)
         if combined is None:
             return None
         m = [row[:] for row in self._m]
         for i in (1, 2):  # ridge on the slopes only, relative to their scale
             m[i][i] += 1e-6 * m[i][i] + 1e-12
-        sol = _solve(m, self._v)
+        keep = [0, 1, 2, 3] if q else [0, 1, 2]
+        sol = self._solve_kept(m, keep)
         if sol is None:
             return None
-        a, bp, bd = sol
-        if bp < 0 or bd < 0:  # refit without the feature that went negative
-            keep = [0, 2] if bp < 0 else [0, 1]
-            sub = _solve([[m[i][j] for j in keep] for i in keep], [self._v[i] for i in keep])
-            if sub is None:
+        if sol.get(1, 0.0) < 0 or sol.get(2, 0.0) < 0:  # refit without the one gone negative
+            keep = [i for i in keep if i != (1 if sol.get(1, 0.0) < 0 else 2)]
+            sol = self._solve_kept(m, keep)
+            if sol is None:
                 return None
-            a, b = sub
-            bp, bd = (0.0, b) if bp < 0 else (b, 0.0)
-        return max(a, 0.0), max(bp, 0.0), max(bd, combined)
+        a, bp, bd, e = (sol.get(i, 0.0) for i in range(4))
+        return max(a, 0.0), max(bp, 0.0), max(bd, combined), max(e, 0.0)
+
+    def _solve_kept(self, m: list[list[float]], keep: list[int]) -> dict[int, float] | None:
+        sol = _solve([[m[i][j] for j in keep] for i in keep], [self._v[i] for i in keep])
+        return None if sol is None else dict(zip(keep, sol))
 
     def step_s(self, num_prefill_tokens: int, num_decode_rows: int,
                batch: int = 0) -> float | None:
@@ -294,13 +320,13 @@ class BatchStepCost:
         self._probe_pending: dict[int, bool] = {}  # bucket -> a probe awaits the verdict
 
     def observe(self, num_prefill_tokens: int, num_decode_rows: int, seconds: float,
-                batch: int = 0) -> None:
-        self.overall.observe(num_prefill_tokens, num_decode_rows, seconds)
+                batch: int = 0, after_proposal: bool = False) -> None:
+        self.overall.observe(num_prefill_tokens, num_decode_rows, seconds, after_proposal)
         key = batch.bit_length()
         fit = self._by_batch.get(key)
         if fit is None:
             fit = self._by_batch[key] = OnlineStepCost()
-        fit.observe(num_prefill_tokens, num_decode_rows, seconds)
+        fit.observe(num_prefill_tokens, num_decode_rows, seconds, after_proposal)
         if num_decode_rows == batch:
             self._anchor_age[key] = 0
             self._probe_age[key] = self._probe_age.get(key, 0) + 1
@@ -339,9 +365,16 @@ class BatchStepCost:
         return False
 
     def coefficients(self, batch: int = 0) -> tuple[float, float, float] | None:
+        return self._fit_for(batch).coefficients()
+
+    def after_proposal_s(self, batch: int = 0) -> float:
+        """What a proposal costs the next step at this batch size (``OnlineStepCost``)."""
+        return self._fit_for(batch).after_proposal_s()
+
+    def _fit_for(self, batch: int) -> OnlineStepCost:
+        """The bucket's own fit where it has one, else the overall."""
         fit = self._by_batch.get(batch.bit_length())
-        coef = fit.coefficients() if fit is not None else None
-        return coef if coef is not None else self.overall.coefficients()
+        return fit if fit is not None and fit.coefficients() is not None else self.overall
 
     def step_s(self, num_prefill_tokens: int, num_decode_rows: int,
                batch: int = 0) -> float | None:
@@ -380,6 +413,9 @@ class ProposalCost:
     def __init__(self) -> None:
         self._recent: deque[tuple[float, float, float]] = deque(maxlen=self.WINDOW)
         self._solved: tuple[float, float, float] | None = None
+        # The last fit that found a cost per call: where the window no longer tells one
+        # apart (every proposal of one length), its split, scaled to the window's level.
+        self._shape: tuple[float, float, float] | None = None
 
     def observe(self, rounds: int, tokens: int, seconds: float) -> None:
         if rounds > 0 and tokens > 0 and seconds >= 0.0:
@@ -412,6 +448,17 @@ class ProposalCost:
             out = [0.0, 0.0, 0.0]
             for i, c in zip(terms, sol):
                 out[i] = c
+            if terms[0] == 0 and out[0] > 0.0:
+                self._shape = (out[0], out[1], out[2])
+            elif self._shape is not None:
+                # One length in the window: priced per draft alone, a proposal's fixed
+                # part makes every longer one look dearer than it is, k stays where it
+                # is and the window never sees another length (the trained draft at
+                # batch 1 on a 2-core Zen 3: 1.7 ms a draft where a steady four-draft
+                # proposal cost 0.4 + 1.3 ms a draft; no drafts where k = 4 ran 1.2x).
+                c, a, b = self._shape
+                scale = sum(ys) / sum(c + a * r + b * t for _, r, t in xs)
+                return c * scale, a * scale, b * scale
             return out[0], out[1], out[2]
         return 0.0, 0.0, 0.0
 
@@ -690,9 +737,11 @@ class DraftLengthController:
         self.guard = OutcomeGuard()
         self.prior_weight = PriorWeight()
         k = config.num_speculative_tokens
-        # Proposer-wide decayed (accepted, tried) per position; the prior says 1 in 2.
-        self._glob_acc = [0.5] * k
-        self._glob_try = [1.0] * k
+        # Proposer-wide decayed (accepted, tried) per position. Draft 1's start as 1 in 2;
+        # a later position's hold only its own tries, and ``prior`` adds one pseudo-try
+        # at the estimate of the position before it.
+        self._glob_acc = [0.5] + [0.0] * (k - 1)
+        self._glob_try = [1.0] + [0.0] * (k - 1)
         self.metrics = SpecMetrics(config.method, k)
         # Whether a request's own record fades while it does not draft (_REQUEST_DECAY's
         # note). Not for a draft model: a request that resumes drafting pays a catch-up
@@ -708,8 +757,18 @@ class DraftLengthController:
 
     # ---- acceptance ----------------------------------------------------------------------
     def prior(self) -> list[float]:
-        """The proposer-wide estimate per position (every request's, decayed)."""
-        return [a / t for a, t in zip(self._glob_acc, self._glob_try)]
+        """The proposer-wide estimate per position (every request's, decayed). A position
+        tried rarely leans on the one before it (one pseudo-try at its estimate), not on
+        1 in 2: positions are tried only where the ones before them were accepted, so a
+        later one starts unmeasured, and priced at 1 in 2 it stayed untried (the trained
+        draft at batch 1 on a 2-core Zen 3: draft 4 sat at 0.50 for whole runs while
+        drafts 1-3 read 0.80-0.95, and k = 4 fixed ran 1.27x off where the adaptive k
+        ran 0.91x)."""
+        out, before = [], 0.5
+        for acc, tried in zip(self._glob_acc, self._glob_try):
+            before = (acc + before) / (tried + 1.0) if out else acc / tried
+            out.append(before)
+        return out
 
     def acceptance(self, req: Request, prior: list[float] | None = None) -> list[float]:
         """Estimated P(draft j survives | drafts before it did), j = 1..k."""
@@ -944,6 +1003,10 @@ class DraftLengthController:
             slope = max(t1 - t0, 0.0)
         self._priced = True
         per_call, per_round, per_draft = self.proposal_cost.coefficients()
+        # (and what the proposal costs the next forward: the step-cost fit's own term)
+        after = getattr(cost, "after_proposal_s", None)
+        if after is not None:
+            per_call += after(batch)
         prior = self.prior()
         margin = self.BENEFIT_MARGIN
         # No slot is worth more than the best first draft of any request, nor costs less
