@@ -762,8 +762,7 @@ class DraftLengthController:
         1 in 2: positions are tried only where the ones before them were accepted, so a
         later one starts unmeasured, and priced at 1 in 2 it stayed untried (the trained
         draft at batch 1 on a 2-core Zen 3: draft 4 sat at 0.50 for whole runs while
-        drafts 1-3 read 0.80-0.95, and k = 4 fixed ran 1.27x off where the adaptive k
-        ran 0.91x)."""
+        drafts 1-3 read 0.80-0.95, and the plan stopped at k = 3)."""
         out, before = [], 0.5
         for acc, tried in zip(self._glob_acc, self._glob_try):
             before = (acc + before) / (tried + 1.0) if out else acc / tried
