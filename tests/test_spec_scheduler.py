@@ -282,6 +282,10 @@ def test_what_a_proposal_costs_the_next_step_is_not_put_on_the_decode_rows():
     assert fit.after_proposal_s() == pytest.approx(0.0005, rel=1e-3)
     assert fit.step_s(0, 1) == pytest.approx(0.003, rel=1e-3)  # no drafts: no proposal
     assert fixed.after_proposal_s() == 0.0
+    plan = DraftLengthController(SpeculativeConfig("ngram", num_speculative_tokens=4), fit)
+    rows = _rows(1)
+    plan.plan(rows, 0, 1, 1, 512)  # (a bare fit as the plan's cost: it takes the term)
+    assert rows[0].k_want > 0
     assert fixed.coefficients()[2] == pytest.approx(0.0002, rel=1e-3)
 
 

@@ -244,7 +244,7 @@ class OnlineStepCost:
         full = self._full()
         return None if full is None else full[:3]
 
-    def after_proposal_s(self) -> float:
+    def after_proposal_s(self, batch: int = 0) -> float:
         """Seconds a step right after a proposal costs more (0 until both kinds seen)."""
         full = self._full()
         return 0.0 if full is None else full[3]
