@@ -105,3 +105,34 @@ def test_kernel_isa_names_a_known_cap(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CONVEYOR_KERNEL_ISA", "sse9")
     with pytest.raises(ValueError, match="CONVEYOR_KERNEL_ISA"):
         kernels.kernel_isa()
+
+
+@needs_native
+@pytest.mark.skipif("amx_bf16" not in (kernels.cpu_flags() or ()), reason="the CPU has no AMX-BF16")
+def test_amx_body_runs_where_the_cpu_has_amx() -> None:
+    """On a CPU with AMX the native build takes bf16 prompts on tiles (the OS grants the
+    tile state); a capped build does not. Without this a refused permission would fall
+    back to the AVX-512 body silently (still correct, 1.5-3x slower)."""
+    assert kernels.load_variant("native").amx_tiles_available() == 1
+    assert kernels.load_variant("avx512bf16").amx_tiles_available() == 0
+
+
+@needs_native
+@pytest.mark.parametrize("isa", kernels.isa_builds())
+@pytest.mark.parametrize("length", [31, 32, 33, 64, 300])
+def test_bf16_bodies_across_key_block_edges(isa: str, length: int) -> None:
+    """Lengths around the AMX body's blocks (16 query rows, 32 keys), and a prompt long
+    enough that a row's reference max moves after its first block (the scores grow along
+    the prompt), with head dims 32 and 64 (output in tiles) and 128 (through memory)."""
+    lib = kernels.load_variant(isa)
+    for d in (32, 64, 128):
+        q, k, v = qkv_views(length, 8, 2, d, seed=length + d, dtype=torch.bfloat16)
+        k.mul_(torch.linspace(0.5, 4.0, length).view(length, 1, 1).to(torch.bfloat16))
+        out = torch.full((length, 8, d), float("nan"), dtype=torch.bfloat16)
+        assert NativePrefill(lib)(q, k, v, out, d ** -0.5)
+        ref = reference(q, k, v, d ** -0.5)
+        err = (out.float() - ref).abs()
+        bound = ref.abs() * 2.0 ** -8 + 2e-6
+        if kernels.bf16_prefill_rounds_probabilities(isa):
+            bound += reference(q, k, v.abs(), d ** -0.5) * 2.0 ** -8 * (1 + 2.0 ** -8)
+        assert (err <= bound).all(), (d, (err - bound).max())

@@ -29,8 +29,8 @@ from conveyor.model.presets import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), name)
-            for name in ("decode_attention.c", "prefill_attention.c", "elementwise.c",
-                         "gemm.c")]
+            for name in ("decode_attention.c", "prefill_attention.c",
+                         "prefill_attention_amx.c", "elementwise.c", "gemm.c")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), name)
             for name in ("prefill_attention_body.h", "prefill_attention_avx2.h",
                          "prefill_attention_avx512.h", "prefill_attention_dims.h", "simd_math.h",
@@ -41,8 +41,13 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 _LIBS = ["-lmvec", "-lm"]
 # CONVEYOR_KERNEL_ISA caps the instruction set the kernels are built for (tests and
 # benchmarks use it to run the AVX2 and portable bodies on an AVX-512 machine).
-ISA_FLAGS = {"native": [], "avx512": ["-mno-avx512bf16"], "avx2": ["-mno-avx512f"],
-             "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
+# "avx512bf16" is the native build less AMX (on a CPU with AMX tiles: the AVX-512 BF16
+# bodies it would otherwise skip); the AMX flags are passed only where the CPU has AMX
+# (_isa_flags), so a compiler too old to know them still builds every cap elsewhere.
+_NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16"]
+ISA_FLAGS = {"native": [], "avx512bf16": _NO_AMX, "avx512": ["-mno-avx512bf16", *_NO_AMX],
+             "avx2": ["-mno-avx512f", *_NO_AMX],
+             "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", *_NO_AMX]}
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -65,8 +70,8 @@ def why_unavailable() -> str:
 
 
 def kernel_isa() -> str:
-    """The instruction-set cap of ``CONVEYOR_KERNEL_ISA`` (native, avx512, avx2,
-    portable)."""
+    """The instruction-set cap of ``CONVEYOR_KERNEL_ISA`` (native, avx512bf16: native
+    less AMX, avx512: less AVX-512 BF16 too, avx2, portable)."""
     isa = os.environ.get("CONVEYOR_KERNEL_ISA", "native").strip().lower() or "native"
     if isa not in ISA_FLAGS:
         raise ValueError(f"CONVEYOR_KERNEL_ISA={isa!r}: expected one of {sorted(ISA_FLAGS)}")
@@ -77,7 +82,8 @@ def isa_builds() -> list[str]:
     """The builds this CPU runs (``ISA_FLAGS`` keys): its own, and each cap below what it
     has, so that one machine can check the bodies another CPU would run."""
     flags = cpu_flags() or frozenset()
-    return ["native"] + (["avx512"] if "avx512_bf16" in flags else []) + (
+    return ["native"] + (["avx512bf16"] if "amx_bf16" in flags else []) + (
+        ["avx512"] if "avx512_bf16" in flags else []) + (
         ["avx2"] if {"avx512f", "avx2"} <= flags else []) + (
         ["portable"] if "avx2" in flags else [])
 
@@ -86,7 +92,16 @@ def bf16_prefill_rounds_probabilities(isa: str | None = None) -> bool:
     """Whether the build's bf16 prefill attention rounds the softmax numerators to bf16
     for P @ V (as torch's CPU flash attention does in bf16): the AVX-512 BF16 body, which
     a native build gets where the CPU has the instructions. Its error bound is wider."""
-    return (isa or kernel_isa()) == "native" and "avx512_bf16" in (cpu_flags() or ())
+    return (isa or kernel_isa()) in ("native", "avx512bf16") and "avx512_bf16" in (
+        cpu_flags() or ())
+
+
+def _isa_flags(isa: str) -> list[str]:
+    """The cap's compiler flags, less the AMX ones on a CPU without AMX (where
+    -march=native enables none)."""
+    if "amx_tile" in (cpu_flags() or ()):
+        return ISA_FLAGS[isa]
+    return [f for f in ISA_FLAGS[isa] if f not in _NO_AMX]
 
 
 def build_key(isa: str | None = None) -> str:
@@ -97,7 +112,7 @@ def build_key(isa: str | None = None) -> str:
 
 @functools.cache
 def _build_key(isa: str) -> str:  # the sources do not change under a running process
-    flags = [*_FLAGS, *ISA_FLAGS[isa]]
+    flags = [*_FLAGS, *_isa_flags(isa)]
     key = hashlib.sha256(" ".join(flags).encode() + _cpu_key().encode())
     for source in [*_SOURCES, *_HEADERS]:
         with open(source, "rb") as f:
@@ -141,16 +156,16 @@ def load() -> ctypes.CDLL | None:
 
 
 def load_variant(isa: str) -> ctypes.CDLL | None:
-    """A build of the library for ``isa`` (``ISA_FLAGS``: native, or capped at AVX-512
-    without BF16, at AVX2 or at portable C), loaded beside any other; None if it cannot
-    be built."""
+    """A build of the library for ``isa`` (``ISA_FLAGS``: native, or capped below AMX, at
+    AVX-512 without BF16, at AVX2 or at portable C), loaded beside any other; None if it
+    cannot be built."""
     if platform.system() != "Linux":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: native CPU kernels disabled")
         return None
-    flags = [*_FLAGS, *ISA_FLAGS[isa]]
+    flags = [*_FLAGS, *_isa_flags(isa)]
     path = os.path.join(cache_root(), "kernels", build_key(isa), "libconveyor_cpu.so")
     try:
         if not os.path.isfile(path):
@@ -182,12 +197,14 @@ def _bind(lib: ctypes.CDLL) -> None:
         "prefill_attention_f32": [ptr] * 4 + [i32] * 7 + [f32],
         "prefill_attention_bf16": [ptr] * 4 + [i32] * 7 + [f32],
         "gemm_f32_available": [],
+        "amx_tiles_available": [],
         "gemm_packed_size": [i32] * 3,
         "gemm_pack_weight_f32": [ptr] * 2 + [i32] * 3,
         "gemm_f32": [ptr, i32, ptr, ptr, ptr] + [i32] * 5,
     }
     restypes = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
-                "gemm_f32_available": ctypes.c_int, "gemm_packed_size": ctypes.c_int64,
+                "gemm_f32_available": ctypes.c_int, "amx_tiles_available": ctypes.c_int,
+                "gemm_packed_size": ctypes.c_int64,
                 "gemm_f32": ctypes.c_int}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -134,11 +134,22 @@ DEFINE_TASK_IO(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 #undef FINISH_TASK
 #undef TILE_CHUNK
 
-/* Returns 0, or -1 for a head dim without a compiled copy (the caller falls back). */
-#define DISPATCH(SUF, T)                                                                    \
+/* The AMX body (prefill_attention_amx.c): 0 where it ran, -1 where the build or the OS
+ * has no AMX tiles or the head dim does not suit it. */
+int prefill_attention_bf16_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                               uint16_t* out, int L, int Hq, int Hkv, int D, int q_stride,
+                               int kv_stride, int out_stride, float scale);
+#define NO_AMX_(...) (-1)
+
+/* Returns 0, or -1 for a head dim without a compiled copy (the caller falls back). AMX,
+ * where the build has it, takes bf16 before the vector bodies. */
+#define DISPATCH(SUF, T, AMX)                                                               \
 int prefill_attention_##SUF(const T* q, const T* k, const T* v, T* out, int L, int Hq,      \
                             int Hkv, int head_dim, int q_stride, int kv_stride,             \
                             int out_stride, float scale) {                                  \
+    if (AMX(q, k, v, out, L, Hq, Hkv, head_dim, q_stride, kv_stride, out_stride,            \
+            scale) == 0)                                                                    \
+        return 0;                                                                           \
     switch (head_dim) {                                                                     \
         case 16: prefill_##SUF##_d16(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride,         \
                                      out_stride, scale); return 0;                          \
@@ -151,5 +162,5 @@ int prefill_attention_##SUF(const T* q, const T* k, const T* v, T* out, int L, i
         default: return -1;                                                                 \
     }                                                                                       \
 }
-DISPATCH(f32, float)
-DISPATCH(bf16, uint16_t)
+DISPATCH(f32, float, NO_AMX_)
+DISPATCH(bf16, uint16_t, prefill_attention_bf16_amx)
