@@ -90,8 +90,9 @@ def isa_builds() -> list[str]:
 
 def bf16_prefill_rounds_probabilities(isa: str | None = None) -> bool:
     """Whether the build's bf16 prefill attention rounds the softmax numerators to bf16
-    for P @ V (as torch's CPU flash attention does in bf16): the AVX-512 BF16 body, which
-    a native build gets where the CPU has the instructions. Its error bound is wider."""
+    for P @ V (as torch's CPU flash attention does in bf16): the AVX-512 BF16 body and the
+    AMX body, which a native build (or one capped below AMX) gets where the CPU has the
+    instructions. Its error bound is wider."""
     return (isa or kernel_isa()) in ("native", "avx512bf16") and "avx512_bf16" in (
         cpu_flags() or ())
 

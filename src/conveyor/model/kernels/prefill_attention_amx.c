@@ -12,13 +12,15 @@
  *   S = Q K^T   Q's 16 rows x 32 dims as the A tile (D / 32 of them), K repacked per KV
  *               head into B tiles (pairs of dims of 16 keys: VNNI layout), two C tiles
  *               for the block's 32 keys
- *   softmax     S stored to memory, scaled, masked past the row, folded into each row's
- *               running max and denominator; the numerators rounded to bf16 (as torch's
- *               CPU flash attention does in bf16, and the AVX-512 BF16 body; the
- *               denominator sums them unrounded, as there)
+ *   softmax     S stored to memory, scaled, masked past the row, weighted against each
+ *               row's reference max (softmax_block) and summed into its denominator;
+ *               the numerators rounded to bf16 (as torch's CPU flash attention does in
+ *               bf16, and the AVX-512 BF16 body; the denominator sums them unrounded, as
+ *               there)
  *   O += P V    P's 16 rows x 32 keys as the A tile, V repacked into B tiles (pairs of
- *               keys of 16 dims), up to four C tiles at a time, added into the fp32
- *               accumulator after it is rescaled by the row's alpha
+ *               keys of 16 dims), up to four C tiles at a time: up to 64 dims the output
+ *               stays in C tiles for the whole walk, rescaled through memory only when a
+ *               reference max moves; past 64 it lives in an fp32 accumulator
  *
  * K and V are repacked once per call (per KV head, blocks of 32 keys, zeros past L) and
  * shared by every task. Tiles are per-thread state: each thread configures its own and
@@ -56,7 +58,8 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((aligned(64))) tile_config;
 
-/* Eight tiles of 16 rows x 64 bytes: tmm0 A (Q or P), tmm1 B (K or V), tmm2-5 C. */
+/* Eight tiles of 16 rows x 64 bytes: tmm0 A (Q or P), tmm1 B (K or V), tmm2-5 the output,
+ * tmm6-7 the scores. */
 static void configure_tiles(void) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -212,10 +215,12 @@ static void run_task(task_buffers* b, const uint16_t* q, uint16_t* out, const ui
         b->m[i] = NEG;
         b->lv[i] = _mm512_setzero_ps();
     }
-    memset(b->acc, 0, sizeof(float) * 16 * D);
     const int slices = D / 16, resident = slices <= 4;
     float alpha[16];
-    if (resident) zero_out(slices);
+    if (resident) /* acc is only written from the tiles before it is read */
+        zero_out(slices);
+    else
+        memset(b->acc, 0, sizeof(float) * 16 * D);
     /* j0 <= r0 for every block visited (both multiples of 16), so each row has key j0 at
      * least: its max is a real score and masked lanes' weights are exactly 0. */
     for (int j0 = 0; j0 < r0 + nr; j0 += 32) {
