@@ -1017,32 +1017,6 @@ def test_a_new_decode_is_asked_for_the_drafts_its_batch_size_pays_for():
     assert ctl.k_want_for(1) == 4 and ctl.k_want_for(3) == 4  # (3: batch 1's plan)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_a_draft_models_new_decode_proposes_only_after_plans_that_kept_drafting(method):
-    """A draft model's proposal for a new decode catches up on its whole prompt: it is
-    asked for drafts only where each of the last K_WANT_PLANS_DRAFT_MODEL plans at its
-    batch size drafted, not where one of them did among refusals (n-gram: the last plan)."""
-    cfg = SpeculativeConfig(method, num_speculative_tokens=4, model="unused")
-    cheap, dear = FixedCost(a=0.05, b=0.001), FixedCost(a=0.0001, b=0.01)
-    ctl = DraftLengthController(cfg, cheap)
-    n = DraftLengthController.K_WANT_PLANS_DRAFT_MODEL if method == "draft_model" else 1
-
-    def plan(cost: FixedCost) -> int:
-        ctl.cost = cost
-        rows = _rows(1)
-        ctl.plan(rows, 0, 1, 1, 512)
-        return rows[0].k_want
-
-    assert plan(cheap) == 4 and ctl.k_want_for(1) == 4  # the first plan: its choice
-    assert plan(dear) == 0 and ctl.k_want_for(1) == 0
-    assert plan(cheap) == 4
-    assert ctl.k_want_for(1) == (4 if method == "ngram" else 0)  # one refusal back
-    for i in range(2, n + 1):
-        assert plan(cheap) == 4
-        assert ctl.k_want_for(1) == (4 if i == n else 0), i
-    assert plan(dear) == 0 and ctl.k_want_for(1) == 0
-
-
 def test_a_plan_that_drafts_nothing_is_reused_for_a_few_steps_of_that_size():
     """Nothing verified, no acceptance moved: the next steps at the same batch size skip
     the planning (and the scheduler builds no rows for them), then plan afresh; each

@@ -747,12 +747,6 @@ class DraftLengthController:
     # off (k = 4: 0.84x) until the outcome guard switched it off, again after each
     # cool-off.
     BENEFIT_MARGIN = 1.2
-    # Plans in a row at a batch size that must have drafted before a draft model's new
-    # request proposes right after its prefill (``k_want_for``). With one, at batch 16
-    # on the trained pair (2-core Zen 3), where plans drafted now and then (0.03 drafts
-    # a token), the draft prefilled new prompts for drafts the next plans refused: 23 ms
-    # of a run's prefill steps, ~2.4% of it.
-    K_WANT_PLANS_DRAFT_MODEL = 4
 
     def __init__(self, config: SpeculativeConfig, cost: StepCost | None) -> None:
         self.config = config
@@ -780,13 +774,10 @@ class DraftLengthController:
         # 0.08 a token; the engines were built in one order, so part of it may be where
         # they landed).
         self.fade_idle = not config.writes_draft_kv
-        # The largest draft length chosen by the last plans at each batch size (power-of-two
-        # bucket of decoding requests), newest last, ``_k_want_memory`` of them: their
-        # least is what a request that starts decoding next step is asked for
-        # (``k_want_for``).
-        self._k_want_at: dict[int, list[int]] = {}
-        self._k_want_memory = (self.K_WANT_PLANS_DRAFT_MODEL if config.writes_draft_kv
-                               else 1)
+        # The largest draft length chosen in the last step at each batch size (power-of-two
+        # bucket of decoding requests): what a request that starts decoding next step is
+        # asked for (``k_want_for``).
+        self._k_want_at: dict[int, int] = {}
 
     # ---- acceptance ----------------------------------------------------------------------
     def prior(self) -> list[float]:
@@ -889,9 +880,7 @@ class DraftLengthController:
         self._explored = set()
 
     def _set_k_want(self, batch: int, k: int) -> None:
-        last = self._k_want_at.setdefault(batch.bit_length(), [])
-        last.append(k)
-        del last[:-self._k_want_memory]
+        self._k_want_at[batch.bit_length()] = k
 
     def k_want_for(self, batch: int) -> int:
         """Drafts to propose for a request whose prompt ends this step, so that its first
@@ -899,16 +888,12 @@ class DraftLengthController:
         plan at that batch size chose. A size not planned yet takes the nearest smaller
         one's (drafts that do not pay at a size pay at no larger one; at batch 4 a draft
         model's catch-up on four whole prompts for drafts the next plan refused was 2.5%
-        of the run), and ``num_speculative_tokens`` before any plan. A draft model's
-        new request is asked for drafts only if each of the last
-        ``K_WANT_PLANS_DRAFT_MODEL`` plans at that size drafted (the least they chose):
-        its proposal catches up on the whole prompt, which a later plan that refuses
-        wastes."""
+        of the run), and ``num_speculative_tokens`` before any plan."""
         key = batch.bit_length()
         for b in range(key, 0, -1):
-            last = self._k_want_at.get(b)
-            if last:
-                return min(last)
+            k = self._k_want_at.get(b)
+            if k is not None:
+                return k
         return self.config.num_speculative_tokens
 
     def _drafts_nothing(self, batch: int) -> bool:
