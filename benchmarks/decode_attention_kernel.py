@@ -3,9 +3,14 @@
 Batch B sequences of ``--context`` tokens, SmolLM2-135M's heads (9 query, 3 KV, dim 64)
 by default, their KV blocks scattered at random over a cache of ``--layers`` layers'
 worth of blocks (as a paged cache ends up after a while, and too big for the caches),
-one kernel call per layer. Checks the output against a dense softmax first.
+one kernel call per layer. Each row is one body on one cache dtype: the entry the engine
+calls (the vector body where the head dim is a multiple of the build's vector width) and
+the generic body it replaced, timed in alternation in one run; each is checked against a
+dense softmax first.
 
     python benchmarks/decode_attention_kernel.py --threads 2
+    python benchmarks/decode_attention_kernel.py --dtypes bfloat16 --head-dim 128 \
+        --kv-heads 8 --heads 32
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import time
 import torch
 
 from conveyor.model import kernels
+from conveyor.model.dtypes import cpu_model_name
 
 
 def main() -> None:
@@ -29,7 +35,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--dtypes", default="float32,bfloat16")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     lib = kernels.load()
@@ -40,8 +47,6 @@ def main() -> None:
     per_seq = -(-ctx // bs)
     num_blocks = b * per_seq * args.layers
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(num_blocks * bs, hkv, d, generator=gen)
-    v_cache = torch.randn(num_blocks * bs, hkv, d, generator=gen)
     order = torch.randperm(num_blocks, generator=gen).view(args.layers, b, per_seq)
     offsets = torch.arange(bs)
     slots = [(order[i, :, :, None] * bs + offsets).view(b, -1)[:, :ctx].contiguous()
@@ -51,30 +56,44 @@ def main() -> None:
     starts = torch.zeros(b, dtype=torch.int32)
     out = torch.empty(b, hq, d)
     scale = d ** -0.5
+    print(f"{cpu_model_name()}, {args.threads} threads, isa build {kernels.kernel_isa()}; "
+          f"batch {b}, context {ctx}, heads {hq}/{hkv}x{d}, {args.layers} layers")
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        k_cache = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(dtype)
+        v_cache = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(dtype)
+        suffix = "f32" if dtype is torch.float32 else "bf16"
+        bodies = {"entry (vector body)": getattr(lib, f"decode_attention_{suffix}"),
+                  "generic body": getattr(lib, f"decode_attention_{suffix}_generic")}
 
-    def call(layer: int) -> None:
-        s = slots[layer]
-        lib.decode_attention_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                 s.data_ptr(), lens.data_ptr(), starts.data_ptr(),
-                                 out.data_ptr(), b, hq, hkv, d, s.shape[1], scale)
+        def call(fn, layer: int, k_cache=k_cache, v_cache=v_cache) -> None:
+            s = slots[layer]
+            fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), s.data_ptr(),
+               lens.data_ptr(), starts.data_ptr(), out.data_ptr(), b, hq, hkv, d,
+               s.shape[1], scale)
 
-    call(0)
-    k = k_cache[slots[0]].repeat_interleave(hq // hkv, dim=2).permute(0, 2, 1, 3)
-    v = v_cache[slots[0]].repeat_interleave(hq // hkv, dim=2).permute(0, 2, 1, 3)
-    ref = torch.softmax(q[:, :, None] @ k.transpose(-1, -2) * scale, -1) @ v
-    err = (ref[:, :, 0] - out).abs().max().item()
-    times = []
-    for _ in range(args.repeats):
-        t = time.perf_counter()
-        for layer in range(args.layers):
-            call(layer)
-        times.append(time.perf_counter() - t)
-    step = statistics.median(times)
-    kv_bytes = args.layers * b * ctx * hkv * d * 4 * 2
-    print(f"batch {b}, context {ctx}, heads {hq}/{hkv}x{d}, {args.layers} layers, "
-          f"{args.threads} threads: {step * 1e3:.1f} ms a step "
-          f"({step * 1e3 / args.layers:.2f} ms a layer), K+V read at "
-          f"{kv_bytes / step / 1e9:.1f} GB/s; max abs error vs dense {err:.1e}")
+        k = k_cache[slots[0]].float().repeat_interleave(hq // hkv, dim=2).permute(0, 2, 1, 3)
+        v = v_cache[slots[0]].float().repeat_interleave(hq // hkv, dim=2).permute(0, 2, 1, 3)
+        ref = (torch.softmax(q[:, :, None] @ k.transpose(-1, -2) * scale, -1) @ v)[:, :, 0]
+        errs = {}
+        for label, fn in bodies.items():
+            call(fn, 0)
+            errs[label] = (ref - out).abs().max().item()
+        times: dict[str, list[float]] = {label: [] for label in bodies}
+        for _ in range(args.repeats):
+            for label, fn in bodies.items():  # (alternated: the VM's drift hits both)
+                t = time.perf_counter()
+                for layer in range(args.layers):
+                    call(fn, layer)
+                times[label].append(time.perf_counter() - t)
+        kv_bytes = args.layers * b * ctx * hkv * d * k_cache.element_size() * 2
+        base = statistics.median(times["generic body"])
+        for label in bodies:
+            step = statistics.median(times[label])
+            print(f"  {name:8s} {label:20s} {step * 1e3:7.2f} ms a step "
+                  f"({step * 1e3 / args.layers:.3f} ms a layer), K+V read at "
+                  f"{kv_bytes / step / 1e9:5.1f} GB/s, {base / step:.2f}x the generic body; "
+                  f"max abs error vs dense {errs[label]:.1e}")
 
 
 if __name__ == "__main__":

@@ -134,3 +134,39 @@ def test_loading_kernels_keeps_subnormals() -> None:
     code = ("import torch\nfrom conveyor.model import kernels\nassert kernels.load()\n"
             "x = torch.tensor([1e-40])\nassert (x * 1.0).item() != 0.0, 'flush-to-zero is on'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _raw_call(fn, q, k, v, meta, scale) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=torch.float32)
+    slots, lens, starts = meta.decode_slots, meta.decode_lens, meta.decode_starts
+    fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), lens.data_ptr(),
+       starts.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+       slots.shape[1], scale)
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("isa", kernels.isa_builds())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (8, 2, 128), (6, 2, 48), (4, 1, 12),
+                                        (130, 2, 16)])
+def test_vector_and_generic_bodies_on_every_build(isa, dtype, hq, hkv, d) -> None:
+    """Each build's entry (the vector body where D is a multiple of its vector width:
+    specialized at 64 and 128, any multiple else; the generic one at D = 12) and the
+    generic body alone equal the float64 reference, on contexts of 1 to 90 positions
+    (chunk edges at 16), a sliding window included. Keys grow along the context, so a
+    head's running max moves from chunk to chunk and the rescale is exercised."""
+    lib = kernels.load_variant(isa)
+    for window in (None, 21):
+        q, k, v, meta = paged_case(7, hq, hkv, d, 16, torch.float32, window, seed=d + hq)
+        ramp = torch.linspace(0.0, 3.0, k.shape[0])[:, None, None]
+        k = (k + ramp).to(dtype)  # (slots are shuffled: the ramp is along the cache)
+        v = v.to(dtype)
+        q32 = q.float()
+        want = reference(q32, k.float(), v.float(), meta, d ** -0.5)
+        generic = (lib.decode_attention_f32_generic if dtype is torch.float32
+                   else lib.decode_attention_bf16_generic)
+        entry = lib.decode_attention_f32 if dtype is torch.float32 else lib.decode_attention_bf16
+        for fn in (entry, generic):
+            got = _raw_call(fn, q32, k, v, meta, d ** -0.5)
+            torch.testing.assert_close(got.double(), want, atol=5e-6, rtol=1e-5)

@@ -187,6 +187,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     signatures = {
         "decode_attention_f32": [ptr] * 7 + [i32] * 5 + [f32],
         "decode_attention_bf16": [ptr] * 7 + [i32] * 5 + [f32],
+        # (the generic bodies alone: tests and benchmarks/decode_attention_kernel.py)
+        "decode_attention_f32_generic": [ptr] * 7 + [i32] * 5 + [f32],
+        "decode_attention_bf16_generic": [ptr] * 7 + [i32] * 5 + [f32],
         "rms_norm_f32": [ptr] * 3 + [i32] * 2 + [f32],
         "add_rms_norm_f32": [ptr] * 4 + [i32] * 2 + [f32],
         "silu_mul_f32": [ptr] * 2 + [i32] * 2,

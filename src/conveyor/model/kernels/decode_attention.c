@@ -115,5 +115,185 @@ void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,       
 #define LOAD_F32(x) (x)
 #define LOAD_BF16(x) bf16_to_float(x)
 
-DEFINE_DECODE(decode_attention_f32, float, LOAD_F32)
-DEFINE_DECODE(decode_attention_bf16, uint16_t, LOAD_BF16)
+DEFINE_DECODE(decode_attention_f32_generic, float, LOAD_F32)
+DEFINE_DECODE(decode_attention_bf16_generic, uint16_t, LOAD_BF16)
+
+/* ---- The vector body ------------------------------------------------------------------
+ *
+ * The generic body above keeps each query head's output accumulator in memory and adds
+ * every position's V row to it (a load and a store per vector per position and head), and
+ * widens a bf16 K or V element once per query head of its group. This one, for head dims
+ * that are a multiple of the vector width VW:
+ *   - a bf16 chunk's K and V rows are widened to fp32 once, into a per-thread buffer of
+ *     2 x CHUNK rows (24 KiB for 3 KV heads x 64), which every query head of the group
+ *     reads from L1; fp32 rows are read from the cache in place;
+ *   - q is scaled once per sequence;
+ *   - P V keeps up to NB vectors of one query head's accumulator in registers across the
+ *     chunk's positions (loaded, rescaled by the chunk's alpha, and stored once a chunk).
+ * Written with GCC vector types, so -march=native makes it AVX-512 (VW 16), AVX2 (VW 8,
+ * 256-bit) or SSE (VW 8 as two 128-bit halves) from one source. Sums run in another
+ * order than the generic body's: results agree to rounding, not bit for bit.
+ */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+#define NB 8  /* accumulator vectors of one query head per pass (8 of 16 or 32 registers) */
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+typedef uint16_t vhu __attribute__((vector_size(VW * 2), aligned(2)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+
+static inline vf vload(const float* p) { return *(const vfu*)p; }
+static inline void vstore(float* p, vf v) { *(vfu*)p = v; }
+static inline vf vload_bf16(const uint16_t* p) {
+    vh x = *(const vhu*)p;
+    vu w = __builtin_convertvector(x, vu) << 16;
+    return (vf)w;
+}
+static inline float vsum(vf v) {
+    float s = 0.f;
+    for (int i = 0; i < VW; i++) s += v[i];
+    return s;
+}
+
+/* Scores of one chunk: s[i][t] = (scaled q_i) . K_t for every query head i.
+ * krow[t]: the fp32 row [Hkv * D] of the chunk's position t. */
+static inline __attribute__((always_inline)) void chunk_scores(
+        const float* qs, const float* const* krow, float* s, int tn, int Hkv, int G,
+        const int D) {
+    for (int h = 0; h < Hkv; h++) {
+        for (int g = 0; g < G; g++) {
+            const int i = h * G + g;
+            const float* qi = qs + (int64_t)i * D;
+            for (int t = 0; t < tn; t++) {
+                const float* kh = krow[t] + (int64_t)h * D;
+                vf a = vload(qi) * vload(kh);
+                for (int j = VW; j < D; j += VW) a += vload(qi + j) * vload(kh + j);
+                s[i * CHUNK + t] = vsum(a);
+            }
+        }
+    }
+}
+
+/* acc_i = alpha_i acc_i + sum_t p[i][t] V_t, NB vectors of acc_i at a time in registers. */
+static inline __attribute__((always_inline)) void chunk_pv(
+        const float* const* vrow, const float* s, const float* alpha, float* acc, int tn,
+        int Hkv, int G, const int D) {
+    for (int h = 0; h < Hkv; h++) {
+        for (int g = 0; g < G; g++) {
+            const int i = h * G + g;
+            const float* si = s + i * CHUNK;
+            float* ai = acc + (int64_t)i * D;
+            for (int d0 = 0; d0 < D; d0 += NB * VW) {
+                const int nb = (D - d0) / VW < NB ? (D - d0) / VW : NB;
+                vf a[NB];
+                for (int j = 0; j < nb; j++) a[j] = vload(ai + d0 + j * VW) * alpha[i];
+                for (int t = 0; t < tn; t++) {
+                    const float* vt = vrow[t] + (int64_t)h * D + d0;
+                    const float p = si[t];
+                    for (int j = 0; j < nb; j++) a[j] += p * vload(vt + j * VW);
+                }
+                for (int j = 0; j < nb; j++) vstore(ai + d0 + j * VW, a[j]);
+            }
+        }
+    }
+}
+
+/* DEXPR: the head dim as a literal (64, 128: the loops unroll) or the argument Dr. It is
+ * read inside the parallel region, which the compiler outlines before any inlining. */
+#define DEFINE_VEC(NAME, T, WIDEN, DEXPR)                                                   \
+static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,            \
+                 const int32_t* lens, const int32_t* starts, float* out, int B, int Hq,     \
+                 int Hkv, int Dr, int L, float scale) {                                     \
+    (void)Dr;                                                                               \
+    _Pragma("omp parallel")                                                                 \
+    {                                                                                       \
+    const int D = DEXPR, G = Hq / Hkv, row = Hkv * D;                                       \
+    float* acc = (float*)malloc(sizeof(float) * (size_t)Hq * D);                            \
+    float* qs = (float*)malloc(sizeof(float) * (size_t)Hq * D);                             \
+    float* s = (float*)malloc(sizeof(float) * (size_t)Hq * CHUNK);                          \
+    float* m = (float*)malloc(sizeof(float) * (size_t)Hq * 3);                              \
+    float *l = m + Hq, *alpha = m + 2 * Hq;                                                 \
+    /* (the widened bf16 K and V rows of one chunk; none for fp32) */                       \
+    float* wide = WIDEN ? (float*)malloc(sizeof(float) * (size_t)2 * CHUNK * row) : NULL;   \
+    const float* krow[CHUNK];                                                               \
+    const float* vrow[CHUNK];                                                               \
+    _Pragma("omp for schedule(dynamic, 1)")                                                 \
+    for (int b = 0; b < B; b++) {                                                           \
+        const int start = starts[b], n = lens[b] - start;                                   \
+        const float* qb = q + (int64_t)b * Hq * D;                                          \
+        const int64_t* sl = slots + (int64_t)b * L + start;                                 \
+        for (int x = 0; x < Hq * D; x++) { qs[x] = qb[x] * scale; acc[x] = 0.f; }           \
+        for (int i = 0; i < Hq; i++) { m[i] = -INFINITY; l[i] = 0.f; }                      \
+        for (int t0 = 0; t0 < n; t0 += CHUNK) {                                             \
+            const int tn = n - t0 < CHUNK ? n - t0 : CHUNK;                                 \
+            for (int t = 0; t < tn; t++) {                                                  \
+                if (t0 + CHUNK + t < n) {                                                   \
+                    const char* pk = (const char*)(kc + sl[t0 + CHUNK + t] * row);          \
+                    const char* pv = (const char*)(vc + sl[t0 + CHUNK + t] * row);          \
+                    for (int o = 0; o < (int)(row * sizeof(T)); o += 64) {                  \
+                        __builtin_prefetch(pk + o); __builtin_prefetch(pv + o); }           \
+                }                                                                           \
+                const T* kt = kc + sl[t0 + t] * row;                                        \
+                const T* vt = vc + sl[t0 + t] * row;                                        \
+                if (WIDEN) {                                                                \
+                    float* wk = wide + (int64_t)t * row;                                    \
+                    float* wv = wide + (int64_t)(CHUNK + t) * row;                          \
+                    for (int x = 0; x < row; x += VW) {                                     \
+                        vstore(wk + x, vload_bf16((const uint16_t*)kt + x));                \
+                        vstore(wv + x, vload_bf16((const uint16_t*)vt + x));                \
+                    }                                                                       \
+                    krow[t] = wk; vrow[t] = wv;                                             \
+                } else {                                                                    \
+                    krow[t] = (const float*)kt; vrow[t] = (const float*)vt;                 \
+                }                                                                           \
+            }                                                                               \
+            chunk_scores(qs, krow, s, tn, Hkv, G, D);                                       \
+            for (int i = 0; i < Hq; i++) {                                                  \
+                float* si = s + i * CHUNK;                                                  \
+                float cm = m[i];                                                            \
+                for (int t = 0; t < tn; t++) cm = si[t] > cm ? si[t] : cm;                  \
+                alpha[i] = expf(m[i] - cm); /* 1 where the max held, 0 on the first chunk */\
+                l[i] *= alpha[i];                                                           \
+                m[i] = cm;                                                                  \
+                float sum = 0.f;                                                            \
+                for (int t = 0; t < tn; t++) { si[t] = expf(si[t] - cm); sum += si[t]; }    \
+                l[i] += sum;                                                                \
+            }                                                                               \
+            chunk_pv(vrow, s, alpha, acc, tn, Hkv, G, D);                                   \
+        }                                                                                   \
+        float* ob = out + (int64_t)b * Hq * D;                                              \
+        for (int i = 0; i < Hq; i++) {                                                      \
+            const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;                                \
+            for (int d = 0; d < D; d++) ob[(int64_t)i * D + d] = acc[(int64_t)i * D + d] * inv; \
+        }                                                                                   \
+    }                                                                                       \
+    free(acc); free(qs); free(s); free(m); free(wide);                                      \
+    }                                                                                       \
+}
+
+DEFINE_VEC(vec_f32_d64, float, 0, 64)
+DEFINE_VEC(vec_f32_d128, float, 0, 128)
+DEFINE_VEC(vec_f32_dany, float, 0, Dr)
+DEFINE_VEC(vec_bf16_d64, uint16_t, 1, 64)
+DEFINE_VEC(vec_bf16_d128, uint16_t, 1, 128)
+DEFINE_VEC(vec_bf16_dany, uint16_t, 1, Dr)
+
+/* The entries: the vector body where the head dim is a multiple of the vector width
+ * (specialized for 64 and 128, so that its loops unroll into registers), the generic one
+ * else. */
+#define DEFINE_ENTRY(NAME, T, VEC, GENERIC)                                                 \
+void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,                   \
+          const int32_t* lens, const int32_t* starts, float* out, int B, int Hq, int Hkv,   \
+          int D, int L, float scale) {                                                      \
+    void (*fn)(const float*, const T*, const T*, const int64_t*, const int32_t*,            \
+               const int32_t*, float*, int, int, int, int, int, float) =                    \
+        D == 64 ? VEC##_d64 : D == 128 ? VEC##_d128 : D % VW == 0 ? VEC##_dany : GENERIC;   \
+    fn(q, kc, vc, slots, lens, starts, out, B, Hq, Hkv, D, L, scale);                       \
+}
+
+DEFINE_ENTRY(decode_attention_f32, float, vec_f32, decode_attention_f32_generic)
+DEFINE_ENTRY(decode_attention_bf16, uint16_t, vec_bf16, decode_attention_bf16_generic)
