@@ -1017,6 +1017,44 @@ def test_a_new_decode_is_asked_for_the_drafts_its_batch_size_pays_for():
     assert ctl.k_want_for(1) == 4 and ctl.k_want_for(3) == 4  # (3: batch 1's plan)
 
 
+def test_drafts_are_priced_against_the_steps_decode_part_alone():
+    """A step of 8 decodes and 1,000 prefill tokens yields 8 tokens in a second: against
+    that, a decode row's millisecond looks cheap, but the drafts it proposes are verified
+    in the decode steps after it, where they do not pay. Priced against its decode part,
+    it drafts exactly where a decode-only step does."""
+    cfg = SpeculativeConfig("ngram", num_speculative_tokens=4)
+    for cost, pays in ((FixedCost(a=0.0001, b=0.001), False),  # a row is the step's cost
+                       (FixedCost(a=0.05, b=0.001), True)):  # a step is mostly fixed
+        for num_prefill in (0, 1000):
+            ctl = DraftLengthController(cfg, cost)
+            rows = _rows(8)
+            ctl.plan(rows, num_prefill, 8, 8, 512)
+            assert any(r.k_want for r in rows) == pays, (cost.a, num_prefill)
+
+
+def test_a_draft_models_catch_up_is_charged_to_the_first_draft():
+    """A draft model's request that did not propose last step catches up on the text
+    since it did before its first draft: measured per token from proposals that caught
+    up (over what the steady proposal cost predicts), charged to the first draft of a
+    row with a long catch-up; a steady row is not charged."""
+    cfg = SpeculativeConfig("draft_model", num_speculative_tokens=4, model="unused")
+    ctl = DraftLengthController(cfg, FixedCost(a=0.01, b=0.0005))
+    assert ctl.catch_up_s_per_token is None
+    ctl.observe_catch_up({"r0": 1}, 0, 0.5)  # (no catch-up tokens: nothing learnt)
+    assert ctl.catch_up_s_per_token is None
+    rows = _rows(2)
+    rows[0].catch_up = 300  # (unmeasured: not charged yet)
+    ctl.plan(rows, 0, 2, 2, 512)
+    assert rows[0].k_want > 0 and rows[1].k_want > 0
+    ctl.observe_catch_up({"r0": 1, "r1": 1}, 400, 0.04)  # 0.1 ms a token (no steady fit)
+    assert ctl.catch_up_s_per_token == pytest.approx(1e-4)
+    rows = _rows(2)
+    rows[0].catch_up = 300  # 30 ms before its first draft: not worth a 10 ms step's drafts
+    rows[1].catch_up = DraftLengthController.STEADY_CATCH_UP  # steady: no charge
+    ctl.plan(rows, 0, 2, 2, 512)
+    assert rows[0].k_want == 0 and rows[1].k_want > 0
+
+
 def test_a_plan_that_drafts_nothing_is_reused_for_a_few_steps_of_that_size():
     """Nothing verified, no acceptance moved: the next steps at the same batch size skip
     the planning (and the scheduler builds no rows for them), then plan afresh; each

@@ -89,6 +89,11 @@ class Request:
     spec_seen_at: int = 0
     spec_first_tries: int = 0
     spec_first_hits: int = 0
+    # Its tokens when it last asked for proposals (before that step's) and the step it
+    # asked in: a draft model holds valid draft K/V up to about there and catches up on
+    # the rest first, unless it proposed in the step just before (a steady proposal).
+    spec_proposed_len: int = 0
+    spec_proposed_step: int = -2
     # Prefill/decode disaggregation: the request's KVTransferParams (None: none), and
     # whether a load was already tried (a failed one is never retried).
     kv_params: Any = None

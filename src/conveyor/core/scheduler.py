@@ -167,6 +167,7 @@ class Scheduler:
             self.spec = DraftLengthController(config.speculative, spec_cost)
         self._step_spec: dict[str, list[int]] = {}
         self._step_want: dict[str, int] = {}
+        self._step_catch_up = 0  # (tokens the step's proposals catch up on: see update)
         self._schedule_now: float | None = None
         self._proposed_before = False  # the last step ran the proposer (its next pays)
         # Row counts (prefill tokens + decode rows) some step has run. The first step of
@@ -340,7 +341,9 @@ class Scheduler:
             cap = min(spec.config.num_speculative_tokens,
                       req.max_tokens - len(req.output_token_ids) - 1,
                       self.max_model_len - req.num_computed_tokens - 1)
-            rows.append(DraftRow(req, max(cap, 0)))
+            steady = not lookahead or req.spec_proposed_step == self.stats.num_steps - 1
+            rows.append(DraftRow(req, max(cap, 0), catch_up=(
+                0 if steady else len(req.all_token_ids) - req.spec_proposed_len)))
         num_decode = sum(1 for n in scheduled.values() if n == 1)
         if not spec.plan(rows, sum(scheduled.values()) - num_decode, num_decode,
                          len(scheduled), budget):
@@ -362,6 +365,10 @@ class Scheduler:
                 self._step_spec[rid] = req.spec_token_ids[:k]
             if row.k_want:
                 self._step_want[rid] = row.k_want
+                if row.catch_up > spec.STEADY_CATCH_UP:
+                    self._step_catch_up += row.catch_up
+                req.spec_proposed_len = len(req.all_token_ids)
+                req.spec_proposed_step = self.stats.num_steps
             req.spec_token_ids = []  # consumed: the next proposals replace them
 
     def _pick_victim(self, requester: Request) -> Request:
@@ -392,6 +399,10 @@ class Scheduler:
                 n = min(n, held - len(self.requests[rid].all_token_ids))
             if n > 0:
                 want[rid] = n
+                req = self.requests[rid]
+                out.num_spec_catch_up += len(req.all_token_ids)  # (its whole prompt)
+                req.spec_proposed_len = len(req.all_token_ids)
+                req.spec_proposed_step = self.stats.num_steps
 
     def _preempt(self, req: Request, now: float) -> None:
         self.running.remove(req)
@@ -399,6 +410,7 @@ class Scheduler:
         req.spec_token_ids = []
         self._step_spec.pop(req.request_id, None)
         self._step_want.pop(req.request_id, None)
+        req.spec_proposed_len, req.spec_proposed_step = 0, -2  # (its draft K/V is gone)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -616,11 +628,12 @@ class Scheduler:
                               finished_req_ids=self._dropped_ids | self._dropped_preempted,
                               preempted_req_ids={r.request_id for r in preempted},
                               scheduled_spec_tokens=self._step_spec,
-                              num_spec_wanted=self._step_want)
+                              num_spec_wanted=self._step_want,
+                              num_spec_catch_up=self._step_catch_up)
         self._dropped_ids = set()
         self._dropped_preempted = set()
         spec_tokens = self._step_spec
-        self._step_spec, self._step_want = {}, {}
+        self._step_spec, self._step_want, self._step_catch_up = {}, {}, 0
         # Locals for the per-request loop (it runs for every request of every step).
         requests, known, sent, block_ids_of = (self.requests, self._runner_known,
                                                self._blocks_sent, self.kv.block_ids)
@@ -679,6 +692,9 @@ class Scheduler:
             # a proposal that also caught up is not what a draft costs when drafting).
             if run.propose_steady and out.num_spec_wanted:
                 self.spec.observe_proposals(out.num_spec_wanted, run.propose_s)
+            elif out.num_spec_wanted:
+                self.spec.observe_catch_up(out.num_spec_wanted, out.num_spec_catch_up,
+                                           run.propose_s)
             # The runner's split: verify rows are decode rows (core/batch_shape.py).
             num_prefill, num_decode_rows = prefill_and_decode_rows(out)
             spec = out.scheduled_spec_tokens

@@ -54,6 +54,9 @@ class SchedulerOutput:
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> how many drafts to propose for its next step (absent: none).
     num_spec_wanted: dict[str, int] = field(default_factory=dict)
+    # Tokens those proposals catch up on beyond a steady proposal's (a draft model's:
+    # prompts, text since a pause), for pricing catch-ups (scheduler-side only).
+    num_spec_catch_up: int = 0
     # Prefill/decode disaggregation: the KV connector's orders for this step (None: none).
     kv_connector_meta: KVConnectorMeta | None = None
 

@@ -723,6 +723,9 @@ class DraftRow:
     cap: int  # the most drafts its max_tokens / max_model_len allow
     k_now: int = 0  # drafts verified this step (<= what it has on hand)
     k_want: int = 0  # drafts to propose for its next step
+    # Tokens a draft model would catch up on before this request's first draft (the
+    # text since it last proposed; 0 for other proposers).
+    catch_up: int = 0
 
 
 class DraftLengthController:
@@ -758,6 +761,9 @@ class DraftLengthController:
         self._explore_age = 0
         self._explored: set[str] = set()  # requests that proposed one more last step
         self.proposal_cost = ProposalCost()
+        # A draft model's seconds per token of catch-up (``observe_catch_up``; None until
+        # measured: the plan prices catch-ups from the first one seen on).
+        self.catch_up_s_per_token: float | None = None
         self.guard = OutcomeGuard()
         self.prior_weight = PriorWeight()
         k = config.num_speculative_tokens
@@ -807,6 +813,22 @@ class DraftLengthController:
         """The proposer took ``seconds`` for the drafts ``wanted`` (request -> k)."""
         if wanted:
             self.proposal_cost.observe(max(wanted.values()), sum(wanted.values()), seconds)
+
+    # Catch-ups up to this many tokens are a steady proposal's (the token or two the last
+    # step added), which the proposal cost already holds.
+    STEADY_CATCH_UP = 2
+
+    def observe_catch_up(self, wanted: dict[str, int], tokens: int, seconds: float) -> None:
+        """A proposal of ``wanted`` that also caught up on ``tokens`` (beyond the steady
+        ones) took ``seconds``: what it took over a steady proposal of those drafts,
+        per token, folded into a running mean (half each)."""
+        if tokens <= 0 or not wanted:
+            return
+        c, a, b = self.proposal_cost.coefficients()
+        extra = seconds - (c + a * max(wanted.values()) + b * sum(wanted.values()))
+        per_token = max(extra, 0.0) / tokens
+        prev = self.catch_up_s_per_token
+        self.catch_up_s_per_token = per_token if prev is None else 0.5 * (prev + per_token)
 
     def observe_step(self, batch: int, num_prefill_tokens: int, num_drafts: int,
                      num_emitted: int, step_s: float, propose_s: float,
@@ -1011,6 +1033,13 @@ class DraftLengthController:
         cost = self.cost
         batch = len(rows)
         self._priced = False
+        # Drafts are priced against the step's decode part alone: a prefill chunk's time
+        # buys prompt tokens, not sampled ones, and counted in T0 it made drafts look
+        # cheap (a step of 8 decodes and 1,024 prefill tokens yields 8 tokens in ~100
+        # ms), so such a step drafted for requests that then caught up on whole prompts,
+        # for drafts verified in the decode-only steps after it, where they did not pay
+        # (batch 16 on the trained pair: 20 ms of catch-ups a round, 1.3% of it).
+        num_prefill = 0
         coefficients = getattr(cost, "coefficients", None)
         if coefficients is not None:  # one solve for both (the fit is linear)
             coef = coefficients(batch)
@@ -1057,7 +1086,12 @@ class DraftLengthController:
             for j, a in enumerate(self.acceptance(row.request, prior)[:row.cap], start=1):
                 survive *= a
                 cands.append((survive, j, row))
-        cands.sort(key=lambda c: (-c[0], c[1]))
+        per_catch = (self.catch_up_s_per_token or 0.0) if self.config.writes_draft_kv else 0.0
+        steady_catch = self.STEADY_CATCH_UP
+        charged = {id(r) for r in rows if per_catch > 0.0 and r.catch_up > steady_catch}
+        # (Rows charged a catch-up come after the steady ones, best first among
+        # themselves: one at the front would end every prefix that pays.)
+        cands.sort(key=lambda c: (id(c[2]) in charged, -c[0], c[1]))
         # Slots best first, each plan a prefix of them; the plan kept is the prefix of
         # the highest rate ``E / (T0 + margin x (T - T0))``: the step's expected tokens
         # per second with every added cost taken ``margin`` times, against no drafts'
@@ -1068,13 +1102,21 @@ class DraftLengthController:
         best_rate, best_n = e / t0, 0
         taken: list[DraftRow] = []
         floor = margin * (slope + per_draft)  # the least any further slot costs
+        # A draft model's request that did not propose last step catches up first on the
+        # text since it did (its whole prompt, the step after its prefill): a
+        # draft-model forward over those tokens (``catch_up_s_per_token``, measured),
+        # charged to its first draft.
         for survive, j, row in cands:
             if survive <= best_rate * floor:
-                break  # no slot from here on is worth the rate already had
+                if not charged or id(row) in charged:
+                    break  # no slot from here on is worth the rate already had
+                continue  # (on to the charged rows' best slots)
             if j != row.k_want + 1:
                 continue  # (ties: its draft j - 1 comes first)
             cost = (slope + per_draft + (per_round if j > rounds else 0.0)
                     + (0.0 if taken else per_call))
+            if j == 1 and id(row) in charged:
+                cost += per_catch * row.catch_up
             row.k_want = j
             taken.append(row)
             rounds = max(rounds, j)
