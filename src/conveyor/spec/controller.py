@@ -750,6 +750,9 @@ class DraftLengthController:
     # off (k = 4: 0.84x) until the outcome guard switched it off, again after each
     # cool-off.
     BENEFIT_MARGIN = 1.2
+    # Whether a plan prices drafts against the whole step, prefill chunks included (the
+    # rule before 76e406a; kept for in-process A/Bs): see ``_plan_by_benefit``.
+    PRICE_PREFILL = False
 
     def __init__(self, config: SpeculativeConfig, cost: StepCost | None) -> None:
         self.config = config
@@ -1039,7 +1042,8 @@ class DraftLengthController:
         # ms), so such a step drafted for requests that then caught up on whole prompts,
         # for drafts verified in the decode-only steps after it, where they did not pay
         # (batch 16 on the trained pair: 20 ms of catch-ups a round, 1.3% of it).
-        num_prefill = 0
+        if not self.PRICE_PREFILL:
+            num_prefill = 0
         coefficients = getattr(cost, "coefficients", None)
         if coefficients is not None:  # one solve for both (the fit is linear)
             coef = coefficients(batch)
