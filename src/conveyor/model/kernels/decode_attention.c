@@ -33,6 +33,15 @@ static inline float bf16_to_float(uint16_t x) {
 
 #define CHUNK 16
 
+/* A sequence's output: each query head's accumulator over its softmax denominator. */
+static inline void write_normalized(float* ob, const float* acc, const float* l, int Hq,
+                                    int D) {
+    for (int i = 0; i < Hq; i++) {
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        for (int d = 0; d < D; d++) ob[(int64_t)i * D + d] = acc[(int64_t)i * D + d] * inv;
+    }
+}
+
 #define DEFINE_DECODE(NAME, T, LOAD)                                                        \
 void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,                   \
           const int32_t* lens, const int32_t* starts, float* out, int B, int Hq, int Hkv,   \
@@ -102,11 +111,7 @@ void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,       
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
-        float* ob = out + (int64_t)b * Hq * D;                                              \
-        for (int i = 0; i < Hq; i++) {                                                      \
-            const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;                                \
-            for (int d = 0; d < D; d++) ob[(int64_t)i * D + d] = acc[(int64_t)i * D + d] * inv; \
-        }                                                                                   \
+        write_normalized(out + (int64_t)b * Hq * D, acc, l, Hq, D);                         \
     }                                                                                       \
     free(acc); free(row); free(s); free(m); free(l);                                        \
     }                                                                                       \
@@ -265,11 +270,7 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
             }                                                                               \
             chunk_pv(vrow, s, alpha, acc, tn, Hkv, G, D);                                   \
         }                                                                                   \
-        float* ob = out + (int64_t)b * Hq * D;                                              \
-        for (int i = 0; i < Hq; i++) {                                                      \
-            const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;                                \
-            for (int d = 0; d < D; d++) ob[(int64_t)i * D + d] = acc[(int64_t)i * D + d] * inv; \
-        }                                                                                   \
+        write_normalized(out + (int64_t)b * Hq * D, acc, l, Hq, D);                         \
     }                                                                                       \
     free(acc); free(qs); free(s); free(m); free(wide);                                      \
     }                                                                                       \
