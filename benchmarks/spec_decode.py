@@ -41,6 +41,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 from conveyor import LLM, SamplingParams
 
@@ -101,7 +102,9 @@ def spec_counts(llm: LLM) -> tuple[int, int, int]:
 
 def run_grid(name: str, target: str, configs: dict[str, dict | None], batches: list[int],
              rounds: dict[int, int], prompts: list[list[int]], max_tokens: int,
-             threads: int, load_format: str = "auto") -> dict:
+             threads: int, load_format: str = "auto",
+             on_built: Callable[[str, LLM], None] | None = None) -> dict:
+    """``on_built(label, llm)``: called on each engine once built (an A/B sets a knob)."""
     max_batch = max(batches)
     # Every request fits in this: the KV pool (sized from it) stays small, so that a
     # dozen engines side by side fit in memory.
@@ -112,6 +115,8 @@ def run_grid(name: str, target: str, configs: dict[str, dict | None], batches: l
                           max_num_batched_tokens=1024, enable_prefix_caching=False,
                           num_threads=threads, speculative_config=cfg,
                           load_format=load_format, max_model_len=max_len)
+        if on_built is not None:
+            on_built(label, llms[label])
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for llm in llms.values():  # first-call costs out of the way

@@ -162,11 +162,10 @@ def test_vector_and_generic_bodies_on_every_build(isa, dtype, hq, hkv, d) -> Non
         ramp = torch.linspace(0.0, 3.0, k.shape[0])[:, None, None]
         k = (k + ramp).to(dtype)  # (slots are shuffled: the ramp is along the cache)
         v = v.to(dtype)
-        q32 = q.float()
-        want = reference(q32, k.float(), v.float(), meta, d ** -0.5)
+        want = reference(q, k.float(), v.float(), meta, d ** -0.5)
         generic = (lib.decode_attention_f32_generic if dtype is torch.float32
                    else lib.decode_attention_bf16_generic)
         entry = lib.decode_attention_f32 if dtype is torch.float32 else lib.decode_attention_bf16
         for fn in (entry, generic):
-            got = _raw_call(fn, q32, k, v, meta, d ** -0.5)
+            got = _raw_call(fn, q, k, v, meta, d ** -0.5)
             torch.testing.assert_close(got.double(), want, atol=5e-6, rtol=1e-5)

@@ -367,9 +367,15 @@ class Scheduler:
                 self._step_want[rid] = row.k_want
                 if row.catch_up > spec.STEADY_CATCH_UP:
                     self._step_catch_up += row.catch_up
-                req.spec_proposed_len = len(req.all_token_ids)
-                req.spec_proposed_step = self.stats.num_steps
+                self._mark_proposing(req)
             req.spec_token_ids = []  # consumed: the next proposals replace them
+
+    def _mark_proposing(self, req: Request) -> None:
+        """``req`` proposes after this step: a draft model's K/V for it will be valid up
+        to its tokens now (and the ones this step adds), and a proposal in the next step
+        is steady (``DraftRow.catch_up`` 0)."""
+        req.spec_proposed_len = len(req.all_token_ids)
+        req.spec_proposed_step = self.stats.num_steps
 
     def _pick_victim(self, requester: Request) -> Request:
         victim = self.policy.select_victim(self._preemptible(requester), requester)
@@ -401,8 +407,7 @@ class Scheduler:
                 want[rid] = n
                 req = self.requests[rid]
                 out.num_spec_catch_up += len(req.all_token_ids)  # (its whole prompt)
-                req.spec_proposed_len = len(req.all_token_ids)
-                req.spec_proposed_step = self.stats.num_steps
+                self._mark_proposing(req)
 
     def _preempt(self, req: Request, now: float) -> None:
         self.running.remove(req)
