@@ -29,7 +29,7 @@ from conveyor.model.backends import (
     select_linear_backend,
 )
 from conveyor.model.linear_choice import choose as choose_linears
-from conveyor.model.linear_choice import measuring_enabled, model_shapes
+from conveyor.model.linear_choice import measuring_enabled, model_shape_counts
 from conveyor.model.loader import DTYPES, load_model
 from conveyor.model.packed_linear import pick_linear_backend
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
@@ -163,10 +163,11 @@ class ModelRunner:
         self.linear_choice: dict[str, str] = {}
         candidates = linear_backend_names_for(device, dtype)
         if linear_backend == "auto" and len(candidates) > 1 and measuring_enabled():
-            shapes = model_shapes(self.model.layers, self.model.lm_head_weight)
+            counts = model_shape_counts(self.model.layers, self.model.lm_head_weight)
             self.linear_choice = choose_linears(
-                shapes, {n: select_linear_backend(n, device, dtype) for n in candidates},
-                device, dtype, *linear_rows)
+                sorted(counts, key=lambda s: s.key),
+                {n: select_linear_backend(n, device, dtype) for n in candidates},
+                device, dtype, *linear_rows, {s.key: n for s, n in counts.items()})
             used = list(self.linear_choice.values())
             self.linear_backend = max(set(used), key=used.count)  # the most used, for logs
             self.packed_linears = self.model.pack_linears_by_shape(self.linear_choice) > 0
