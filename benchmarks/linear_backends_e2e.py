@@ -1,0 +1,97 @@
+"""Whole-engine decode speed with each linear backend, side by side in one process.
+
+One engine per backend (``auto``, the measured per-shape choice, then each candidate
+forced), the same prompts, runs in alternation each round, so a drift of the machine's
+speed moves them alike; prints ms per decode step (medians over rounds) and each one's
+ratio to ``auto`` (the median of the per-round ratios). ``auto`` should be as fast as the
+fastest forced backend: if one beats it, the choice's measurement does not see what a
+decode step sees.
+
+    python benchmarks/linear_backends_e2e.py --batches 1,16 --rounds 8,4
+    python benchmarks/linear_backends_e2e.py --model smollm2-135m --load-format dummy
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.model.backends import linear_backend_names_for
+from conveyor.model.dtypes import cpu_model_name
+
+
+def default_model() -> tuple[str, str]:
+    """The trained spec pair's target if it is cached here, else a preset (dummy)."""
+    root = os.path.expanduser("~/.cache/conveyor/spec_pair/v2/target")
+    if os.path.isfile(os.path.join(root, "config.json")):
+        return root, "auto"
+    return "smollm2-135m", "dummy"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint path or preset")
+    p.add_argument("--load-format", default=None)
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--rounds", default="8,4", help="one number, or one per batch size")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    model, load_format = default_model()
+    model = args.model or model
+    load_format = args.load_format or (load_format if args.model is None else "auto")
+    batches = [int(b) for b in args.batches.split(",")]
+    rounds = [int(r) for r in args.rounds.split(",")]
+    if len(rounds) == 1:
+        rounds *= len(batches)
+    if len(rounds) != len(batches):
+        p.error("--rounds: one number, or one per batch size")
+    names = ["auto", *linear_backend_names_for("cpu", torch.float32)]
+    max_len = args.prompt_tokens + args.max_tokens + 16
+    engines = {n: LLM(model, load_format=load_format, dtype="float32",
+                      max_num_seqs=max(batches), max_num_batched_tokens=1024,
+                      enable_prefix_caching=False, max_model_len=max_len,
+                      num_threads=args.threads, linear_backend=n) for n in names}
+    print(f"CPU: {cpu_model_name()} ({os.cpu_count()} cores); model {model}")
+    print(f"auto's choice: {engines['auto'].engine.runner.linear_choice or '(one backend)'}")
+    vocab = engines["auto"].engine.config.model.vocab_size
+    rng = random.Random(0)
+
+    def prompt() -> dict:
+        return {"prompt_token_ids": [rng.randrange(3, vocab)
+                                     for _ in range(args.prompt_tokens)]}
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = [prompt()]
+    for llm in engines.values():
+        llm.generate(first, SamplingParams(max_tokens=8, temperature=0.0))
+    for batch, n_rounds in zip(batches, rounds, strict=True):
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(n_rounds):
+            prompts = [prompt() for _ in range(batch)]
+            order = names[r % len(names):] + names[:r % len(names)]
+            for n in order:
+                engines[n].generate(first, warm)  # its weights back in the caches' way
+                t = time.perf_counter()
+                engines[n].generate(prompts, params)
+                times[n].append(time.perf_counter() - t)
+        print(f"\nbatch {batch}: median of {n_rounds} rounds, {args.max_tokens} tokens each")
+        for n in names:
+            ratio = statistics.median(a / b for a, b in zip(times["auto"], times[n]))
+            print(f"  {n:<8} {statistics.median(times[n]) / args.max_tokens * 1e3:8.2f} ms "
+                  f"a step   {ratio:5.3f}x auto's speed")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
