@@ -160,10 +160,14 @@ def fastest(times: dict[str, tuple[float, float]]) -> str:
 def _rotation_times(backend, order: list[LinearShape], weights: dict[str, torch.Tensor],
                     xs: dict[str, torch.Tensor]) -> dict[str, float]:
     """Seconds per call of each shape at decode rows: every call in ``order`` on a weight
-    of its own (a copy, packed by ``backend``), the fastest of ``ROTATION_PASSES`` passes
-    after an untimed one, averaged over the shape's calls in a pass."""
-    calls = [(s.key, _forward(backend.make_linear(weights[s.key].clone(), None,
-                                                  gate_up=s.gate_up), s)) for s in order]
+    of its own (packed by ``backend``; copies past a shape's first), the fastest of
+    ``ROTATION_PASSES`` passes after an untimed one, averaged over the shape's calls in a
+    pass."""
+    calls, seen = [], set()
+    for s in order:  # (a shape's first call on the weight itself: one copy fewer)
+        w = weights[s.key] if s.key not in seen else weights[s.key].clone()
+        seen.add(s.key)
+        calls.append((s.key, _forward(backend.make_linear(w, None, gate_up=s.gate_up), s)))
     per_pass = {key: 0 for key, _ in calls}
     for key, _ in calls:
         per_pass[key] += 1
