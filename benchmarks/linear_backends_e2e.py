@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+from spec_decode import load_pair_module
 
 from conveyor import LLM, SamplingParams
 from conveyor.model.backends import linear_backend_names_for
@@ -28,10 +29,11 @@ from conveyor.model.dtypes import cpu_model_name
 
 
 def default_model() -> tuple[str, str]:
-    """The trained spec pair's target if it is cached here, else a preset (dummy)."""
-    root = os.path.expanduser("~/.cache/conveyor/spec_pair/v2/target")
-    if os.path.isfile(os.path.join(root, "config.json")):
-        return root, "auto"
+    """The trained spec pair's target if it is cached here (``spec_pair.py``'s cache, not
+    trained now), else a preset (dummy)."""
+    target = os.path.join(load_pair_module().default_cache_dir(), "target")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target, "auto"
     return "smollm2-135m", "dummy"
 
 

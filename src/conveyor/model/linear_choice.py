@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -123,22 +124,25 @@ def measure(shapes: list[LinearShape], backends: dict[str, object], device: torc
     gen = torch.Generator().manual_seed(0)
     weights = {s.key: (torch.randn(s.out_features, s.in_features, generator=gen) * 0.02).to(
         device=device, dtype=dtype) for s in shapes}
-    order = rotation(shapes, counts, weights[shapes[0].key].element_size()) if shapes else []
+    order = rotation(shapes, counts, dtype.itemsize)
     decode_x = {s.key: torch.randn(decode_rows, s.in_features, generator=gen).to(
         device=device, dtype=dtype) for s in shapes}
     out: dict[str, dict[str, tuple[float, float]]] = {s.key: {} for s in shapes}
     for name, backend in backends.items():
-        decode = _rotation_times(backend, order, weights, decode_x)
+        calls = _rotation_calls(backend, order, weights)
+        decode = _rotation_times(calls, decode_x)
+        first: dict[str, object] = {}  # each shape's first call: the weight itself
+        for key, fn in calls:
+            first.setdefault(key, fn)
         for shape in shapes:
             if shape.lm_head or prefill_rows <= decode_rows:
                 prefill = decode[shape.key]
             else:
-                fn = _forward(backend.make_linear(weights[shape.key], None,
-                                                  gate_up=shape.gate_up), shape)
                 x = torch.randn(prefill_rows, shape.in_features, generator=gen).to(
                     device=device, dtype=dtype)
-                prefill = choice_cache.best_of(lambda fn=fn, x=x: fn(x))
+                prefill = choice_cache.best_of(lambda fn=first[shape.key], x=x: fn(x))
             out[shape.key][name] = (decode[shape.key], prefill)
+        del calls, first  # (this backend's packed copies, before the next one packs)
     return out
 
 
@@ -157,20 +161,24 @@ def fastest(times: dict[str, tuple[float, float]]) -> str:
     return min(times, key=loss)
 
 
-def _rotation_times(backend, order: list[LinearShape], weights: dict[str, torch.Tensor],
-                    xs: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Seconds per call of each shape at decode rows: every call in ``order`` on a weight
-    of its own (packed by ``backend``; copies past a shape's first), the fastest of
-    ``ROTATION_PASSES`` passes after an untimed one, averaged over the shape's calls in a
-    pass."""
+def _rotation_calls(backend, order: list[LinearShape], weights: dict[str, torch.Tensor]
+                    ) -> list[tuple[str, object]]:
+    """(shape key, forward) of every call in ``order``, each on a weight of its own packed
+    by ``backend``: a shape's first call on the weight itself, the later ones on copies."""
     calls, seen = [], set()
-    for s in order:  # (a shape's first call on the weight itself: one copy fewer)
+    for s in order:
         w = weights[s.key] if s.key not in seen else weights[s.key].clone()
         seen.add(s.key)
         calls.append((s.key, _forward(backend.make_linear(w, None, gate_up=s.gate_up), s)))
-    per_pass = {key: 0 for key, _ in calls}
-    for key, _ in calls:
-        per_pass[key] += 1
+    return calls
+
+
+def _rotation_times(calls: list[tuple[str, object]], xs: dict[str, torch.Tensor]
+                    ) -> dict[str, float]:
+    """Seconds per call of each shape at decode rows: the fastest of ``ROTATION_PASSES``
+    passes over ``calls`` after an untimed one, averaged over the shape's calls in a
+    pass."""
+    per_pass = Counter(key for key, _ in calls)
     best = dict.fromkeys(per_pass, float("inf"))
     clock = time.perf_counter
     for timed in range(ROTATION_PASSES + 1):
