@@ -275,7 +275,7 @@ def test_a_registered_linear_backend_is_found_and_used() -> None:
         name, priority = "test-doubling", 10_000
 
         @classmethod
-        def supports(cls, device, dtype):
+        def supports(cls, device, dtype, weight_dtype=None):
             return None if dtype == torch.float64 else "float64 only"
 
         def make_linear(self, weight, bias, gate_up=False):

@@ -184,3 +184,92 @@ def test_engine_packs_the_model_and_its_tied_head(backend: str) -> None:
     got = [o.outputs[0].token_ids for o in packed.generate(prompts, params)]
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert got == want
+
+
+# --- bf16 weights read by the native GEMM (float32 arithmetic) ---------------------------
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 32, 145])
+@pytest.mark.parametrize("n,k,gate_up,bias", [
+    (96, 40, False, True), (17, 300, False, False), (576, 576, True, False),
+    (50, 1100, False, True), (18, 700, True, False)])
+def test_bf16_weight_linear_is_the_float32_kernel_bit_for_bit(rows, n, k, gate_up,
+                                                              bias) -> None:
+    """A bf16 checkpoint computed in float32: the weight kept as bf16 and widened as the
+    kernel loads it gives exactly what the float32 kernel gives on the widened weight, at
+    every row count (the few-row tiles, the 6-row ones, the widened panel copies)."""
+    gen = torch.Generator().manual_seed(rows * 7 + n)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16).float()  # bf16 values
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(rows, k, generator=gen)
+    lib = native_gemm_lib()
+    narrow = NativeLinear(w, b, lib, gate_up=gate_up, bf16_weight=True)
+    wide = NativeLinear(w, b, lib, gate_up=gate_up)
+    assert narrow.packed.dtype is torch.bfloat16 and wide.packed.dtype is torch.float32
+    assert narrow.packed.numel() == wide.packed.numel()  # half the bytes
+    assert torch.equal(narrow(x), wide(x))
+    if not gate_up:
+        _as_exact_as_fp32_allows(narrow(x), x, w, b)
+
+
+@needs_native
+@pytest.mark.parametrize("bf16_weight", [False, True])
+@pytest.mark.parametrize("n,k,gate_up", [(96, 40, False), (100, 1100, False),
+                                         (576, 300, True)])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bf16_weight, n, k,
+                                                             gate_up) -> None:
+    """Decode rows go through tiles of 1-4 rows over several panels, larger batches
+    through 6-row tiles: each output must be the same sum in the same order either way,
+    or a request's logits (and a greedy tie, a seeded sample) would depend on its batch."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16).float()
+    lin = NativeLinear(w, None, native_gemm_lib(), gate_up=gate_up, bf16_weight=bf16_weight)
+    x = torch.randn(40, k, generator=gen)
+    full = lin(x)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13):
+        assert torch.equal(lin(x[:rows]), full[:rows]), rows
+    assert torch.equal(lin(x[17:18]), full[17:18])
+
+
+@needs_native
+def test_bf16_weight_linear_refuses_a_weight_it_would_round() -> None:
+    w = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))  # not bf16 values
+    with pytest.raises(ValueError, match="would be rounded"):
+        NativeLinear(w, None, native_gemm_lib(), bf16_weight=True)
+    lin = NativeLinear(w.to(torch.bfloat16), None, native_gemm_lib(), bf16_weight=True)
+    assert lin.packed.dtype is torch.bfloat16 and "bf16 weight" in repr(lin)
+
+
+@needs_native
+def test_native_bf16_applies_to_bf16_checkpoints_computed_in_float32_only() -> None:
+    cpu = torch.device("cpu")
+    assert pick_linear_backend("native-bf16", cpu, torch.float32,
+                               torch.bfloat16) == "native-bf16"
+    for dtype, weight_dtype in ((torch.float32, None), (torch.bfloat16, None),
+                                (torch.float32, torch.float16)):
+        with pytest.raises(ValueError, match="needs a bfloat16 checkpoint computed in "
+                           "float32"):
+            pick_linear_backend("native-bf16", cpu, dtype, weight_dtype)
+    # auto without measurement: the static order keeps native first
+    assert pick_linear_backend("auto", cpu, torch.float32, torch.bfloat16) == "native"
+
+
+@needs_native
+def test_engine_with_bf16_weights_computes_what_native_does() -> None:
+    from conveyor import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 11, 3 + i] * (1 + i)} for i in range(5)]
+    common = dict(load_format="dummy", dtype="bfloat16", compute_dtype="float32")
+    narrow = LLM("tiny", linear_backend="native-bf16", **common)
+    wide = LLM("tiny", linear_backend="native", **common)
+    model = narrow.engine.runner.model
+    packed = [m for m in model.modules() if isinstance(m, NativeLinear)]
+    assert packed and all(m.packed.dtype is torch.bfloat16 for m in packed)
+    assert narrow.engine.runner.linear_backend == "native-bf16"
+    got = [o.outputs[0].token_ids for o in narrow.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in wide.generate(prompts, params)]
+    assert got == want
+    # a float32 checkpoint has no bf16 weights to read
+    with pytest.raises(ValueError, match="needs a bfloat16 checkpoint"):
+        LLM("tiny", load_format="dummy", dtype="float32", linear_backend="native-bf16")

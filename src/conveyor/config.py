@@ -314,12 +314,15 @@ class EngineArgs:
                             "first use); sdpa = gather + SDPA (any device); auto = native where "
                             "it applies")
         g.add_argument("--linear-backend", default="auto",
-                       choices=("auto", "torch", "onednn", "native"),
+                       choices=("auto", "torch", "onednn", "native", "native-bf16"),
                        help="projections and LM head: native = conveyor's GEMM kernel with "
                             "weights packed once and SwiGLU fused (CPU with AVX2, float32; "
-                            "built on first use); onednn = weights packed once for oneDNN "
-                            "(CPU, float32); torch = F.linear; auto = native, else onednn, "
-                            "where they apply")
+                            "built on first use); native-bf16 = the same kernel reading "
+                            "bfloat16 weights (a bfloat16 checkpoint computed in float32: "
+                            "same results, half the bytes); onednn = weights packed once for "
+                            "oneDNN (CPU, float32, or bfloat16 where the CPU has it); torch = "
+                            "F.linear; auto = the fastest of those that apply, measured per "
+                            "weight shape at start")
         g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                        help="run one full step (max-num-batched-tokens prompt tokens) at "
                             "start, so the first requests do not pay for building kernels "

@@ -21,7 +21,9 @@ Adding one, say FlashInfer's decode on CUDA, is one class::
 Registered here, in priority order: attention ``native`` (the C kernels on CPU, float32
 or bfloat16) then ``sdpa`` (anywhere); linears ``native`` (conveyor's GEMM: float32, an
 AVX2 + FMA CPU, the kernels built), ``onednn`` (float32 on CPU, a torch with oneDNN) then
-``torch`` (plain ``F.linear``, anywhere).
+``torch`` (plain ``F.linear``, anywhere), and ``native-bf16`` (the native GEMM on bfloat16
+weights, float32 arithmetic: a bfloat16 checkpoint computed in float32) between native
+and oneDNN.
 """
 
 from __future__ import annotations
@@ -229,8 +231,11 @@ class LinearBackend:
         self.device, self.dtype = device, dtype
 
     @classmethod
-    def supports(cls, device: torch.device, dtype: torch.dtype) -> str | None:
-        """None if the backend can run this configuration, else why not."""
+    def supports(cls, device: torch.device, dtype: torch.dtype,
+                 weight_dtype: torch.dtype | None = None) -> str | None:
+        """None if the backend can run this configuration, else why not. ``dtype``: the
+        arithmetic's; ``weight_dtype``: the checkpoint's, where it differs (a bfloat16
+        model computed in float32), else None."""
         return None
 
     def make_linear(self, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -247,18 +252,21 @@ linear_backend = linear_backends.get
 linear_backend_names = linear_backends.names
 
 
-def linear_backend_names_for(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+def linear_backend_names_for(device: torch.device | str, dtype: torch.dtype,
+                              weight_dtype: torch.dtype | None = None) -> list[str]:
     """The registered linear backends that support this configuration, by priority."""
     device = torch.device(device)
     return [n for n in linear_backends.names()
-            if linear_backends.get(n).supports(device, dtype) is None]
+            if linear_backends.get(n).supports(device, dtype,
+                                               weight_dtype=weight_dtype) is None]
 
 
-def select_linear_backend(name: str, device: torch.device | str,
-                          dtype: torch.dtype) -> LinearBackend:
+def select_linear_backend(name: str, device: torch.device | str, dtype: torch.dtype,
+                          weight_dtype: torch.dtype | None = None) -> LinearBackend:
     """An instance of linear backend ``name`` (or the ``auto`` choice)."""
     device = torch.device(device)
-    return linear_backends.select(name, device, dtype)(device, dtype)
+    return linear_backends.select(name, device, dtype, weight_dtype=weight_dtype)(device,
+                                                                                 dtype)
 
 
 def _fp32_cpu(device: torch.device, dtype: torch.dtype) -> bool:
@@ -274,7 +282,7 @@ class NativeLinearBackend(LinearBackend):
     _needs = "needs a float32 model on a CPU with AVX2 and FMA, and the native kernels built"
 
     @classmethod
-    def supports(cls, device, dtype):
+    def supports(cls, device, dtype, weight_dtype=None):
         if not _fp32_cpu(device, dtype):
             return f"{cls._needs} (got {str(dtype).removeprefix('torch.')} on {device})"
         if kernels.load() is None:
@@ -288,13 +296,33 @@ class NativeLinearBackend(LinearBackend):
 
 
 @register_linear_backend
+class NativeBf16WeightLinearBackend(NativeLinearBackend):
+    """conveyor's GEMM reading bfloat16 weights, float32 arithmetic: for a bfloat16
+    checkpoint computed in float32 (CPUs without bf16 arithmetic), the same bits as
+    ``native`` from half the weight bytes, which is what a decode step is bound by."""
+
+    name, priority = "native-bf16", 15
+
+    @classmethod
+    def supports(cls, device, dtype, weight_dtype=None):
+        if weight_dtype != torch.bfloat16 or dtype != torch.float32:
+            return ("needs a bfloat16 checkpoint computed in float32 (--dtype bfloat16 "
+                    "where the CPU lacks bf16 arithmetic, or --compute-dtype float32)")
+        return super().supports(device, dtype)
+
+    def make_linear(self, weight, bias, gate_up=False):
+        return NativeLinear(weight, bias, native_gemm_lib(), gate_up=gate_up,
+                            bf16_weight=True)
+
+
+@register_linear_backend
 class OneDnnLinearBackend(LinearBackend):
     """oneDNN (bundled with torch's CPU builds) with the weight re-blocked once."""
 
     name, priority = "onednn", 10
 
     @classmethod
-    def supports(cls, device, dtype):
+    def supports(cls, device, dtype, weight_dtype=None):
         # bfloat16 where the CPU multiplies it natively (AVX-512 BF16, AMX: oneDNN picks
         # the instructions): packed, 1.1-1.9x F.linear's speed on a Zen 5, same bits.
         ok = device.type == "cpu" and (dtype == torch.float32 or (

@@ -76,15 +76,31 @@ class NativeLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib,
-                 gate_up: bool = False) -> None:
+                 gate_up: bool = False, bf16_weight: bool = False) -> None:
+        """``bf16_weight``: keep the weight as bfloat16 (half the bytes a call reads); only
+        for a weight whose values are bfloat16 ones (a bfloat16 checkpoint computed in
+        float32), so the output is bit for bit the float32 kernel's: checked here."""
         super().__init__()
         if gate_up and (bias is not None or weight.shape[0] % 2):
             raise ValueError("a fused gate/up projection needs an even row count, no bias")
         self.lib = lib
         self.out_features, self.in_features = weight.shape
         self.applies_silu_mul = gate_up
+        weight = weight.detach()
+        if bf16_weight:
+            narrow = weight.to(torch.bfloat16).contiguous()
+            if weight.dtype is not torch.bfloat16 and not torch.equal(
+                    narrow.to(weight.dtype), weight):
+                raise ValueError(
+                    "a bf16-weight linear takes only weights whose values are bfloat16 "
+                    f"ones (a bfloat16 checkpoint); this {weight.dtype} "
+                    f"{tuple(weight.shape)} weight would be rounded")
+            weight = narrow
+        else:
+            weight = weight.to(torch.float32).contiguous()
+        self.bf16_weight = bf16_weight
         self.gemm = native.PackedGemm(
-            weight.detach().to(torch.float32).contiguous(),
+            weight,
             bias.detach().to(torch.float32).contiguous() if bias is not None else None,
             gate_up)
         self.width = self.gemm.width
@@ -108,17 +124,19 @@ class NativeLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = ", silu(gate) * up" if self.applies_silu_mul else ""
+        kind += ", bf16 weight" if self.bf16_weight else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, native{kind}"
 
 
-def pick_linear_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+def pick_linear_backend(backend: str, device: torch.device, dtype: torch.dtype,
+                        weight_dtype: torch.dtype | None = None) -> str:
     """Which linears a model gets, by name: ``native`` (conveyor's GEMM), ``onednn``,
     ``torch`` (plain ``F.linear``), any registered one, or ``auto``: the first registered
     that applies (native for float32 on an AVX2 CPU, else oneDNN for float32 on CPU where
     torch has it, else torch). See ``backends.py``."""
     from conveyor.model.backends import select_linear_backend
 
-    return select_linear_backend(backend, device, dtype).name
+    return select_linear_backend(backend, device, dtype, weight_dtype).name
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str,

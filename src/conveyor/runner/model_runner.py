@@ -158,15 +158,20 @@ class ModelRunner:
         if layer_ops is not None:
             self.model.ops = layer_ops
         dtype = DTYPES[model_cfg.math_dtype]
-        self.linear_backend = pick_linear_backend(linear_backend, device, dtype)
+        # The checkpoint's dtype where the arithmetic's differs (bf16 computed in fp32:
+        # the weights' values are bf16 ones, which native-bf16 reads as such).
+        weight_dtype = (DTYPES[model_cfg.dtype] if model_cfg.dtype != model_cfg.math_dtype
+                        else None)
+        self.linear_backend = pick_linear_backend(linear_backend, device, dtype, weight_dtype)
         # Shape key -> backend of every projection (one name unless measured per shape).
         self.linear_choice: dict[str, str] = {}
-        candidates = linear_backend_names_for(device, dtype)
+        candidates = linear_backend_names_for(device, dtype, weight_dtype)
         if linear_backend == "auto" and len(candidates) > 1 and measuring_enabled():
             counts = model_shape_counts(self.model.layers, self.model.lm_head_weight)
             self.linear_choice = choose_linears(
                 sorted(counts, key=lambda s: s.key),
-                {n: select_linear_backend(n, device, dtype) for n in candidates},
+                {n: select_linear_backend(n, device, dtype, weight_dtype)
+                 for n in candidates},
                 device, dtype, *linear_rows, {s.key: n for s, n in counts.items()})
             used = list(self.linear_choice.values())
             self.linear_backend = max(set(used), key=used.count)  # the most used, for logs

@@ -205,11 +205,13 @@ def _bind(lib: ctypes.CDLL) -> None:
         "gemm_packed_size": [i32] * 3,
         "gemm_pack_weight_f32": [ptr] * 2 + [i32] * 3,
         "gemm_f32": [ptr, i32, ptr, ptr, ptr] + [i32] * 5,
+        "gemm_pack_weight_bf16": [ptr] * 2 + [i32] * 3,
+        "gemm_f32_w16": [ptr, i32, ptr, ptr, ptr] + [i32] * 5,
     }
     restypes = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
                 "gemm_f32_available": ctypes.c_int, "amx_tiles_available": ctypes.c_int,
                 "gemm_packed_size": ctypes.c_int64,
-                "gemm_f32": ctypes.c_int}
+                "gemm_f32": ctypes.c_int, "gemm_f32_w16": ctypes.c_int}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype = restypes.get(name)

@@ -19,6 +19,13 @@
  *   plain    panel p, k: W[p * 16 + j][k] for j < 16 at ((p * K) + k) * 16 + j (zeros past N)
  *   gate/up  panel p holds gate rows 8p..8p+7 then up rows 8p..8p+7 (W = [gate; up] of
  *            2I rows), so one tile has both halves of 8 outputs
+ *
+ * The same layouts hold bf16 weights (uint16 elements, 32-byte panel rows): gemm_f32_w16
+ * widens each to float32 as it loads it (a bf16 is the top half of a float32, so exactly)
+ * and then runs the same FMAs in the same order: bit for bit what gemm_f32 gives on the
+ * widened weight, for half the bytes read. A decode step reads every weight once from
+ * memory, so a bfloat16 checkpoint computed in float32 (CPUs without bf16 arithmetic)
+ * streams its own bytes instead of a float32 copy twice their size.
  */
 #include <math.h>
 #include <stdint.h>
@@ -51,6 +58,25 @@ void gemm_pack_weight_f32(const float* w, float* packed, int N, int K, int gate_
             float* dst = packed + (int64_t)p * K * NR + j;
             for (int k = 0; k < K; k++)
                 dst[(int64_t)k * NR] = row >= 0 ? w[(int64_t)row * K + k] : 0.f;
+        }
+}
+
+void gemm_pack_weight_bf16(const uint16_t* w, uint16_t* packed, int N, int K, int gate_up) {
+    const int np = gate_up ? (N / 2 + 7) / 8 : (N + NR - 1) / NR;
+    const int inter = N / 2;
+    #pragma omp parallel for schedule(static)
+    for (int p = 0; p < np; p++)
+        for (int j = 0; j < NR; j++) {
+            int row;
+            if (gate_up) {
+                const int o = p * 8 + (j & 7);
+                row = o < inter ? (j < 8 ? o : inter + o) : -1;
+            } else {
+                row = p * NR + j < N ? p * NR + j : -1;
+            }
+            uint16_t* dst = packed + (int64_t)p * K * NR + j;
+            for (int k = 0; k < K; k++)
+                dst[(int64_t)k * NR] = row >= 0 ? w[(int64_t)row * K + k] : 0;
         }
 }
 
@@ -96,30 +122,37 @@ static void finish_tile(float acc[MR][NR], int mr, int nr, const float* bias, in
  * (loaded first when accumulate). last: this is the final K block, so the tile goes
  * through the epilogue into out instead of back to part.
  */
-static inline void tile_6x16(int kc, const float* restrict a, const float* restrict b,
-                             float* part, int ldp, int accumulate, int last, int mr, int nr,
-                             const float* bias, int gate_up, float* out, int ldo) {
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
-           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    for (int k = 0; k < kc; k++) {
-        const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
-        __m256 x = _mm256_broadcast_ss(a);
-        c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
-        x = _mm256_broadcast_ss(a + 1);
-        c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
-        x = _mm256_broadcast_ss(a + 2);
-        c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
-        x = _mm256_broadcast_ss(a + 3);
-        c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
-        x = _mm256_broadcast_ss(a + 4);
-        c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
-        x = _mm256_broadcast_ss(a + 5);
-        c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
-        a += MR;
-        b += NR;
-    }
-    const __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21},
-                               {c30, c31}, {c40, c41}, {c50, c51}};
+/* A bf16 panel row's 8 values from p (16-byte aligned), widened to float32: exact. */
+static inline __m256 load_bf16x8(const uint16_t* p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_load_si128((const __m128i*)p)), 16));
+}
+
+/* The twelve FMAs of one K step, b0/b1 the panel row's two halves. */
+#define TILE_FMAS()                                                          \
+    do {                                                                     \
+        __m256 x = _mm256_broadcast_ss(a);                                   \
+        c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01); \
+        x = _mm256_broadcast_ss(a + 1);                                      \
+        c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11); \
+        x = _mm256_broadcast_ss(a + 2);                                      \
+        c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21); \
+        x = _mm256_broadcast_ss(a + 3);                                      \
+        c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31); \
+        x = _mm256_broadcast_ss(a + 4);                                      \
+        c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41); \
+        x = _mm256_broadcast_ss(a + 5);                                      \
+        c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51); \
+        a += MR;                                                             \
+    } while (0)
+
+/* wbf16: wp holds uint16 bf16 weights (else floats); the branch is per tile, outside the
+ * K loop, and both loops run the same FMAs in the same order. */
+/* A tile's epilogue: acc (rows past mr are ignored) into part, or through bias and the
+ * activation into out on the last K block. */
+static inline __attribute__((always_inline)) void tile_store(
+        const __m256 acc[MR][2], float* part, int ldp, int accumulate, int last, int mr,
+        int nr, const float* bias, int gate_up, float* out, int ldo) {
     /* A full tile's partial sums, and a plain full tile without bias, are stored from
      * registers (a plain product keeps its partial sums in out: part == out); the rest
      * goes through a small array. */
@@ -165,6 +198,112 @@ static inline void tile_6x16(int kc, const float* restrict a, const float* restr
     }
 }
 
+static inline void tile_6x16(int kc, const float* restrict a, const void* restrict wp,
+                             int wbf16, float* part, int ldp, int accumulate, int last,
+                             int mr, int nr, const float* bias, int gate_up, float* out,
+                             int ldo) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    if (wbf16) {
+        const uint16_t* restrict b = (const uint16_t*)wp;
+        for (int k = 0; k < kc; k++, b += NR) {
+            const __m256 b0 = load_bf16x8(b), b1 = load_bf16x8(b + 8);
+            TILE_FMAS();
+        }
+    } else {
+        const float* restrict b = (const float*)wp;
+        for (int k = 0; k < kc; k++, b += NR) {
+            const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+            TILE_FMAS();
+        }
+    }
+    const __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                               {c30, c31}, {c40, c41}, {c50, c51}};
+    tile_store(acc, part, ldp, accumulate, last, mr, nr, bias, gate_up, out, ldo);
+}
+
+/*
+ * ROWS (1-4) rows of x over P panels at once (P consecutive panels, K * NR elements
+ * apart). A 6-row tile with one valid row does six rows' FMAs and waits on two FMA
+ * chains' latency per K step; here a decode row costs its own FMAs, P x 2 independent
+ * chains. Each output is the same sum in the same order as in tile_6x16 (k ascending,
+ * one FMA each), so a row's result does not depend on how many rows share its sliver.
+ */
+static inline __attribute__((always_inline)) void tile_few(
+        const int ROWS, const int P, int kc, const float* restrict a, const void* restrict wp,
+        int64_t panel_stride, int wbf16, float* part, int ldp, int part_step, int accumulate,
+        int last, int mr, const int* nrs, const float* bias, int gate_up, float* out,
+        int ldo, int cols) {
+    __m256 c[4][4][2];
+    for (int r = 0; r < ROWS; r++)
+        for (int q = 0; q < P; q++) c[r][q][0] = c[r][q][1] = _mm256_setzero_ps();
+    if (wbf16) {
+        const uint16_t* restrict b = (const uint16_t*)wp;
+        for (int k = 0; k < kc; k++, b += NR, a += MR)
+            for (int q = 0; q < P; q++) {
+                const __m256 b0 = load_bf16x8(b + q * panel_stride);
+                const __m256 b1 = load_bf16x8(b + q * panel_stride + 8);
+                for (int r = 0; r < ROWS; r++) {
+                    const __m256 x = _mm256_broadcast_ss(a + r);
+                    c[r][q][0] = _mm256_fmadd_ps(x, b0, c[r][q][0]);
+                    c[r][q][1] = _mm256_fmadd_ps(x, b1, c[r][q][1]);
+                }
+            }
+    } else {
+        const float* restrict b = (const float*)wp;
+        for (int k = 0; k < kc; k++, b += NR, a += MR)
+            for (int q = 0; q < P; q++) {
+                const __m256 b0 = _mm256_load_ps(b + q * panel_stride);
+                const __m256 b1 = _mm256_load_ps(b + q * panel_stride + 8);
+                for (int r = 0; r < ROWS; r++) {
+                    const __m256 x = _mm256_broadcast_ss(a + r);
+                    c[r][q][0] = _mm256_fmadd_ps(x, b0, c[r][q][0]);
+                    c[r][q][1] = _mm256_fmadd_ps(x, b1, c[r][q][1]);
+                }
+            }
+    }
+    for (int q = 0; q < P; q++) {
+        __m256 acc[MR][2];
+        for (int r = 0; r < MR; r++) {
+            acc[r][0] = r < ROWS ? c[r][q][0] : _mm256_setzero_ps();
+            acc[r][1] = r < ROWS ? c[r][q][1] : _mm256_setzero_ps();
+        }
+        tile_store(acc, part + q * part_step, ldp, accumulate, last, mr, nrs[q],
+                   bias == NULL ? NULL : bias + q * NR, gate_up, out + q * cols, ldo);
+    }
+}
+
+/* tile_few for mr = 1..4 rows over np panels: 4 at a time at one row, 2 at two or three
+ * (2 x 2 x ROWS accumulators), 1 at four. */
+static void tiles_few(int np, int kc, const float* a, const void* wp, int64_t panel_stride,
+                      int wbf16, float* part, int ldp, int part_step, int accumulate,
+                      int last, int mr, const int* nrs, const float* bias, int gate_up,
+                      float* out, int ldo, int cols) {
+    const size_t wsize = wbf16 ? sizeof(uint16_t) : sizeof(float);
+    while (np > 0) {
+        const int step = mr == 1 ? (np >= 4 ? 4 : np >= 2 ? 2 : 1)
+                         : mr < 4 && np >= 2 ? 2 : 1;
+#define FEW(R, P) tile_few(R, P, kc, a, wp, panel_stride, wbf16, part, ldp, part_step, \
+                           accumulate, last, mr, nrs, bias, gate_up, out, ldo, cols)
+        if (mr == 1) {
+            if (step == 4) FEW(1, 4); else if (step == 2) FEW(1, 2); else FEW(1, 1);
+        } else if (mr == 2) {
+            if (step == 2) FEW(2, 2); else FEW(2, 1);
+        } else if (mr == 3) {
+            if (step == 2) FEW(3, 2); else FEW(3, 1);
+        } else {
+            FEW(4, 1);
+        }
+#undef FEW
+        np -= step;
+        wp = (const char*)wp + step * panel_stride * wsize;
+        part += step * part_step;
+        nrs += step;
+        if (bias != NULL) bias += step * NR;
+        out += step * cols;
+    }
+}
+
 /* The calling thread's buffer for packed x, kept between calls and grown as needed: a
  * fresh multi-megabyte allocation per call comes back from the kernel as new pages, and
  * faulting them in cost more than packing (a 2,048 x 1,536 block is 12.6 MB). */
@@ -181,13 +320,27 @@ static float* pack_buffer(size_t floats) {
     return pack_buf;
 }
 
+/* The calling thread's float32 copy of one bf16 panel slice (KC_MAX x 16: 18 KB, stays in
+ * L1), for tiles that would otherwise widen the same weights once per 6-row sliver. */
+static __thread float* wide_buf = NULL;
+
+static const float* widen_panel(const uint16_t* b, int kc) {
+    if (wide_buf == NULL) {
+        wide_buf = (float*)aligned_alloc(64, sizeof(float) * KC_MAX * NR);
+        if (wide_buf == NULL) return NULL;
+    }
+    for (int i = 0; i < kc * NR; i += 8) _mm256_store_ps(wide_buf + i, load_bf16x8(b + i));
+    return wide_buf;
+}
+
 /*
  * x: [M, K] rows lda apart; wp packed (see above) for N output columns, or for N = 2I
  * gate/up rows when gate_up (then out is [M, I]); bias: NULL or N floats (plain only);
  * out: rows ldo apart. Returns 0, or -1 if memory ran out.
  */
-int gemm_f32(const float* x, int lda, const float* wp, const float* bias, float* out,
-             int ldo, int M, int N, int K, int gate_up) {
+static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const float* bias,
+                    float* out, int ldo, int M, int N, int K, int gate_up) {
+    const size_t wsize = wbf16 ? sizeof(uint16_t) : sizeof(float);
     const int nout = gate_up ? N / 2 : N;
     const int cols = gate_up ? 8 : NR; /* output columns per panel */
     const int np = (nout + cols - 1) / cols;
@@ -197,6 +350,10 @@ int gemm_f32(const float* x, int lda, const float* wp, const float* bias, float*
     /* Enough tiles that two threads stay busy at decode sizes (one M block). */
     int ncp = np * nmb / 16;
     ncp = ncp < 1 ? 1 : ncp > 16 ? 16 : ncp;
+    /* Up to 4 rows (decode at small batches): tiles_few takes a task's panels up to 4 at
+     * a time, so give tasks at least 4. */
+    const int few = M <= 4;
+    if (few && ncp < 4) ncp = np < 4 ? np : 4;
     const int nnb = (np + ncp - 1) / ncp;
     float* xp = pack_buffer((size_t)Mp * K);
     if (xp == NULL) return -1;
@@ -237,8 +394,30 @@ int gemm_f32(const float* x, int lda, const float* wp, const float* bias, float*
                 for (int kb = 0; kb < nkb; kb++) {
                     const int k0 = kb * kcb, kc = K - k0 < kcb ? K - k0 : kcb;
                     const float* xb = xp + (int64_t)k0 * Mp;
+                    if (few) { /* one sliver of 1-4 rows: all of the task's panels */
+                        int nrs[16];
+                        for (int p = p0; p < p1; p++)
+                            nrs[p - p0] = nout - p * cols < cols ? nout - p * cols : cols;
+                        float* o = out + (int64_t)p0 * cols;
+                        tiles_few(p1 - p0, kc, xb, (const char*)wp + ((int64_t)p0 * K + k0) * NR * wsize,
+                                  (int64_t)K * NR, wbf16, part != NULL ? part : o,
+                                  part != NULL ? ncp * NR : ldo, part != NULL ? NR : cols,
+                                  kb > 0, kb == nkb - 1, M, nrs,
+                                  bias == NULL ? NULL : bias + p0 * NR, gate_up, o, ldo, cols);
+                        continue;
+                    }
                     for (int p = p0; p < p1; p++) {
-                        const float* bp = wp + ((int64_t)p * K + k0) * NR;
+                        const void* bp = (const char*)wp + ((int64_t)p * K + k0) * NR * wsize;
+                        int tile_bf16 = wbf16;
+                        if (wbf16 && s1 - s0 > 1) {
+                            /* several slivers read this slice: widen it once, not per
+                             * sliver (what made bf16 weights slower from 32 rows up) */
+                            const float* wide = widen_panel((const uint16_t*)bp, kc);
+                            if (wide != NULL) {
+                                bp = wide;
+                                tile_bf16 = 0;
+                            }
+                        }
                         const int nr = nout - p * cols < cols ? nout - p * cols : cols;
                         const float* bias_p = bias == NULL ? NULL : bias + p * NR;
                         for (int s = s0; s < s1; s++) {
@@ -251,7 +430,7 @@ int gemm_f32(const float* x, int lda, const float* wp, const float* bias, float*
                                      + (int64_t)(p - p0) * NR;
                                 ldp = ncp * NR;
                             }
-                            tile_6x16(kc, xb + (int64_t)s * MR * kc, bp, pp, ldp, kb > 0,
+                            tile_6x16(kc, xb + (int64_t)s * MR * kc, bp, tile_bf16, pp, ldp, kb > 0,
                                       kb == nkb - 1, mr, nr, bias_p, gate_up, o, ldo);
                         }
                     }
@@ -262,11 +441,26 @@ int gemm_f32(const float* x, int lda, const float* wp, const float* bias, float*
     return failed ? -1 : 0;
 }
 
+int gemm_f32(const float* x, int lda, const float* wp, const float* bias, float* out,
+             int ldo, int M, int N, int K, int gate_up) {
+    return gemm_run(x, lda, wp, 0, bias, out, ldo, M, N, K, gate_up);
+}
+
+/* As gemm_f32, with wp packed by gemm_pack_weight_bf16. */
+int gemm_f32_w16(const float* x, int lda, const uint16_t* wp, const float* bias, float* out,
+                 int ldo, int M, int N, int K, int gate_up) {
+    return gemm_run(x, lda, wp, 1, bias, out, ldo, M, N, K, gate_up);
+}
+
 #else
 /* No AVX2/FMA: callers keep oneDNN or torch. */
 int gemm_f32_available(void) { return 0; }
 int gemm_f32(const float* x, int lda, const float* wp, const float* bias, float* out,
              int ldo, int M, int N, int K, int gate_up) {
+    return -1;
+}
+int gemm_f32_w16(const float* x, int lda, const uint16_t* wp, const float* bias, float* out,
+                 int ldo, int M, int N, int K, int gate_up) {
     return -1;
 }
 #endif

@@ -300,33 +300,40 @@ def gemm_packed_size(out_features: int, in_features: int, gate_up: bool = False)
     return size
 
 
+_W = (F32, BF16)  # packed weights: float32, or bfloat16 widened as the kernel loads them
+
+
 def gemm_pack_weight(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
-    """The packed layout of a float32 [N, K] weight (gate_up: [gate; up] of 2I rows)."""
+    """The packed layout of a float32 or bfloat16 [N, K] weight (gate_up: [gate; up] of 2I
+    rows), in the weight's dtype: ``gemm`` computes in float32 either way."""
     try:
-        ok = (weight.dtype is F32 and weight.is_cpu and weight.dim() == 2
+        ok = (weight.dtype in _W and weight.is_cpu and weight.dim() == 2
               and weight.is_contiguous())
-    except AttributeError:
+    except (AttributeError, TypeError):
         ok = False
     if not ok:
-        raise _refuse("gemm_pack_weight", (("weight", weight, _F32, 2, "contiguous"),),
+        raise _refuse("gemm_pack_weight", (("weight", weight, _W, 2, "contiguous"),),
                       lambda: "bad weight")
     n, k = weight.shape
     size = gemm_packed_size(n, k, gate_up)
     # torch's CPU allocator aligns to 64 bytes, as the kernel's aligned loads need.
-    packed = torch.empty(size, dtype=F32)
-    _native().gemm_pack_weight_f32(weight.data_ptr(), packed.data_ptr(), n, k, int(gate_up))
+    packed = torch.empty(size, dtype=weight.dtype)
+    pack = (_native().gemm_pack_weight_f32 if weight.dtype is F32
+            else _native().gemm_pack_weight_bf16)
+    pack(weight.data_ptr(), packed.data_ptr(), n, k, int(gate_up))
     return packed
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
          out_features: int, in_features: int, gate_up: bool = False) -> torch.Tensor:
     """``x @ W.T + bias`` for x [M, K] float32 (rows may be strided, even overlap: x is
-    only read) and W packed by
-    ``gemm_pack_weight``; gate_up: ``silu(gate) * up``, [M, N / 2]."""
+    only read) and W packed by ``gemm_pack_weight`` (float32 or bfloat16: float32
+    arithmetic on the weight's exact values either way); gate_up: ``silu(gate) * up``,
+    [M, N / 2]."""
     size = (_packed_sizes.get((out_features, in_features, gate_up))
             or gemm_packed_size(out_features, in_features, gate_up))  # refuses bad shapes
     try:
-        ok = (x.dtype is F32 and packed.dtype is F32 and x.is_cpu
+        ok = (x.dtype is F32 and packed.dtype in _W and x.is_cpu
               and packed.is_cpu and x.dim() == 2 and packed.dim() == 1 and x.stride(1) == 1
               and packed.is_contiguous() and x.shape[1] == in_features
               and packed.shape[0] == size and not packed.data_ptr() % 64
@@ -337,22 +344,23 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     except (AttributeError, TypeError):
         ok = False
     if not ok:
-        args = [("x", x, _F32, 2, "rows"), ("packed", packed, _F32, 1, "contiguous")]
+        args = [("x", x, _F32, 2, "rows"), ("packed", packed, _W, 1, "contiguous")]
         if bias is not None:
             args.append(("bias", bias, _F32, 1, "contiguous"))
         raise _refuse("gemm", tuple(args), lambda: (
             f"x {tuple(x.shape)} (row stride {x.stride(0)}), packed of {packed.numel()} "
-            f"floats at {packed.data_ptr() % 64} bytes past 64-byte alignment and bias "
+            f"elements at {packed.data_ptr() % 64} bytes past 64-byte alignment and bias "
             f"{None if bias is None else tuple(bias.shape)} do not fit a weight "
             f"[{out_features}, {in_features}] packed by gemm_pack_weight (a fresh tensor of "
-            f"{size} floats), x [M, "
+            f"{size} elements), x [M, "
             f"{in_features}], bias [{out_features}] and none for gate/up"))
     if not (_gemm_ok or gemm_available()):
         raise RuntimeError("conveyor::gemm: this CPU has no AVX2 + FMA, the GEMM is not built")
     rows = x.shape[0]
     out = torch.empty((rows, out_features // 2 if gate_up else out_features), dtype=F32)
     if rows:
-        rc = (_lib or _native()).gemm_f32(
+        lib = _lib or _native()
+        rc = (lib.gemm_f32 if packed.dtype is F32 else lib.gemm_f32_w16)(
             x.data_ptr(), x.stride(0), packed.data_ptr(),
             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.shape[1], rows,
             out_features, in_features, int(gate_up))
@@ -362,10 +370,12 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
 
 
 class PackedGemm:
-    """A weight packed once (``gemm_pack_weight``) with its bias, checked once: a call
-    ``(x)`` checks only x, then runs ``gemm`` (the packed operands are its own)."""
+    """A weight packed once (``gemm_pack_weight``: float32, or bfloat16 read as its exact
+    float32 values) with its bias, checked once: a call ``(x)`` checks only x, then runs
+    ``gemm`` (the packed operands are its own)."""
 
-    __slots__ = ("_bias", "_packed", "gate_up", "in_features", "out_features", "width")
+    __slots__ = ("_bias", "_fn", "_packed", "gate_up", "in_features", "out_features",
+                 "width")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  gate_up: bool = False) -> None:
@@ -382,6 +392,7 @@ class PackedGemm:
         self.out_features, self.in_features = weight.shape
         self.gate_up = gate_up
         self.width = self.out_features // 2 if gate_up else self.out_features
+        self._fn = "gemm_f32" if weight.dtype is F32 else "gemm_f32_w16"
 
     @property
     def packed(self) -> torch.Tensor:
@@ -408,7 +419,7 @@ class PackedGemm:
         out = torch.empty((rows, self.width), dtype=F32)
         if rows:
             bias = self._bias
-            rc = (_lib or _native()).gemm_f32(
+            rc = getattr(_lib or _native(), self._fn)(
                 x.data_ptr(), row_stride, self._packed.data_ptr(),
                 bias.data_ptr() if bias is not None else None, out.data_ptr(), self.width,
                 rows, self.out_features, self.in_features, int(self.gate_up))
