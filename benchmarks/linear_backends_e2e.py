@@ -9,6 +9,8 @@ decode step sees.
 
     python benchmarks/linear_backends_e2e.py --batches 1,16 --rounds 8,4
     python benchmarks/linear_backends_e2e.py --model smollm2-135m --load-format dummy
+    python benchmarks/linear_backends_e2e.py --dtype bfloat16   # bf16 weights; fp32
+                                                  # arithmetic where the CPU lacks bf16
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from spec_decode import load_pair_module
 
 from conveyor import LLM, SamplingParams
 from conveyor.model.backends import linear_backend_names_for
-from conveyor.model.dtypes import cpu_model_name
+from conveyor.model.dtypes import cpu_model_name, resolve_compute_dtype
 
 
 def default_model() -> tuple[str, str]:
@@ -46,6 +48,9 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the checkpoint's dtype (bfloat16: computed as --compute-dtype auto "
+                        "decides here)")
     args = p.parse_args()
     model, load_format = default_model()
     model = args.model or model
@@ -56,13 +61,18 @@ def main() -> int:
         rounds *= len(batches)
     if len(rounds) != len(batches):
         p.error("--rounds: one number, or one per batch size")
-    names = ["auto", *linear_backend_names_for("cpu", torch.float32)]
+    cpu = torch.device("cpu")
+    math = getattr(torch, resolve_compute_dtype("auto", args.dtype, cpu))
+    weight_dtype = getattr(torch, args.dtype)
+    names = ["auto", *linear_backend_names_for(
+        cpu, math, weight_dtype if weight_dtype != math else None)]
     max_len = args.prompt_tokens + args.max_tokens + 16
-    engines = {n: LLM(model, load_format=load_format, dtype="float32",
+    engines = {n: LLM(model, load_format=load_format, dtype=args.dtype,
                       max_num_seqs=max(batches), max_num_batched_tokens=1024,
                       enable_prefix_caching=False, max_model_len=max_len,
                       num_threads=args.threads, linear_backend=n) for n in names}
-    print(f"CPU: {cpu_model_name()} ({os.cpu_count()} cores); model {model}")
+    print(f"CPU: {cpu_model_name()} ({os.cpu_count()} cores); model {model}, {args.dtype} "
+          f"weights, {str(math).removeprefix('torch.')} arithmetic")
     print(f"auto's choice: {engines['auto'].engine.runner.linear_choice or '(one backend)'}")
     vocab = engines["auto"].engine.config.model.vocab_size
     rng = random.Random(0)
@@ -89,7 +99,7 @@ def main() -> int:
         print(f"\nbatch {batch}: median of {n_rounds} rounds, {args.max_tokens} tokens each")
         for n in names:
             ratio = statistics.median(a / b for a, b in zip(times["auto"], times[n]))
-            print(f"  {n:<8} {statistics.median(times[n]) / args.max_tokens * 1e3:8.2f} ms "
+            print(f"  {n:<11} {statistics.median(times[n]) / args.max_tokens * 1e3:8.2f} ms "
                   f"a step   {ratio:5.3f}x auto's speed")
         sys.stdout.flush()
     return 0

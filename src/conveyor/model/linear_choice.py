@@ -122,8 +122,9 @@ def measure(shapes: list[LinearShape], backends: dict[str, object], device: torc
     has) and a prefill-sized one (the LM head, which runs on sampled rows only, or prefill
     rows no more than decode ones: the decode call's time again)."""
     gen = torch.Generator().manual_seed(0)
+    # bf16 values, so that a backend which takes only those (native-bf16) can be timed
     weights = {s.key: (torch.randn(s.out_features, s.in_features, generator=gen) * 0.02).to(
-        device=device, dtype=dtype) for s in shapes}
+        torch.bfloat16).to(device=device, dtype=dtype) for s in shapes}
     order = rotation(shapes, counts, dtype.itemsize)
     decode_x = {s.key: torch.randn(decode_rows, s.in_features, generator=gen).to(
         device=device, dtype=dtype) for s in shapes}
