@@ -176,7 +176,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--attention-backend", default="auto", choices=("auto", "native", "sdpa"))
     p.add_argument("--linear-backend", default="auto",
-                   choices=("auto", "torch", "onednn", "native"))
+                   choices=("auto", "torch", "onednn", "native", "native-bf16"))
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     if args.threads:
