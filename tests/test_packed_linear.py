@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.model import kernels
 from conveyor.model.dtypes import cpu_has_native_bf16
+from conveyor.model.kernels import ops
 from conveyor.model.packed_linear import (
     NativeLinear,
     PackedLinear,
@@ -229,6 +231,36 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bf16_weight, n, k,
     for rows in (1, 2, 3, 4, 5, 6, 7, 13):
         assert torch.equal(lin(x[:rows]), full[:rows]), rows
     assert torch.equal(lin(x[17:18]), full[17:18])
+
+
+def _gemm_builds() -> list[str]:
+    """The capped builds of the kernels this CPU runs that have the GEMM (AVX2 and up)."""
+    return [isa for isa in kernels.isa_builds() if isa != "portable"]
+
+
+@needs_native
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,gate_up,bias", [(96, 40, False, True), (50, 700, False, False),
+                                              (576, 300, True, False)])
+def test_every_gemm_body_gives_the_same_bits(weight_dtype, n, k, gate_up, bias) -> None:
+    """The AVX-512 body (a 16-column panel row in one zmm) runs each output's FMAs in the
+    AVX2 body's order, so a model's numbers do not depend on which of them the CPU got:
+    every build this machine runs, at decode row counts, 6-row tiles with a short last
+    sliver, and several K blocks, against the AVX2 build."""
+    builds = _gemm_builds()
+    if "avx2" not in builds or len(builds) < 2:
+        pytest.skip("this CPU runs one GEMM body only")
+    gen = torch.Generator().manual_seed(n * 3 + k)
+    w = torch.randn(n, k, generator=gen).to(weight_dtype).contiguous()
+    b = torch.randn(n, generator=gen) if bias else None
+    packed = ops.gemm_pack_weight(w, gate_up)
+    x = torch.randn(40, k, generator=gen)
+    ref_lib = kernels.load_variant("avx2")
+    for rows in (1, 2, 3, 4, 5, 8, 14, 40):
+        ref = ops.gemm(x[:rows], packed, b, n, k, gate_up, lib=ref_lib)
+        for isa in builds:
+            out = ops.gemm(x[:rows], packed, b, n, k, gate_up, lib=kernels.load_variant(isa))
+            assert torch.equal(out, ref), (isa, rows)
 
 
 @needs_native

@@ -7,7 +7,11 @@
  * panels of 16 output columns that are K-contiguous (a panel's KC x 16 slice stays in L1
  * while every 6-row sliver of an MC-row block of x, packed once per call, passes over
  * it), tiles of MC rows x NCP panels handed to threads dynamically. It needs AVX2 + FMA
- * (the loader only builds it where -march=native has them).
+ * (the loader only builds it where -march=native has them). Where the build has AVX-512
+ * (-march=native on such a CPU), a panel row is one zmm register and the tiles keep one
+ * zmm accumulator per row and panel (6 a tile; 1-4 rows over up to 8 panels): the same
+ * FMAs per output in the same order, so both bodies give the same bits (tested across
+ * the builds). A last sliver of 1-4 rows goes through the few-row tiles too.
  *
  * Why not oneDNN (which torch bundles and which a packed nn.Linear used before): on the
  * 2-core AVX2 machine this project measures on, this kernel runs the model's prefill
@@ -128,6 +132,33 @@ static inline __m256 load_bf16x8(const uint16_t* p) {
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_load_si128((const __m128i*)p)), 16));
 }
 
+#if defined(__AVX512F__)
+/* With AVX-512 a 16-column panel row is one zmm register: the tiles below keep one zmm
+ * accumulator per row and panel where the AVX2 body keeps two ymm ones. Each output is
+ * still one FMA per k, k ascending, so both bodies give the same bits. */
+static inline __m512 load_bf16x16(const uint16_t* p) { /* p 32-byte aligned */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i*)p)), 16));
+}
+
+/* A zmm accumulator as the two ymm halves the shared epilogue takes. */
+static inline void split_zmm(__m512 v, __m256 halves[2]) {
+    halves[0] = _mm512_castps512_ps256(v);
+    halves[1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+#define TILE_FMAS512()                                                       \
+    do {                                                                     \
+        z0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), b, z0);                   \
+        z1 = _mm512_fmadd_ps(_mm512_set1_ps(a[1]), b, z1);                   \
+        z2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), b, z2);                   \
+        z3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), b, z3);                   \
+        z4 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), b, z4);                   \
+        z5 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), b, z5);                   \
+        a += MR;                                                             \
+    } while (0)
+#endif
+
 /* The twelve FMAs of one K step, b0/b1 the panel row's two halves. */
 #define TILE_FMAS()                                                          \
     do {                                                                     \
@@ -202,6 +233,26 @@ static inline void tile_6x16(int kc, const float* restrict a, const void* restri
                              int wbf16, float* part, int ldp, int accumulate, int last,
                              int mr, int nr, const float* bias, int gate_up, float* out,
                              int ldo) {
+#if defined(__AVX512F__)
+    __m512 z0 = _mm512_setzero_ps(), z1 = z0, z2 = z0, z3 = z0, z4 = z0, z5 = z0;
+    if (wbf16) {
+        const uint16_t* restrict bb = (const uint16_t*)wp;
+        for (int k = 0; k < kc; k++, bb += NR) {
+            const __m512 b = load_bf16x16(bb);
+            TILE_FMAS512();
+        }
+    } else {
+        const float* restrict bb = (const float*)wp;
+        for (int k = 0; k < kc; k++, bb += NR) {
+            const __m512 b = _mm512_load_ps(bb);
+            TILE_FMAS512();
+        }
+    }
+    __m256 acc[MR][2];
+    split_zmm(z0, acc[0]); split_zmm(z1, acc[1]); split_zmm(z2, acc[2]);
+    split_zmm(z3, acc[3]); split_zmm(z4, acc[4]); split_zmm(z5, acc[5]);
+    tile_store(acc, part, ldp, accumulate, last, mr, nr, bias, gate_up, out, ldo);
+#else
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     if (wbf16) {
@@ -220,6 +271,7 @@ static inline void tile_6x16(int kc, const float* restrict a, const void* restri
     const __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21},
                                {c30, c31}, {c40, c41}, {c50, c51}};
     tile_store(acc, part, ldp, accumulate, last, mr, nr, bias, gate_up, out, ldo);
+#endif
 }
 
 /*
@@ -234,6 +286,31 @@ static inline __attribute__((always_inline)) void tile_few(
         int64_t panel_stride, int wbf16, float* part, int ldp, int part_step, int accumulate,
         int last, int mr, const int* nrs, const float* bias, int gate_up, float* out,
         int ldo, int cols) {
+#if defined(__AVX512F__)
+    __m512 z[4][8];
+    for (int r = 0; r < ROWS; r++)
+        for (int q = 0; q < P; q++) z[r][q] = _mm512_setzero_ps();
+    if (wbf16) {
+        const uint16_t* restrict b = (const uint16_t*)wp;
+        for (int k = 0; k < kc; k++, b += NR, a += MR)
+            for (int q = 0; q < P; q++) {
+                const __m512 bq = load_bf16x16(b + q * panel_stride);
+                for (int r = 0; r < ROWS; r++)
+                    z[r][q] = _mm512_fmadd_ps(_mm512_set1_ps(a[r]), bq, z[r][q]);
+            }
+    } else {
+        const float* restrict b = (const float*)wp;
+        for (int k = 0; k < kc; k++, b += NR, a += MR)
+            for (int q = 0; q < P; q++) {
+                const __m512 bq = _mm512_load_ps(b + q * panel_stride);
+                for (int r = 0; r < ROWS; r++)
+                    z[r][q] = _mm512_fmadd_ps(_mm512_set1_ps(a[r]), bq, z[r][q]);
+            }
+    }
+    __m256 c[4][8][2];
+    for (int r = 0; r < ROWS; r++)
+        for (int q = 0; q < P; q++) split_zmm(z[r][q], c[r][q]);
+#else
     __m256 c[4][4][2];
     for (int r = 0; r < ROWS; r++)
         for (int q = 0; q < P; q++) c[r][q][0] = c[r][q][1] = _mm256_setzero_ps();
@@ -262,6 +339,7 @@ static inline __attribute__((always_inline)) void tile_few(
                 }
             }
     }
+#endif
     for (int q = 0; q < P; q++) {
         __m256 acc[MR][2];
         for (int r = 0; r < MR; r++) {
@@ -281,10 +359,25 @@ static void tiles_few(int np, int kc, const float* a, const void* wp, int64_t pa
                       float* out, int ldo, int cols) {
     const size_t wsize = wbf16 ? sizeof(uint16_t) : sizeof(float);
     while (np > 0) {
-        const int step = mr == 1 ? (np >= 4 ? 4 : np >= 2 ? 2 : 1)
-                         : mr < 4 && np >= 2 ? 2 : 1;
 #define FEW(R, P) tile_few(R, P, kc, a, wp, panel_stride, wbf16, part, ldp, part_step, \
                            accumulate, last, mr, nrs, bias, gate_up, out, ldo, cols)
+#if defined(__AVX512F__)
+        /* one zmm a row and panel: up to 8 accumulators (8 FMA chains) */
+        const int step = mr == 1 ? (np >= 8 ? 8 : np >= 4 ? 4 : np >= 2 ? 2 : 1)
+                         : mr == 2 ? (np >= 4 ? 4 : np >= 2 ? 2 : 1) : np >= 2 ? 2 : 1;
+        if (mr == 1) {
+            if (step == 8) FEW(1, 8); else if (step == 4) FEW(1, 4);
+            else if (step == 2) FEW(1, 2); else FEW(1, 1);
+        } else if (mr == 2) {
+            if (step == 4) FEW(2, 4); else if (step == 2) FEW(2, 2); else FEW(2, 1);
+        } else if (mr == 3) {
+            if (step == 2) FEW(3, 2); else FEW(3, 1);
+        } else {
+            if (step == 2) FEW(4, 2); else FEW(4, 1);
+        }
+#else
+        const int step = mr == 1 ? (np >= 4 ? 4 : np >= 2 ? 2 : 1)
+                         : mr < 4 && np >= 2 ? 2 : 1;
         if (mr == 1) {
             if (step == 4) FEW(1, 4); else if (step == 2) FEW(1, 2); else FEW(1, 1);
         } else if (mr == 2) {
@@ -294,6 +387,7 @@ static void tiles_few(int np, int kc, const float* a, const void* wp, int64_t pa
         } else {
             FEW(4, 1);
         }
+#endif
 #undef FEW
         np -= step;
         wp = (const char*)wp + step * panel_stride * wsize;
@@ -406,10 +500,14 @@ static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const fl
                                   bias == NULL ? NULL : bias + p0 * NR, gate_up, o, ldo, cols);
                         continue;
                     }
+                    /* A last sliver of 1-4 rows (M = 8: 6 + 2) runs in few-row tiles over
+                     * the task's panels after the full ones, not as a 6-row tile. */
+                    const int tail = s1 == ns && M - (ns - 1) * MR <= 4;
+                    const int s1f = s1 - tail;
                     for (int p = p0; p < p1; p++) {
                         const void* bp = (const char*)wp + ((int64_t)p * K + k0) * NR * wsize;
                         int tile_bf16 = wbf16;
-                        if (wbf16 && s1 - s0 > 1) {
+                        if (wbf16 && s1f - s0 > 1) {
                             /* several slivers read this slice: widen it once, not per
                              * sliver (what made bf16 weights slower from 32 rows up) */
                             const float* wide = widen_panel((const uint16_t*)bp, kc);
@@ -420,7 +518,7 @@ static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const fl
                         }
                         const int nr = nout - p * cols < cols ? nout - p * cols : cols;
                         const float* bias_p = bias == NULL ? NULL : bias + p * NR;
-                        for (int s = s0; s < s1; s++) {
+                        for (int s = s0; s < s1f; s++) {
                             const int mr = M - s * MR < MR ? M - s * MR : MR;
                             float* o = out + (int64_t)s * MR * ldo + (int64_t)p * cols;
                             float* pp = o;
@@ -433,6 +531,20 @@ static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const fl
                             tile_6x16(kc, xb + (int64_t)s * MR * kc, bp, tile_bf16, pp, ldp, kb > 0,
                                       kb == nkb - 1, mr, nr, bias_p, gate_up, o, ldo);
                         }
+                    }
+                    if (tail) {
+                        const int s = ns - 1;
+                        int nrs[16];
+                        for (int p = p0; p < p1; p++)
+                            nrs[p - p0] = nout - p * cols < cols ? nout - p * cols : cols;
+                        float* o = out + (int64_t)s * MR * ldo + (int64_t)p0 * cols;
+                        tiles_few(p1 - p0, kc, xb + (int64_t)s * MR * kc,
+                                  (const char*)wp + ((int64_t)p0 * K + k0) * NR * wsize,
+                                  (int64_t)K * NR, wbf16,
+                                  part != NULL ? part + (int64_t)(s - s0) * MR * ncp * NR : o,
+                                  part != NULL ? ncp * NR : ldo, part != NULL ? NR : cols,
+                                  kb > 0, kb == nkb - 1, M - s * MR, nrs,
+                                  bias == NULL ? NULL : bias + p0 * NR, gate_up, o, ldo, cols);
                     }
                 }
             }

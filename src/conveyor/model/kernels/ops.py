@@ -325,11 +325,13 @@ def gemm_pack_weight(weight: torch.Tensor, gate_up: bool = False) -> torch.Tenso
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-         out_features: int, in_features: int, gate_up: bool = False) -> torch.Tensor:
+         out_features: int, in_features: int, gate_up: bool = False,
+         lib=None) -> torch.Tensor:
     """``x @ W.T + bias`` for x [M, K] float32 (rows may be strided, even overlap: x is
     only read) and W packed by ``gemm_pack_weight`` (float32 or bfloat16: float32
     arithmetic on the weight's exact values either way); gate_up: ``silu(gate) * up``,
-    [M, N / 2]."""
+    [M, N / 2]. ``lib``: a library from ``kernels.load_variant`` (with the GEMM built)
+    instead of the process's own; every build packs alike."""
     size = (_packed_sizes.get((out_features, in_features, gate_up))
             or gemm_packed_size(out_features, in_features, gate_up))  # refuses bad shapes
     try:
@@ -359,7 +361,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     rows = x.shape[0]
     out = torch.empty((rows, out_features // 2 if gate_up else out_features), dtype=F32)
     if rows:
-        lib = _lib or _native()
+        lib = lib or _lib or _native()
         rc = (lib.gemm_f32 if packed.dtype is F32 else lib.gemm_f32_w16)(
             x.data_ptr(), x.stride(0), packed.data_ptr(),
             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.shape[1], rows,
