@@ -9,6 +9,7 @@ scheduler's ``sampling_req_ids`` sample.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from conveyor.model.linear_choice import choose as choose_linears
 from conveyor.model.linear_choice import measuring_enabled, model_shape_counts
 from conveyor.model.loader import DTYPES, load_model
 from conveyor.model.packed_linear import pick_linear_backend
+from conveyor.runner import huge_pages
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
 from conveyor.runner.host_memory import keep_freed_host_memory
 from conveyor.runner.sampler import Sampler, SamplingRow
@@ -40,6 +42,8 @@ from conveyor.spec.config import SpeculativeConfig
 from conveyor.spec.proposers import ProposeItem, Proposer, make_proposer
 from conveyor.spec.verify import VerifyGroup, verify
 from conveyor.timings import PhaseTimings
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -201,11 +205,19 @@ class ModelRunner:
             num_blocks = num_blocks_for(self.cache_cfg, self.cfg, self.device, max_num_seqs)
         dtype = DTYPES[self.cfg.math_dtype]
         shape = (num_blocks * self.block_size, self.heads.num_kv_heads, self.cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device),
-             torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(self.cfg.num_layers)
-        ]
+        if self.device.type == "cpu":
+            # One pool for every layer's K and V, on huge pages where the OS takes the
+            # advice (runner/huge_pages.py: a decode step's scattered block reads)
+            pool, advised = huge_pages.zeros((self.cfg.num_layers, 2, *shape), dtype)
+            logger.info("KV pool: %.1f MiB on %s pages", pool.numel() * pool.element_size()
+                        / 2**20, "huge" if advised else "small")
+            self.kv_caches = [(pool[i, 0], pool[i, 1]) for i in range(self.cfg.num_layers)]
+        else:
+            self.kv_caches = [
+                (torch.zeros(shape, dtype=dtype, device=self.device),
+                 torch.zeros(shape, dtype=dtype, device=self.device))
+                for _ in range(self.cfg.num_layers)
+            ]
         self.num_blocks = num_blocks
         if self.proposer is not None and hasattr(self.proposer, "allocate_kv_cache"):
             self.proposer.allocate_kv_cache(num_blocks)  # the draft's layers, same blocks
