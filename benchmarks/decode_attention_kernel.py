@@ -6,7 +6,8 @@ worth of blocks (as a paged cache ends up after a while, and too big for the cac
 one kernel call per layer. Each row is one body on one cache dtype: the entry the engine
 calls (the vector body where the head dim is a multiple of the build's vector width) and
 the generic body it replaced, timed in alternation in one run; each is checked against a
-dense softmax first.
+dense softmax first. The cache is on huge pages where the OS takes the advice, as the
+engine's pool is; then a last row times the entry on a copy on small pages.
 
     python benchmarks/decode_attention_kernel.py --threads 2
     python benchmarks/decode_attention_kernel.py --dtypes bfloat16 --head-dim 128 \
@@ -16,6 +17,7 @@ dense softmax first.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -23,6 +25,11 @@ import torch
 
 from conveyor.model import kernels
 from conveyor.model.dtypes import cpu_model_name
+from conveyor.runner import huge_pages
+
+
+def _on_other_cache(fn, k_ptr: int, v_ptr: int, q_ptr: int, _k: int, _v: int, *rest):
+    return fn(q_ptr, k_ptr, v_ptr, *rest)
 
 
 def main() -> None:
@@ -60,11 +67,21 @@ def main() -> None:
           f"batch {b}, context {ctx}, heads {hq}/{hkv}x{d}, {args.layers} layers")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
-        k_cache = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(dtype)
-        v_cache = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(dtype)
+        # The pool as the engine allocates it (runner/huge_pages.py), and a copy on the
+        # small pages torch gives by default.
+        k_small = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(dtype)
+        v_small = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(dtype)
+        pool, advised = huge_pages.zeros((2, *k_small.shape), dtype)
+        pool[0].copy_(k_small)
+        pool[1].copy_(v_small)
+        k_cache, v_cache = pool[0], pool[1]
         suffix = "f32" if dtype is torch.float32 else "bf16"
-        bodies = {"entry (vector body)": getattr(lib, f"decode_attention_{suffix}"),
+        entry = getattr(lib, f"decode_attention_{suffix}")
+        bodies = {"entry (vector body)": entry,
                   "generic body": getattr(lib, f"decode_attention_{suffix}_generic")}
+        if advised:
+            bodies["entry, small pages"] = functools.partial(
+                _on_other_cache, entry, k_small.data_ptr(), v_small.data_ptr())
 
         def call(fn, layer: int, k_cache=k_cache, v_cache=v_cache) -> None:
             s = slots[layer]
