@@ -58,7 +58,7 @@ def main() -> None:
     offsets = torch.arange(bs)
     slots = [(order[i, :, :, None] * bs + offsets).view(b, -1)[:, :ctx].contiguous()
              for i in range(args.layers)]
-    q = torch.randn(b, hq, d, generator=gen)
+    q32 = torch.randn(b, hq, d, generator=gen)
     lens = torch.full((b,), ctx, dtype=torch.int32)
     starts = torch.zeros(b, dtype=torch.int32)
     out = torch.empty(b, hq, d)
@@ -76,6 +76,7 @@ def main() -> None:
         pool[1].copy_(v_small)
         k_cache, v_cache = pool[0], pool[1]
         suffix = "f32" if dtype is torch.float32 else "bf16"
+        q = q32.to(dtype).float()  # a bf16 model's q holds bf16 values (the kernel checks)
         entry = getattr(lib, f"decode_attention_{suffix}")
         bodies = {"entry (vector body)": entry,
                   "generic body": getattr(lib, f"decode_attention_{suffix}_generic")}
@@ -83,7 +84,7 @@ def main() -> None:
             bodies["entry, small pages"] = functools.partial(
                 _on_other_cache, entry, k_small.data_ptr(), v_small.data_ptr())
 
-        def call(fn, layer: int, k_cache=k_cache, v_cache=v_cache) -> None:
+        def call(fn, layer: int, k_cache=k_cache, v_cache=v_cache, q=q) -> None:
             s = slots[layer]
             fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), s.data_ptr(),
                lens.data_ptr(), starts.data_ptr(), out.data_ptr(), b, hq, hkv, d,

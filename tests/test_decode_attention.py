@@ -169,3 +169,10 @@ def test_vector_and_generic_bodies_on_every_build(isa, dtype, hq, hkv, d) -> Non
         for fn in (entry, generic):
             got = _raw_call(fn, q, k, v, meta, d ** -0.5)
             torch.testing.assert_close(got.double(), want, atol=5e-6, rtol=1e-5)
+        if dtype is torch.bfloat16:
+            # a bf16 model's q holds bf16 values: where the build has AVX-512 BF16 the
+            # scores run by vdpbf16ps (exact products, fp32 sums in another order)
+            qb = q.to(torch.bfloat16).float()
+            want = reference(qb, k.float(), v.float(), meta, d ** -0.5)
+            got = _raw_call(entry, qb, k, v, meta, d ** -0.5)
+            torch.testing.assert_close(got.double(), want, atol=5e-6, rtol=1e-5)

@@ -209,8 +209,8 @@ class ModelRunner:
             # One pool for every layer's K and V, on huge pages where the OS takes the
             # advice (runner/huge_pages.py: a decode step's scattered block reads)
             pool, advised = huge_pages.zeros((self.cfg.num_layers, 2, *shape), dtype)
-            logger.info("KV pool: %.1f MiB on %s pages", pool.numel() * pool.element_size()
-                        / 2**20, "huge" if advised else "small")
+            logger.info("KV pool: %.1f MiB, huge pages %s", pool.numel()
+                        * pool.element_size() / 2**20, "advised" if advised else "not advised")
             self.kv_caches = [(pool[i, 0], pool[i, 1]) for i in range(self.cfg.num_layers)]
         else:
             self.kv_caches = [

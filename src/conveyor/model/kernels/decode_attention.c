@@ -212,6 +212,49 @@ static inline __attribute__((always_inline)) void chunk_pv(
     }
 }
 
+/* bf16 scores by vdpbf16ps (AVX-512 BF16), for a sequence whose q is bf16-valued (a bf16
+ * model's; checked per sequence): q and K stay bf16, each product is exact in fp32 and
+ * only the order of the fp32 sums differs from the fp32 body's; the score is scaled
+ * after the dot product, as torch's bf16 attention does. K rows are then not widened. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DP 1
+static inline __attribute__((always_inline)) void chunk_scores_dp(
+        const uint16_t* qh, const uint16_t* const* krow, float* s, int tn, int Hkv, int G,
+        const int D, float scale) {
+    for (int h = 0; h < Hkv; h++) {
+        for (int g = 0; g < G; g++) {
+            const int i = h * G + g;
+            const uint16_t* qi = qh + (int64_t)i * D;
+            for (int t = 0; t < tn; t++) {
+                const uint16_t* kh = krow[t] + (int64_t)h * D;
+                __m512 a = _mm512_setzero_ps();
+                for (int j = 0; j < D; j += 32)
+                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qi + j),
+                                         (__m512bh)_mm512_loadu_si512(kh + j));
+                s[i * CHUNK + t] = _mm512_reduce_add_ps(a) * scale;
+            }
+        }
+    }
+}
+#else
+#define HAVE_DP 0
+static inline void chunk_scores_dp(const uint16_t* qh, const uint16_t* const* krow, float* s,
+                                   int tn, int Hkv, int G, const int D, float scale) {
+    (void)qh; (void)krow; (void)s; (void)tn; (void)Hkv; (void)G; (void)D; (void)scale;
+}
+#endif
+
+/* q's bf16 bits into qh if every element is a bf16 value (else 0: the fp32 scores). */
+static inline int q_as_bf16(const float* q, uint16_t* qh, int n) {
+    for (int x = 0; x < n; x++) {
+        union { float f; uint32_t u; } v = {q[x]};
+        if (v.u & 0xffffu) return 0;
+        qh[x] = (uint16_t)(v.u >> 16);
+    }
+    return 1;
+}
+
 /* DEXPR: the head dim as a literal (64, 128: the loops unroll) or the argument Dr. It is
  * read inside the parallel region, which the compiler outlines before any inlining. */
 #define DEFINE_VEC(NAME, T, WIDEN, DEXPR)                                                   \
@@ -229,6 +272,9 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
     float *l = m + Hq, *alpha = m + 2 * Hq;                                                 \
     /* (the widened bf16 K and V rows of one chunk; none for fp32) */                       \
     float* wide = WIDEN ? (float*)malloc(sizeof(float) * (size_t)2 * CHUNK * row) : NULL;   \
+    const int dp_ok = HAVE_DP && WIDEN && D % 32 == 0;                                      \
+    uint16_t* qh = dp_ok ? (uint16_t*)malloc(sizeof(uint16_t) * (size_t)Hq * D) : NULL;     \
+    const uint16_t* kraw[CHUNK];                                                            \
     const float* krow[CHUNK];                                                               \
     const float* vrow[CHUNK];                                                               \
     _Pragma("omp for schedule(dynamic, 1)")                                                 \
@@ -237,6 +283,7 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
         const float* qb = q + (int64_t)b * Hq * D;                                          \
         const int64_t* sl = slots + (int64_t)b * L + start;                                 \
         for (int x = 0; x < Hq * D; x++) { qs[x] = qb[x] * scale; acc[x] = 0.f; }           \
+        const int use_dp = dp_ok && q_as_bf16(qb, qh, Hq * D);                              \
         for (int i = 0; i < Hq; i++) { m[i] = -INFINITY; l[i] = 0.f; }                      \
         for (int t = 0; t < PF_DIST && t < n; t++) {                                        \
             const char* pk = (const char*)(kc + sl[t] * row);                               \
@@ -255,7 +302,12 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
                 }                                                                           \
                 const T* kt = kc + sl[t0 + t] * row;                                        \
                 const T* vt = vc + sl[t0 + t] * row;                                        \
-                if (WIDEN) {                                                                \
+                if (WIDEN && use_dp) { /* K read as bf16 by the scores: widen V only */     \
+                    float* wv = wide + (int64_t)(CHUNK + t) * row;                          \
+                    for (int x = 0; x < row; x += VW)                                       \
+                        vstore(wv + x, vload_bf16((const uint16_t*)vt + x));                \
+                    kraw[t] = (const uint16_t*)kt; vrow[t] = wv;                            \
+                } else if (WIDEN) {                                                         \
                     float* wk = wide + (int64_t)t * row;                                    \
                     float* wv = wide + (int64_t)(CHUNK + t) * row;                          \
                     for (int x = 0; x < row; x += VW) {                                     \
@@ -267,7 +319,8 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
                     krow[t] = (const float*)kt; vrow[t] = (const float*)vt;                 \
                 }                                                                           \
             }                                                                               \
-            chunk_scores(qs, krow, s, tn, Hkv, G, D);                                       \
+            if (use_dp) chunk_scores_dp(qh, kraw, s, tn, Hkv, G, D, scale);                 \
+            else chunk_scores(qs, krow, s, tn, Hkv, G, D);                                  \
             for (int i = 0; i < Hq; i++) {                                                  \
                 float* si = s + i * CHUNK;                                                  \
                 float cm = m[i];                                                            \
@@ -283,7 +336,7 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
         }                                                                                   \
         write_normalized(out + (int64_t)b * Hq * D, acc, l, Hq, D);                         \
     }                                                                                       \
-    free(acc); free(qs); free(s); free(m); free(wide);                                      \
+    free(acc); free(qs); free(s); free(m); free(wide); free(qh);                            \
     }                                                                                       \
 }
 
