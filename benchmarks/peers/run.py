@@ -19,6 +19,7 @@ a llama.cpp build), later runs skip what is there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -97,6 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-seed", type=int, default=0, help="random weights' seed")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2,
                    help="threads per engine (default: all cores)")
+    p.add_argument("--interleave", action="store_true",
+                   help="start every server of a dtype at once and take their runs in turns "
+                        "(A, B, A, B, ...), so a drift in the machine's speed lands on all "
+                        "of them alike (servers only; in-process peers are refused)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="4 short requests before the measured runs of each server")
     p.add_argument("--conveyor-args", default=None,
@@ -112,6 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be >= 1")
+    if args.interleave and any(SYSTEMS[n].server is None
+                               or "text" in SYSTEMS[n].bench_args for n in args.peers):
+        p.error("--interleave takes servers fed token ids only (conveyor, vllm)")
     if args.smoke:
         args.num_requests = args.num_requests or 4
         args.output_len = args.output_len or "8-16"
@@ -187,6 +195,18 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[SystemResult]] = {}
     for dtype in args.dtypes:
         results[dtype] = []
+        if args.interleave:
+            t = time.perf_counter()
+            print(f"\n== {', '.join(args.peers)} {dtype}, runs in turns", flush=True)
+            results[dtype] = run_interleaved([SYSTEMS[n] for n in args.peers], dtype, ctx, args,
+                                             workload, warmup, spec, rows, out_dir)
+            for res in results[dtype]:
+                status = res.error or ", ".join(f"{r.tokens_per_s:.1f}" for r in res.runs)
+                print(f"   {res.system} {dtype}: {status} tokens/s", flush=True)
+            print(f"   ({time.perf_counter() - t:.0f}s)")
+            print()
+            print(format_table(results[dtype], f"{dtype}: {spec.describe()}"), flush=True)
+            continue
         for name in args.peers:
             system = SYSTEMS[name]
             t = time.perf_counter()
@@ -271,6 +291,59 @@ def run_server(system: System, dtype: str, ctx: Context, args: argparse.Namespac
         res.error = str(e).splitlines()[0]
         print(f"   error: {e}", flush=True)
     return res
+
+
+def run_interleaved(systems: list[System], dtype: str, ctx: Context, args: argparse.Namespace,
+                    workload: str, warmup: str, spec: WorkloadSpec | TraceSpec, rows: list,
+                    out_dir: str) -> list[SystemResult]:
+    """Every system's server up at once (each warmed up as it starts), then run i of
+    each in turn. Run one system after another and a VM whose speed drifts over the
+    minutes of an invocation (this project's 2-core VMs do, by up to 1.5x) hands the
+    slow minutes to whichever ran then; in turns, every system gets every minute.
+    Idle servers wait on their sockets."""
+    from peers.servers import free_port
+
+    results = {s.name: SystemResult(s.name, dtype, note=s.note) for s in systems}
+    with contextlib.ExitStack() as stack:
+        up: list[tuple[System, str]] = []
+        for system in systems:
+            res = results[system.name]
+            server_spec = system.server(ctx, dtype, free_port())
+            log = os.path.join(out_dir, f"{system.name}-{dtype}.server.log")
+            try:
+                server = stack.enter_context(Server(server_spec, log))
+                res.startup_s = server.startup_s
+                print(f"   {system.name} ready after {server.startup_s:.0f}s at "
+                      f"{server_spec.base_url}", flush=True)
+                if args.warmup:
+                    bench(system, server_spec.base_url, ctx, warmup, spec.seed + 1, True,
+                          os.path.join(out_dir, f"{system.name}-{dtype}-warmup.json"))
+            except (ServerError, BenchError, OSError) as e:
+                res.error = str(e).splitlines()[0]
+                print(f"   error: {e}", flush=True)
+                continue
+            up.append((system, server_spec.base_url))
+        for i in range(args.runs):
+            for system, base_url in up:
+                res = results[system.name]
+                if res.error:
+                    continue
+                out = os.path.join(out_dir, f"{system.name}-{dtype}-run{i + 1}.json")
+                try:
+                    summary = bench(system, base_url, ctx, workload, spec.seed,
+                                    at_once(spec), out)
+                except (BenchError, OSError) as e:
+                    res.error = str(e).splitlines()[0]
+                    print(f"   error: {e}", flush=True)
+                    continue
+                res.runs.append(RunFigures.from_summary(summary))
+                print(f"   run {i + 1} {system.name}: {res.runs[-1].tokens_per_s:.1f} "
+                      "tokens/s", flush=True)
+                found = record_mismatches(out.replace(".json", ".records.jsonl"), rows)
+                if found:
+                    print(f"   warning: run {i + 1}: {found.describe()}", flush=True)
+                    res.note += f"; run {i + 1}: {found.describe()}"
+    return [results[s.name] for s in systems]
 
 
 def bench(system: System, base_url: str, ctx: Context, workload: str, seed: int,
