@@ -46,43 +46,30 @@ int64_t gemm_packed_size(int N, int K, int gate_up) {
     return (int64_t)np * K * NR;
 }
 
-void gemm_pack_weight_f32(const float* w, float* packed, int N, int K, int gate_up) {
-    const int np = gate_up ? (N / 2 + 7) / 8 : (N + NR - 1) / NR;
-    const int inter = N / 2;
-    #pragma omp parallel for schedule(static)
-    for (int p = 0; p < np; p++)
-        for (int j = 0; j < NR; j++) {
-            int row;
-            if (gate_up) {
-                const int o = p * 8 + (j & 7);
-                row = o < inter ? (j < 8 ? o : inter + o) : -1;
-            } else {
-                row = p * NR + j < N ? p * NR + j : -1;
-            }
-            float* dst = packed + (int64_t)p * K * NR + j;
-            for (int k = 0; k < K; k++)
-                dst[(int64_t)k * NR] = row >= 0 ? w[(int64_t)row * K + k] : 0.f;
-        }
+/* The packing loop for float32 or bf16 (uint16) weights: the same layout, element for
+ * element. */
+#define DEFINE_PACK(NAME, T)                                                              \
+void NAME(const T* w, T* packed, int N, int K, int gate_up) {                             \
+    const int np = gate_up ? (N / 2 + 7) / 8 : (N + NR - 1) / NR;                         \
+    const int inter = N / 2;                                                              \
+    _Pragma("omp parallel for schedule(static)")                                          \
+    for (int p = 0; p < np; p++)                                                          \
+        for (int j = 0; j < NR; j++) {                                                    \
+            int row;                                                                      \
+            if (gate_up) {                                                                \
+                const int o = p * 8 + (j & 7);                                            \
+                row = o < inter ? (j < 8 ? o : inter + o) : -1;                           \
+            } else {                                                                      \
+                row = p * NR + j < N ? p * NR + j : -1;                                   \
+            }                                                                             \
+            T* dst = packed + (int64_t)p * K * NR + j;                                    \
+            for (int k = 0; k < K; k++)                                                   \
+                dst[(int64_t)k * NR] = row >= 0 ? w[(int64_t)row * K + k] : (T)0;         \
+        }                                                                                 \
 }
 
-void gemm_pack_weight_bf16(const uint16_t* w, uint16_t* packed, int N, int K, int gate_up) {
-    const int np = gate_up ? (N / 2 + 7) / 8 : (N + NR - 1) / NR;
-    const int inter = N / 2;
-    #pragma omp parallel for schedule(static)
-    for (int p = 0; p < np; p++)
-        for (int j = 0; j < NR; j++) {
-            int row;
-            if (gate_up) {
-                const int o = p * 8 + (j & 7);
-                row = o < inter ? (j < 8 ? o : inter + o) : -1;
-            } else {
-                row = p * NR + j < N ? p * NR + j : -1;
-            }
-            uint16_t* dst = packed + (int64_t)p * K * NR + j;
-            for (int k = 0; k < K; k++)
-                dst[(int64_t)k * NR] = row >= 0 ? w[(int64_t)row * K + k] : 0;
-        }
-}
+DEFINE_PACK(gemm_pack_weight_f32, float)
+DEFINE_PACK(gemm_pack_weight_bf16, uint16_t)
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
