@@ -176,3 +176,18 @@ def test_vector_and_generic_bodies_on_every_build(isa, dtype, hq, hkv, d) -> Non
             want = reference(qb, k.float(), v.float(), meta, d ** -0.5)
             got = _raw_call(entry, qb, k, v, meta, d ** -0.5)
             torch.testing.assert_close(got.double(), want, atol=5e-6, rtol=1e-5)
+
+
+@needs_native
+def test_native_decode_calls_the_library_it_was_given() -> None:
+    """A backend built on one library (a capped build, a test's) runs that one, not the
+    process's own."""
+    calls = []
+
+    class Recorder:
+        def decode_attention_f32(self, *args):
+            calls.append(args)
+
+    q, k, v, meta = paged_case(2, 4, 2, 16, 16, torch.float32, None, seed=3)
+    NativeDecode(Recorder())(q, k, v, meta, 0.25)
+    assert len(calls) == 1 and calls[0][0] == q.data_ptr()

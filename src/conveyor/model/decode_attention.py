@@ -48,7 +48,7 @@ class NativeDecode:
         fp32 = q.dtype is torch.float32
         out = native.decode_attention(q.contiguous() if fp32 else q.float().contiguous(),
                                       k_cache, v_cache, meta.decode_slots, meta.decode_lens,
-                                      meta.decode_starts, scale)
+                                      meta.decode_starts, scale, lib=self.lib)
         return out if fp32 else out.to(q.dtype)
 
 

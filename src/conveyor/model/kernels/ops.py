@@ -196,10 +196,11 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, lib=None) -> torch.Tensor:
     """One query token per sequence over a paged cache. q [B, Hq, D] float32; caches
     [num_slots, Hkv, D] float32 or bfloat16; slots [B, L] int64; lens, starts [B] int32.
-    Returns float32 [B, Hq, D]."""
+    Returns float32 [B, Hq, D]. ``lib``: a library from ``kernels.load_variant`` instead
+    of the process's own."""
     try:
         b, hq, d = q.shape
         _, hkv, kd = cache = k_cache.shape
@@ -227,7 +228,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                     f"{tuple(lens.shape)} and starts {tuple(starts.shape)} do not fit "
                     "[B, Hq, D], [S, Hkv, D] x2 (Hkv dividing Hq), [B, L], [B], [B]")
     out = torch.empty((b, hq, d), dtype=F32)
-    lib = _lib or _native()
+    lib = lib or _lib or _native()
     fn = lib.decode_attention_f32 if kdt is F32 else lib.decode_attention_bf16
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lens.data_ptr(),
        starts.data_ptr(), out.data_ptr(), b, hq, hkv, d, ctx, scale)
