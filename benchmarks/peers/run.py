@@ -201,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             results[dtype] = run_interleaved([SYSTEMS[n] for n in args.peers], dtype, ctx, args,
                                              workload, warmup, spec, rows, out_dir)
             for res in results[dtype]:
-                status = res.error or ", ".join(f"{r.tokens_per_s:.1f}" for r in res.runs)
-                print(f"   {res.system} {dtype}: {status} tokens/s", flush=True)
+                print(f"   {res.system} {dtype}: {run_status(res)}", flush=True)
             print(f"   ({time.perf_counter() - t:.0f}s)")
             print()
             print(format_table(results[dtype], f"{dtype}: {spec.describe()}"), flush=True)
@@ -218,9 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_hf_generate(system, dtype, ctx, args, workload, spec, out_dir)
             else:
                 res = run_server(system, dtype, ctx, args, workload, warmup, spec, rows, out_dir)
-            status = res.error or ", ".join(f"{r.tokens_per_s:.1f}" for r in res.runs) + \
-                " tokens/s"
-            print(f"   {name} {dtype}: {status} ({time.perf_counter() - t:.0f}s)", flush=True)
+            print(f"   {name} {dtype}: {run_status(res)} ({time.perf_counter() - t:.0f}s)",
+                  flush=True)
             results[dtype].append(res)
         print()
         print(format_table(results[dtype], f"{dtype}: {spec.describe()}"), flush=True)
@@ -233,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         print()
     print(f"wall time: {wall / 60:.1f} min; results: {os.path.join(out_dir, 'table.md')}")
     return 0 if all(r.runs for res in results.values() for r in res) else 1
+
+
+def run_status(res: SystemResult) -> str:
+    """Why a system has no figures, or its runs' tokens/s."""
+    return res.error or ", ".join(f"{r.tokens_per_s:.1f}" for r in res.runs) + " tokens/s"
 
 
 def at_once(spec: WorkloadSpec | TraceSpec) -> bool:
@@ -279,14 +282,8 @@ def run_server(system: System, dtype: str, ctx: Context, args: argparse.Namespac
                 bench(system, server_spec.base_url, ctx, warmup, spec.seed + 1, True,
                       os.path.join(out_dir, f"{system.name}-{dtype}-warmup.json"))
             for i in range(args.runs):
-                out = os.path.join(out_dir, f"{system.name}-{dtype}-run{i + 1}.json")
-                summary = bench(system, server_spec.base_url, ctx, workload, spec.seed,
-                                at_once(spec), out)
-                res.runs.append(RunFigures.from_summary(summary))
-                found = record_mismatches(out.replace(".json", ".records.jsonl"), rows)
-                if found:
-                    print(f"   warning: run {i + 1}: {found.describe()}", flush=True)
-                    res.note += f"; run {i + 1}: {found.describe()}"
+                measured_run(system, server_spec.base_url, ctx, workload, spec, rows, out_dir,
+                             i, res)
     except (ServerError, BenchError, OSError) as e:
         res.error = str(e).splitlines()[0]
         print(f"   error: {e}", flush=True)
@@ -328,22 +325,29 @@ def run_interleaved(systems: list[System], dtype: str, ctx: Context, args: argpa
                 res = results[system.name]
                 if res.error:
                     continue
-                out = os.path.join(out_dir, f"{system.name}-{dtype}-run{i + 1}.json")
                 try:
-                    summary = bench(system, base_url, ctx, workload, spec.seed,
-                                    at_once(spec), out)
+                    measured_run(system, base_url, ctx, workload, spec, rows, out_dir, i, res)
                 except (BenchError, OSError) as e:
                     res.error = str(e).splitlines()[0]
                     print(f"   error: {e}", flush=True)
                     continue
-                res.runs.append(RunFigures.from_summary(summary))
                 print(f"   run {i + 1} {system.name}: {res.runs[-1].tokens_per_s:.1f} "
                       "tokens/s", flush=True)
-                found = record_mismatches(out.replace(".json", ".records.jsonl"), rows)
-                if found:
-                    print(f"   warning: run {i + 1}: {found.describe()}", flush=True)
-                    res.note += f"; run {i + 1}: {found.describe()}"
     return [results[s.name] for s in systems]
+
+
+def measured_run(system: System, base_url: str, ctx: Context, workload: str,
+                 spec: WorkloadSpec | TraceSpec, rows: list, out_dir: str, i: int,
+                 res: SystemResult) -> None:
+    """Measured run i of one server into res: its figures, and a note where its
+    records do not match the workload."""
+    out = os.path.join(out_dir, f"{system.name}-{res.dtype}-run{i + 1}.json")
+    summary = bench(system, base_url, ctx, workload, spec.seed, at_once(spec), out)
+    res.runs.append(RunFigures.from_summary(summary))
+    found = record_mismatches(out.replace(".json", ".records.jsonl"), rows)
+    if found:
+        print(f"   warning: run {i + 1}: {found.describe()}", flush=True)
+        res.note += f"; run {i + 1}: {found.describe()}"
 
 
 def bench(system: System, base_url: str, ctx: Context, workload: str, seed: int,

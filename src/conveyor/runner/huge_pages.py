@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import os
 import sys
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 MADV_HUGEPAGE = 14  # linux/mman.h
 HUGE_PAGE = 2 << 20
@@ -53,7 +50,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, boo
     numel = 1
     for n in shape:
         numel *= n
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     madvise = _madvise() if enabled() and numel * item >= MIN_BYTES else None
     if madvise is None:
         return torch.zeros(shape, dtype=dtype), False

@@ -38,6 +38,15 @@ static inline float bf16_to_float(uint16_t x) {
  * cache, benchmarks/decode_attention_kernel.py). */
 #define PF_DIST (4 * CHUNK)
 
+/* Prefetch one position's K and V rows (bytes each: paged blocks sit anywhere in memory,
+ * where the hardware prefetcher cannot follow). */
+static inline void prefetch_kv(const void* k, const void* v, int bytes) {
+    for (int o = 0; o < bytes; o += 64) {
+        __builtin_prefetch((const char*)k + o);
+        __builtin_prefetch((const char*)v + o);
+    }
+}
+
 /* A sequence's output: each query head's accumulator over its softmax denominator. */
 static inline void write_normalized(float* ob, const float* acc, const float* l, int Hq,
                                     int D) {
@@ -69,12 +78,9 @@ void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,       
         for (int t0 = 0; t0 < n; t0 += CHUNK) {                                             \
             const int tn = n - t0 < CHUNK ? n - t0 : CHUNK;                                 \
             for (int t = 0; t < tn; t++) {                                                  \
-                if (t0 + CHUNK + t < n) {                                                   \
-                    const char* pk = (const char*)(kc + sl[t0 + CHUNK + t] * Hkv * D);      \
-                    const char* pv = (const char*)(vc + sl[t0 + CHUNK + t] * Hkv * D);      \
-                    for (int o = 0; o < (int)(Hkv * D * sizeof(T)); o += 64) {              \
-                        __builtin_prefetch(pk + o); __builtin_prefetch(pv + o); }           \
-                }                                                                           \
+                if (t0 + CHUNK + t < n)                                                     \
+                    prefetch_kv(kc + sl[t0 + CHUNK + t] * Hkv * D,                          \
+                                vc + sl[t0 + CHUNK + t] * Hkv * D, (int)(Hkv * D * sizeof(T))); \
                 const T* kr = kc + sl[t0 + t] * Hkv * D;                                    \
                 for (int h = 0; h < Hkv; h++) {                                             \
                     const T* kh = kr + (int64_t)h * D;                                      \
@@ -285,21 +291,14 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
         for (int x = 0; x < Hq * D; x++) { qs[x] = qb[x] * scale; acc[x] = 0.f; }           \
         const int use_dp = dp_ok && q_as_bf16(qb, qh, Hq * D);                              \
         for (int i = 0; i < Hq; i++) { m[i] = -INFINITY; l[i] = 0.f; }                      \
-        for (int t = 0; t < PF_DIST && t < n; t++) {                                        \
-            const char* pk = (const char*)(kc + sl[t] * row);                               \
-            const char* pv = (const char*)(vc + sl[t] * row);                               \
-            for (int o = 0; o < (int)(row * sizeof(T)); o += 64) {                          \
-                __builtin_prefetch(pk + o); __builtin_prefetch(pv + o); }                   \
-        }                                                                                   \
+        for (int t = 0; t < PF_DIST && t < n; t++)                                          \
+            prefetch_kv(kc + sl[t] * row, vc + sl[t] * row, (int)(row * sizeof(T)));        \
         for (int t0 = 0; t0 < n; t0 += CHUNK) {                                             \
             const int tn = n - t0 < CHUNK ? n - t0 : CHUNK;                                 \
             for (int t = 0; t < tn; t++) {                                                  \
-                if (t0 + PF_DIST + t < n) {                                                   \
-                    const char* pk = (const char*)(kc + sl[t0 + PF_DIST + t] * row);          \
-                    const char* pv = (const char*)(vc + sl[t0 + PF_DIST + t] * row);          \
-                    for (int o = 0; o < (int)(row * sizeof(T)); o += 64) {                  \
-                        __builtin_prefetch(pk + o); __builtin_prefetch(pv + o); }           \
-                }                                                                           \
+                if (t0 + PF_DIST + t < n)                                                   \
+                    prefetch_kv(kc + sl[t0 + PF_DIST + t] * row, vc + sl[t0 + PF_DIST + t]  \
+                                * row, (int)(row * sizeof(T)));                             \
                 const T* kt = kc + sl[t0 + t] * row;                                        \
                 const T* vt = vc + sl[t0 + t] * row;                                        \
                 if (WIDEN && use_dp) { /* K read as bf16 by the scores: widen V only */     \

@@ -475,23 +475,12 @@ static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const fl
                 for (int kb = 0; kb < nkb; kb++) {
                     const int k0 = kb * kcb, kc = K - k0 < kcb ? K - k0 : kcb;
                     const float* xb = xp + (int64_t)k0 * Mp;
-                    if (few) { /* one sliver of 1-4 rows: all of the task's panels */
-                        int nrs[16];
-                        for (int p = p0; p < p1; p++)
-                            nrs[p - p0] = nout - p * cols < cols ? nout - p * cols : cols;
-                        float* o = out + (int64_t)p0 * cols;
-                        tiles_few(p1 - p0, kc, xb, (const char*)wp + ((int64_t)p0 * K + k0) * NR * wsize,
-                                  (int64_t)K * NR, wbf16, part != NULL ? part : o,
-                                  part != NULL ? ncp * NR : ldo, part != NULL ? NR : cols,
-                                  kb > 0, kb == nkb - 1, M, nrs,
-                                  bias == NULL ? NULL : bias + p0 * NR, gate_up, o, ldo, cols);
-                        continue;
-                    }
-                    /* A last sliver of 1-4 rows (M = 8: 6 + 2) runs in few-row tiles over
-                     * the task's panels after the full ones, not as a 6-row tile. */
+                    /* A last sliver of 1-4 rows (all of M when few; M = 8: 6 + 2) runs in
+                     * few-row tiles over the task's panels after the full ones, not as a
+                     * 6-row tile. */
                     const int tail = s1 == ns && M - (ns - 1) * MR <= 4;
                     const int s1f = s1 - tail;
-                    for (int p = p0; p < p1; p++) {
+                    for (int p = p0; p < p1 && s1f > s0; p++) {
                         const void* bp = (const char*)wp + ((int64_t)p * K + k0) * NR * wsize;
                         int tile_bf16 = wbf16;
                         if (wbf16 && s1f - s0 > 1) {
