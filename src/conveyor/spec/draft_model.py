@@ -23,6 +23,7 @@ without speculation.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -32,11 +33,13 @@ import torch
 from conveyor.config import CacheConfig, ModelConfig, load_model_config
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.model.attention import AttentionMetadata
+from conveyor.model.kernels.ops import DraftForward
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
 from conveyor.sampling_params import SamplingParams
 from conveyor.spec.config import SpeculativeConfig
 from conveyor.spec.proposers import ProposeItem, Proposer
 
+logger = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
 
@@ -91,9 +94,14 @@ class DraftModelProposer(Proposer):
         self.config = draft
         # Its linears are chosen at one row: a draft runs decode rows of the few requests
         # it pays for (at 32 rows oneDNN won and took 27 us a call at one row, 3x
-        # torch's).
+        # torch's). Where its whole proposal can run natively (draft_forward.c), they are
+        # the native GEMM's, which that loop reads.
+        native = native_draft_possible(draft, device)
         self.runner = ModelRunner(draft, cache, device, attention_backend,
+                                  linear_backend="native" if native else "auto",
                                   linear_rows=(1, 1))
+        self.native: DraftForward | None = None  # built with the KV caches
+        self._native_wanted = native
         self._states: dict[str, _DraftState] = {}
         self._generator = torch.Generator(device=device).manual_seed(target.seed + 1)
         # Request -> [k, V] proposal probabilities of the last drafts (random requests).
@@ -105,6 +113,12 @@ class DraftModelProposer(Proposer):
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+        self.native = None
+        if self._native_wanted:
+            try:
+                self.native = DraftForward(self.runner.model, self.runner.kv_caches)
+            except ValueError as e:  # the model does not fit the loop: PyTorch it is
+                logger.info("draft model proposals through PyTorch: %s", e)
 
     def finish(self, req_id: str) -> None:
         self._states.pop(req_id, None)
@@ -138,6 +152,9 @@ class DraftModelProposer(Proposer):
                     valid += 1
             valid = min(valid, n - 1)  # the last real token is always fed: it gives draft 1
             first[it.req_id] = n - valid
+        if (self.native is not None and not random_rows
+                and max(first.values()) <= self.DECODE_ROWS_CATCH_UP):
+            return self._propose_native(items, first)
         rounds = self._forward_all(items, first, random_rows, qs)
         flat = torch.cat(rounds).tolist() if len(rounds) > 1 else rounds[0].tolist()
         out: dict[str, list[int]] = {it.req_id: [] for it in items}
@@ -152,6 +169,26 @@ class DraftModelProposer(Proposer):
             st.real_len, st.fed = len(it.token_ids), drafts[:-1]
             if qs.get(it.req_id):
                 self.last_probs[it.req_id] = torch.stack(qs[it.req_id][:len(drafts)])
+        return out
+
+    def _propose_native(self, items: list[ProposeItem], first: dict[str, int]
+                        ) -> dict[str, list[int]]:
+        """Every draft of a greedy proposal in one native call (``draft_forward.c``): the
+        same forwards as ``_forward_all``'s decode rows, with no Python between them."""
+        catch = np.array([first[it.req_id] for it in items], dtype=np.int32)
+        lens0 = np.array([len(it.token_ids) for it in items], dtype=np.int64)
+        ks = np.array([it.k for it in items], dtype=np.int32)
+        ids = np.array([t for it, c in zip(items, catch.tolist(), strict=True)
+                        for t in it.token_ids[len(it.token_ids) - c:]], dtype=np.int64)
+        max_ctx = int((lens0 + ks - 1).max())
+        slots = padded_slots([it.block_ids for it in items], max_ctx, self.runner.block_size)
+        self.last_steady = int(catch.max()) <= 2
+        drafts = self.native(ids, catch, lens0, ks, slots).tolist()
+        out: dict[str, list[int]] = {}
+        for it, row in zip(items, drafts, strict=True):
+            out[it.req_id] = row[:it.k]
+            st = self._states[it.req_id]
+            st.real_len, st.fed = len(it.token_ids), row[:it.k - 1]
         return out
 
     @torch.inference_mode()
@@ -311,6 +348,21 @@ class _DecodeLayout:
             meta.decode_mask = torch.from_numpy(
                 attended(self.slots.shape[1], lens, starts)).to(self.device)
         return meta
+
+
+def native_draft_possible(cfg: ModelConfig, device: torch.device) -> bool:
+    """Whether a draft's greedy proposals may run as one native loop: a float32 model on
+    a CPU where the native GEMM builds (the tables are checked when built; a model that
+    does not fit stays on PyTorch), unless ``CONVEYOR_NATIVE_DRAFT=0``."""
+    if os.environ.get("CONVEYOR_NATIVE_DRAFT", "1").strip().lower() in ("0", "false", "off",
+                                                                       "no"):
+        return False
+    if device.type != "cpu" or cfg.math_dtype != "float32" or cfg.dtype != "float32":
+        return False
+    from conveyor.model import kernels
+    from conveyor.model.kernels import ops as native_ops
+
+    return kernels.load() is not None and native_ops.gemm_available()
 
 
 def _with_compute_dtype(cfg: ModelConfig, math_dtype: str) -> ModelConfig:

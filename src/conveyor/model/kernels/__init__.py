@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), name)
             for name in ("decode_attention.c", "prefill_attention.c",
-                         "prefill_attention_amx.c", "elementwise.c", "gemm.c")]
+                         "prefill_attention_amx.c", "elementwise.c", "gemm.c",
+                          "draft_forward.c")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), name)
             for name in ("prefill_attention_body.h", "prefill_attention_avx2.h",
                          "prefill_attention_avx512.h", "prefill_attention_dims.h", "simd_math.h",
@@ -207,11 +208,13 @@ def _bind(lib: ctypes.CDLL) -> None:
         "gemm_f32": [ptr, i32, ptr, ptr, ptr] + [i32] * 5,
         "gemm_pack_weight_bf16": [ptr] * 2 + [i32] * 3,
         "gemm_f32_w16": [ptr, i32, ptr, ptr, ptr] + [i32] * 5,
+        "draft_propose_f32": [ptr, ptr, f32, i32] + [ptr] * 5 + [i32, ptr],
     }
     restypes = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
                 "gemm_f32_available": ctypes.c_int, "amx_tiles_available": ctypes.c_int,
                 "gemm_packed_size": ctypes.c_int64,
-                "gemm_f32": ctypes.c_int, "gemm_f32_w16": ctypes.c_int}
+                "gemm_f32": ctypes.c_int, "gemm_f32_w16": ctypes.c_int,
+                "draft_propose_f32": ctypes.c_int}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype = restypes.get(name)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from conveyor.model import kernels
@@ -428,6 +429,139 @@ class PackedGemm:
                 rows, self.out_features, self.in_features, int(self.gate_up))
             if rc != 0:
                 raise MemoryError("native GEMM: out of memory for its packing buffers")
+        return out
+
+
+# --- draft_forward.c -------------------------------------------------------------------
+
+class DraftForward:
+    """A draft model's whole proposal in one native call (``draft_forward.c``): its
+    forwards over decode rows, LM head, argmax and next inputs for k drafts of B requests.
+
+    Built once from the model (a ``LlamaForCausalLM`` whose linears and LM head are
+    ``NativeLinear`` float32 weights) and its KV caches: every tensor the C code will
+    read or write is checked here (dtype, contiguity, shape) and kept alive by this
+    object, so a call checks only its own index arrays. ``ValueError`` if the model does
+    not fit (the caller then keeps the PyTorch path)."""
+
+    N_DIMS, N_GLOBAL, N_LAYER = 8, 5, 9
+
+    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not gemm_available():
+            raise ValueError("conveyor::draft_propose: the native GEMM is not built here")
+        cfg = model.cfg
+        hidden, hq, hkv, d = cfg.hidden_size, None, None, cfg.head_dim
+        layers = list(model.layers)
+        if not layers or len(kv_caches) != len(layers):
+            raise ValueError("conveyor::draft_propose: one KV cache per layer is needed")
+        attn0 = layers[0].self_attn
+        hq, hkv = attn0.num_heads, attn0.num_kv_heads
+        inter = layers[0].mlp.intermediate
+        if getattr(model, "tp", None) is not None and model.tp.enabled:
+            raise ValueError("conveyor::draft_propose: not under tensor parallelism")
+        head = model.packed_lm_head
+        embed = model.embed_tokens.weight
+        vocab = embed.shape[0]
+        eps = {float(n.eps) for layer in layers
+               for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+        eps.add(float(model.norm.eps))
+        self._keep: list[torch.Tensor] = []
+
+        def tensor(t, shape, what: str) -> int:
+            if not (isinstance(t, torch.Tensor) and t.dtype is F32 and t.is_cpu
+                    and t.is_contiguous() and tuple(t.shape) == tuple(shape)):
+                got = (f"{_dtype_name(t.dtype)} {tuple(t.shape)}"
+                       if isinstance(t, torch.Tensor) else type(t).__name__)
+                raise ValueError(f"conveyor::draft_propose: {what} must be a contiguous "
+                                 f"float32 CPU tensor of shape {tuple(shape)}, got {got}")
+            self._keep.append(t)
+            return t.data_ptr()
+
+        def packed(linear, n: int, k: int, gate_up: bool, what: str) -> tuple[int, int]:
+            gemm = getattr(linear, "gemm", None)
+            if not (isinstance(gemm, PackedGemm) and gemm._fn == "gemm_f32"
+                    and gemm.out_features == n and gemm.in_features == k
+                    and gemm.gate_up == gate_up):
+                raise ValueError(f"conveyor::draft_propose: {what} must be a native "
+                                 f"float32 linear of {n}x{k}" + (" (gate/up)" if gate_up
+                                                                   else ""))
+            self._keep.append(gemm.packed)
+            bias = gemm.bias
+            if bias is not None:
+                self._keep.append(bias)
+            return gemm.packed.data_ptr(), bias.data_ptr() if bias is not None else 0
+
+        if len(eps) != 1:
+            raise ValueError("conveyor::draft_propose: the norms' epsilons differ")
+        if getattr(attn0, "qk_norm", False):
+            raise ValueError("conveyor::draft_propose: per-head q/k norms are not fused")
+        qkv_w = (hq + 2 * hkv) * d
+        cos, sin = model.rope.cos, model.rope.sin
+        ptrs = [tensor(embed, (vocab, hidden), "the embedding"),
+                tensor(model.norm.weight, (hidden,), "the final norm"),
+                packed(head, vocab, hidden, False, "the LM head")[0],
+                tensor(cos, (cos.shape[0], d), "the RoPE cos table"),
+                tensor(sin, (cos.shape[0], d), "the RoPE sin table")]
+        for i, (layer, (kc, vc)) in enumerate(zip(layers, kv_caches, strict=True)):
+            a, mlp = layer.self_attn, layer.mlp
+            if (a.num_heads, a.num_kv_heads, a.head_dim, mlp.intermediate) != (hq, hkv, d,
+                                                                                inter):
+                raise ValueError("conveyor::draft_propose: layers of different shapes")
+            qkv, qkv_bias = packed(a.qkv_proj, qkv_w, hidden, False, f"layer {i} QKV")
+            ptrs += [tensor(layer.input_layernorm.weight, (hidden,), f"layer {i} norm"),
+                     tensor(layer.post_attention_layernorm.weight, (hidden,),
+                            f"layer {i} norm"),
+                     qkv, qkv_bias,
+                     packed(a.o_proj, hidden, hq * d, False, f"layer {i} O")[0],
+                     packed(mlp.gate_up_proj, 2 * inter, hidden, True, f"layer {i} gate/up")[0],
+                     packed(mlp.down_proj, hidden, inter, False, f"layer {i} down")[0],
+                     tensor(kc, (kc.shape[0], hkv, d), f"layer {i} K cache"),
+                     tensor(vc, (kc.shape[0], hkv, d), f"layer {i} V cache")]
+        self.num_slots = kv_caches[0][0].shape[0]
+        if any(kc.shape[0] != self.num_slots for kc, _ in kv_caches):
+            raise ValueError("conveyor::draft_propose: the layers' caches differ in size")
+        self.vocab, self.max_pos, self.eps = vocab, cos.shape[0], eps.pop()
+        self.dims = np.array([hidden, len(layers), hq, hkv, d, inter, vocab,
+                              model.sliding_window or 0], dtype=np.int64)
+        self.ptrs = np.array(ptrs, dtype=np.int64)
+
+    def __call__(self, catch_ids: np.ndarray, catch_n: np.ndarray, lens0: np.ndarray,
+                 ks: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """The drafts [B, max k] (row i: its first ks[i]). catch_ids int64 [sum catch_n]
+        (each request's last catch_n[i] context tokens, grouped by request), catch_n
+        int32 [B] (each >= 1, <= lens0[i]), lens0 int64 [B] (context lengths), ks int32
+        [B] (>= 1, descending), slots int64 [B, L] (context slots; lens0 + ks - 1 <= L,
+        each < the caches' slots)."""
+        try:
+            b = ks.shape[0]
+            ok = (catch_ids.dtype == np.int64 and catch_n.dtype == np.int32
+                  and lens0.dtype == np.int64 and ks.dtype == np.int32
+                  and slots.dtype == np.int64 and slots.ndim == 2 and b > 0
+                  and catch_n.shape == (b,) and lens0.shape == (b,)
+                  and slots.shape[0] == b and catch_ids.shape == (int(catch_n.sum()),)
+                  and all(a.flags.c_contiguous for a in (catch_ids, catch_n, lens0, ks,
+                                                         slots)))
+            ok = ok and bool(
+                (ks >= 1).all() and (ks[:-1] >= ks[1:]).all() and (catch_n >= 1).all()
+                and (catch_n <= lens0).all()
+                and int((lens0 + ks - 1).max()) <= min(slots.shape[1], self.max_pos)
+                and int(catch_ids.min()) >= 0 and int(catch_ids.max()) < self.vocab
+                and int(slots.min()) >= 0 and int(slots.max()) < self.num_slots)
+        except (AttributeError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError("conveyor::draft_propose: the proposal's arrays do not fit "
+                             "(int64 ids and lengths, int32 catch-ups and k descending, "
+                             "slots [B, L] covering every position within the caches)")
+        out = np.zeros((b, int(ks[0])), dtype=np.int64)
+        rc = _native().draft_propose_f32(
+            self.dims.ctypes.data, self.ptrs.ctypes.data, self.eps, b, catch_ids.ctypes.data,
+            catch_n.ctypes.data, lens0.ctypes.data, ks.ctypes.data, slots.ctypes.data,
+            slots.shape[1], out.ctypes.data)
+        if rc == -1:
+            raise MemoryError("conveyor::draft_propose: out of memory")
+        if rc:
+            raise RuntimeError(f"conveyor::draft_propose failed ({rc})")
         return out
 
 
