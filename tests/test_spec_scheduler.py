@@ -1017,6 +1017,24 @@ def test_a_new_decode_is_asked_for_the_drafts_its_batch_size_pays_for():
     assert ctl.k_want_for(1) == 4 and ctl.k_want_for(3) == 4  # (3: batch 1's plan)
 
 
+def test_a_step_of_last_tokens_leaves_the_choice_as_it_was():
+    """Rows that can take no draft (each request on its last token) decide nothing: the
+    next request at that batch size is still asked for what the last real plan chose,
+    and planning is not put to sleep."""
+    cfg = SpeculativeConfig("draft_model", num_speculative_tokens=4, model="unused")
+    ctl = DraftLengthController(cfg, FixedCost(a=0.05, b=0.001))
+    assert ctl.plan(_rows(1), 0, 1, 1, 512) and ctl.k_want_for(1) == 4
+    ending = _rows(1, cap=0)
+    assert not ctl.plan(ending, 0, 1, 1, 512)
+    assert ending[0].k_want == 0 and ending[0].k_now == 0
+    assert ctl.k_want_for(1) == 4 and not ctl.dormant(1)
+    assert ctl.plan(_rows(1), 0, 1, 1, 512)  # the next request drafts at once
+    # A plan that decided "none" still does both.
+    dear = DraftLengthController(cfg, FixedCost(a=0.0001, b=0.01))
+    assert not dear.plan(_rows(1), 0, 1, 1, 512)
+    assert dear.k_want_for(1) == 0 and dear.dormant(1)
+
+
 def test_drafts_are_priced_against_the_steps_decode_part_alone():
     """A step of 8 decodes and 1,000 prefill tokens yields 8 tokens in a second: against
     that, a decode row's millisecond looks cheap, but the drafts it proposes are verified
