@@ -26,6 +26,7 @@ from peers.checkpoint import (
     save_bpe_tokenizer,
 )
 from peers.install import vllm_requirements
+from peers.servers import cpu_counters, wait_until_quiet
 from peers.table import RunFigures, SystemResult, format_table, ratio, table_rows
 from peers.workload_file import (
     WorkloadSpec,
@@ -238,3 +239,24 @@ def test_server_that_exits_while_starting_names_its_log(tmp_path):
     with pytest.raises(ServerError, match="exited with 3") as err, Server(spec, log):
         pass
     assert log in str(err.value) and "no such model" in str(err.value)
+
+
+def test_a_run_waits_until_the_machine_is_quiet():
+    """Busy windows (a server spinning down) are waited out, one quiet window ends the
+    wait, and the wait is bounded; without counters nothing waits."""
+    # (busy, total) jiffies: 2 cores, each window 50 jiffies a core -> 100 in all.
+    samples = iter([(0, 0), (95, 100), (190, 200), (195, 300), (199, 400)])
+    slept = []
+    assert wait_until_quiet(read=lambda: next(samples), sleep=slept.append) == 0.75
+    assert slept == [0.25] * 3
+    always_busy = iter((100 * i, 100 * i) for i in range(1000))
+    assert wait_until_quiet(read=lambda: next(always_busy), sleep=lambda s: None,
+                            timeout_s=2.0) == 2.0
+    assert wait_until_quiet(read=lambda: None, sleep=slept.append) == 0.0
+
+
+def test_cpu_counters_read_proc_stat(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 0 5 80 5 0 0 0 0 0\ncpu0 5 0 2 40 3 0 0 0 0 0\n")
+    assert cpu_counters(str(stat)) == (15.0, 100.0)
+    assert cpu_counters(str(tmp_path / "absent")) is None

@@ -297,8 +297,9 @@ def run_interleaved(systems: list[System], dtype: str, ctx: Context, args: argpa
     each in turn. Run one system after another and a VM whose speed drifts over the
     minutes of an invocation (this project's 2-core VMs do, by up to 1.5x) hands the
     slow minutes to whichever ran then; in turns, every system gets every minute.
-    Idle servers wait on their sockets."""
-    from peers.servers import free_port
+    Idle servers wait on their sockets; each run starts once the machine is quiet
+    (``wait_until_quiet``: the run before it may leave threads spinning down)."""
+    from peers.servers import free_port, wait_until_quiet
 
     results = {s.name: SystemResult(s.name, dtype, note=s.note) for s in systems}
     with contextlib.ExitStack() as stack:
@@ -325,6 +326,8 @@ def run_interleaved(systems: list[System], dtype: str, ctx: Context, args: argpa
                 res = results[system.name]
                 if res.error:
                     continue
+                if wait_until_quiet() >= 10.0:
+                    print("   warning: the machine was not quiet after 10 s", flush=True)
                 try:
                     measured_run(system, base_url, ctx, workload, spec, rows, out_dir, i, res)
                 except (BenchError, OSError) as e:

@@ -152,3 +152,41 @@ def tail(path: str, lines: int = 15) -> str:
             return "".join(f.readlines()[-lines:])
     except OSError:
         return ""
+
+
+def cpu_counters(path: str = "/proc/stat") -> tuple[float, float] | None:
+    """(busy, total) jiffies over every CPU since boot, or None where there is no
+    /proc/stat (not Linux)."""
+    try:
+        with open(path) as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_until_quiet(threshold: float = 0.10, window_s: float = 0.25,
+                     timeout_s: float = 10.0, read=cpu_counters, sleep=time.sleep) -> float:
+    """Wait until the machine's CPUs were at most ``threshold`` busy over one window
+    (every core counted): what the last run left spinning has stopped. vLLM's CPU worker
+    keeps a core busy for ~1 s after its last step (its OpenMP threads spin down); a run
+    started in that second shares the cores with it (on a 2-core Zen 5, conveyor's
+    first 2,048-token prefill step ran 1.0-1.2 s against 0.6-0.7 s). Returns the
+    seconds waited (windows x ``window_s``), ``timeout_s`` at most; 0 where the counters
+    cannot be read."""
+    before = read()
+    if before is None:
+        return 0.0
+    waited = 0.0
+    while waited < timeout_s:
+        sleep(window_s)
+        waited += window_s
+        now = read()
+        if now is None:
+            return waited
+        busy, total = now[0] - before[0], now[1] - before[1]
+        if total > 0 and busy / total <= threshold:
+            return waited
+        before = now
+    return waited
