@@ -1029,10 +1029,18 @@ def test_a_step_of_last_tokens_leaves_the_choice_as_it_was():
     assert ending[0].k_want == 0 and ending[0].k_now == 0
     assert ctl.k_want_for(1) == 4 and not ctl.dormant(1)
     assert ctl.plan(_rows(1), 0, 1, 1, 512)  # the next request drafts at once
-    # A plan that decided "none" still does both.
-    dear = DraftLengthController(cfg, FixedCost(a=0.0001, b=0.01))
-    assert not dear.plan(_rows(1), 0, 1, 1, 512)
-    assert dear.k_want_for(1) == 0 and dear.dormant(1)
+    # Nor does a plan over rows that can take fewer drafts than k (requests near their
+    # end), whatever it decides: a dear one refuses, and the next request is still
+    # asked for 4.
+    dear_cost = FixedCost(a=0.05, b=0.001)
+    ctl = DraftLengthController(cfg, dear_cost)
+    assert ctl.plan(_rows(1), 0, 1, 1, 512) and ctl.k_want_for(1) == 4
+    dear_cost.b = 0.05
+    assert not ctl.plan(_rows(1, cap=1), 0, 1, 1, 512)
+    assert ctl.k_want_for(1) == 4 and not ctl.dormant(1)
+    # A plan with a full row that decided "none" still does both.
+    assert not ctl.plan(_rows(1), 0, 1, 1, 512)
+    assert ctl.k_want_for(1) == 0 and ctl.dormant(1)
 
 
 def test_drafts_are_priced_against_the_steps_decode_part_alone():

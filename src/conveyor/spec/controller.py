@@ -761,6 +761,7 @@ class DraftLengthController:
         self._dormant_left = 0
         self._dormant_run = 0  # further plans in a row at _dormant_batch drafting nothing
         self._priced = False  # the last plan knew the step's cost (its fit had two sizes)
+        self._full_caps = True  # the last plan had a row that could take every draft
         self._explore_age = 0
         self._explored: set[str] = set()  # requests that proposed one more last step
         self.proposal_cost = ProposalCost()
@@ -923,6 +924,8 @@ class DraftLengthController:
 
     def _drafts_nothing(self, batch: int) -> bool:
         self.metrics.last_num_draft_tokens = 0
+        if not self._full_caps:
+            return False  # (see plan: a plan bounded by caps decides nothing)
         self._set_k_want(batch, 0)
         if self.config.adaptive and self._priced:  # (unpriced: a probe is due soon)
             run = self._dormant_run + 1 if batch == self._dormant_batch else 0
@@ -956,6 +959,14 @@ class DraftLengthController:
             self.metrics.last_num_draft_tokens = 0
             self._explored = set()
             return False
+        # Whether some row could take every draft: a plan over requests that are all
+        # near their end (caps below k) is bounded by their caps, not by what drafts
+        # are worth at this size, so it does not tell a new request what to propose nor
+        # put the next plans to sleep. (At batch 1, a one-slot plan that did not pay a
+        # proposal's cost recorded "none"; the next request then skipped its first
+        # proposal, and a catch-up over its whole prompt, charged to one step's drafts,
+        # kept it from drafting for the rest of its life.)
+        self._full_caps = any(r.cap >= self.config.num_speculative_tokens for r in rows)
         probed = explored = None
         verify_all, self._explored = self._explored, set()
         if self.config.adaptive:
@@ -991,9 +1002,10 @@ class DraftLengthController:
         self._dormant_batch = -1  # (a plan that drafts ends a run of dormant ones)
         # What a request that starts decoding next step is asked for: the rule's choice,
         # not a probe's or an exploration's.
-        self._set_k_want(len(rows), max(
-            (r.k_want - (r is explored) for r in rows if id(r) not in probed_ids),
-            default=0))
+        if self._full_caps:
+            self._set_k_want(len(rows), max(
+                (r.k_want - (r is explored) for r in rows if id(r) not in probed_ids),
+                default=0))
         return True
 
     # Drafts a probe verifies, at most: the slope of a decode row comes from the probe's
@@ -1040,6 +1052,21 @@ class DraftLengthController:
             self._explored.add(best.request.request_id)
             self.metrics.num_explore_steps += 1
         return best
+
+    # A catch-up is paid once and serves every later step's drafts (each proposal after
+    # it is steady): its price is spread over the steps the request then verifies
+    # drafts for, up to this many. Charged whole to one step's drafts, a catch-up over a
+    # 128-token prompt (2.9 ms on a 2-core Zen 5) against a 1.3 ms step never paid,
+    # grew while the request waited, and the trained draft at batch 1 drafted 0.12 a
+    # token (0.99x off) where k = 4 ran 1.42x.
+    CATCH_UP_HORIZON = 8
+
+    def _catch_up_steps(self, row: DraftRow, tokens_per_step: float) -> float:
+        """Steps a request's catch-up is spread over: its remaining output at the tokens
+        a drafting step yields, between 1 and ``CATCH_UP_HORIZON``."""
+        req = row.request
+        left = req.max_tokens - req.num_output_tokens
+        return min(float(self.CATCH_UP_HORIZON), max(1.0, left / max(tokens_per_step, 1.0)))
 
     def _plan_by_benefit(self, rows: list[DraftRow], num_prefill: int, num_decode: int,
                          expected: int) -> None:
@@ -1095,11 +1122,14 @@ class DraftLengthController:
                 slope + per_draft + share):
             return
         cands: list[tuple[float, int, DraftRow]] = []
+        yields: dict[int, float] = {}  # row -> expected tokens a step, drafting to its cap
         for row in rows:
-            survive = 1.0
+            survive, gain = 1.0, 1.0
             for j, a in enumerate(self.acceptance(row.request, prior)[:row.cap], start=1):
                 survive *= a
+                gain += survive
                 cands.append((survive, j, row))
+            yields[id(row)] = gain
         per_catch = (self.catch_up_s_per_token or 0.0) if self.config.writes_draft_kv else 0.0
         steady_catch = self.STEADY_CATCH_UP
         charged = {id(r) for r in rows if per_catch > 0.0 and r.catch_up > steady_catch}
@@ -1119,7 +1149,8 @@ class DraftLengthController:
         # A draft model's request that did not propose last step catches up first on the
         # text since it did (its whole prompt, the step after its prefill): a
         # draft-model forward over those tokens (``catch_up_s_per_token``, measured),
-        # charged to its first draft.
+        # charged to its first draft, spread over the steps it then drafts for
+        # (``_catch_up_steps``).
         for survive, j, row in cands:
             if survive <= best_rate * floor:
                 if not charged or id(row) in charged:
@@ -1130,7 +1161,7 @@ class DraftLengthController:
             cost = (slope + per_draft + (per_round if j > rounds else 0.0)
                     + (0.0 if taken else per_call))
             if j == 1 and id(row) in charged:
-                cost += per_catch * row.catch_up
+                cost += per_catch * row.catch_up / self._catch_up_steps(row, yields[id(row)])
             row.k_want = j
             taken.append(row)
             rounds = max(rounds, j)
