@@ -1081,6 +1081,26 @@ def test_a_draft_models_catch_up_is_charged_to_the_first_draft():
     assert rows[0].k_want == 0 and rows[1].k_want > 0
 
 
+def test_a_catch_up_is_spread_over_the_steps_it_serves():
+    """A catch-up is paid once and serves every later step's drafts: its price is spread
+    over the steps the request will draft for (its remaining output at a drafting step's
+    yield, up to CATCH_UP_HORIZON), so a 10 ms catch-up against a 10 ms step pays for a
+    request with 100 tokens to go, and not for one with 2."""
+    cfg = SpeculativeConfig("draft_model", num_speculative_tokens=4, model="unused")
+    ctl = DraftLengthController(cfg, FixedCost(a=0.01, b=0.0005))
+    ctl.observe_catch_up({"r0": 1, "r1": 1}, 400, 0.04)  # 0.1 ms a token
+    long_left, short_left = _rows(1), _rows(1, cap=1)
+    long_left[0].catch_up = short_left[0].catch_up = 100  # 10 ms, whole
+    short_left[0].request.max_tokens = 2
+    ctl.plan(long_left, 0, 1, 1, 512)
+    assert long_left[0].k_want > 0
+    ctl.plan(short_left, 0, 1, 1, 512)
+    assert short_left[0].k_want == 0
+    steps = ctl._catch_up_steps(long_left[0], 3.0)
+    assert steps == DraftLengthController.CATCH_UP_HORIZON
+    assert ctl._catch_up_steps(short_left[0], 3.0) == 1.0
+
+
 def test_a_plan_that_drafts_nothing_is_reused_for_a_few_steps_of_that_size():
     """Nothing verified, no acceptance moved: the next steps at the same batch size skip
     the planning (and the scheduler builds no rows for them), then plan afresh; each
