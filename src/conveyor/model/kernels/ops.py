@@ -450,7 +450,7 @@ class DraftForward:
         if not gemm_available():
             raise ValueError("conveyor::draft_propose: the native GEMM is not built here")
         cfg = model.cfg
-        hidden, hq, hkv, d = cfg.hidden_size, None, None, cfg.head_dim
+        hidden, d = cfg.hidden_size, cfg.head_dim
         layers = list(model.layers)
         if not layers or len(kv_caches) != len(layers):
             raise ValueError("conveyor::draft_propose: one KV cache per layer is needed")
