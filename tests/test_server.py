@@ -91,16 +91,15 @@ def test_prompt_list_and_token_ids(client: openai.OpenAI, offline: LLM) -> None:
 def test_streaming_completion(client: openai.OpenAI, offline: LLM) -> None:
     want, tokens = offline_text(offline, PROMPTS[0], max_tokens=48, temperature=0.0,
                                 ignore_eos=True)
-    # Warm the server's request path first: a cold first request can take longer to set
-    # up its response than the tiny model takes to generate, and a consumer that falls
-    # behind gets the waiting deltas merged into one chunk (by design).
-    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2)
     chunks = list(client.completions.create(
         model=MODEL, prompt=PROMPTS[0], max_tokens=48, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     text_chunks = [c for c in chunks if c.choices]
+    # How many chunks the text comes in is the race between this client and a tiny
+    # model (a consumer that falls behind gets the waiting deltas merged, by design; a
+    # loaded CI machine once got all 48 tokens in one chunk), so it is not asserted
+    # here: test_async_engine.py's gated engine checks one delta a step and the merge.
     assert "".join(c.choices[0].text for c in text_chunks) == want
-    assert len(text_chunks) > 1, "the text should arrive in pieces"
     assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
     usage = chunks[-1].usage
