@@ -934,8 +934,8 @@ def test_a_fit_that_found_drafts_dear_probes_them_again():
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_a_probe_verifies_enough_drafts_to_measure_a_row(method):
     """One request's drafts against the step's noise priced a row at 3x its cost and
-    kept drafting off: a probe spreads PROBE_DRAFTS drafts over several requests (a
-    draft model's one each, a forward per draft, over a few requests: each catches up)."""
+    kept drafting off: a probe verifies PROBE_DRAFTS drafts, each request to its cap (a
+    draft model's from at most PROBE_DRAFT_MODEL_ROWS requests: each catches up)."""
     from conveyor.spec.controller import BatchStepCost
 
     cost = BatchStepCost()
@@ -949,10 +949,12 @@ def test_a_probe_verifies_enough_drafts_to_measure_a_row(method):
     rows = _rows(8)
     ctl.plan(rows, 0, 8, 8, 512)
     wants = sorted((r.k_want for r in rows), reverse=True)
-    if method == "ngram":
-        assert wants == [4] * 4 + [0] * 4  # 16 drafts
-    else:
-        assert wants == [1] * DraftLengthController.PROBE_DRAFT_MODEL_ROWS + [0] * 4
+    assert wants == [4] * 4 + [0] * 4  # 16 drafts
+    assert DraftLengthController.PROBE_DRAFT_MODEL_ROWS == 4
+    few = _rows(8, cap=2)  # caps of 2: ngram spreads 16 over 8, a draft model over 4
+    ctl.plan(few, 0, 8, 8, 512)
+    wants = sorted((r.k_want for r in few), reverse=True)
+    assert wants == ([2] * 8 if method == "ngram" else [2] * 4 + [0] * 4)
     assert ctl.k_want_for(8) == 0  # new requests get the rule's length, not the probe's
 
 def test_probes_back_off_while_the_rule_keeps_refusing():

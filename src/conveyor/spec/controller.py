@@ -1012,16 +1012,21 @@ class DraftLengthController:
     # step against the draft-free ones, whose time varies by ~0.5 ms on this VM at batch
     # 4 (1.4 ms). One request's 4 drafts priced a row at 0.25 ms where it cost 0.07, the
     # rule refused, the probes backed off and suffix drafting (1.2x there) stayed off
-    # for the run; 16 rows put such noise at 0.03 ms a row. A draft model's further
-    # drafts cost a forward each and every probed request a catch-up: one draft each,
-    # from at most PROBE_DRAFT_MODEL_ROWS requests.
+    # for the run; 16 rows put such noise at 0.03 ms a row. Every probed request of a
+    # draft model pays a catch-up: at most PROBE_DRAFT_MODEL_ROWS of them, each to its
+    # cap. (They proposed one draft each while a further draft cost a forward in Python:
+    # 4 rows over a step that varies by ~0.5 ms priced a verify row at 0.17-0.47 ms
+    # where one cost ~0.05, at batch 4 on a 2-core Zen 5, and the draft model drafted
+    # 0.2-0.6 a token, 0.96-1.01x off where k = 4 ran 1.23-1.29x. A further draft now
+    # costs ~0.07 ms: draft_forward.c.)
     PROBE_DRAFTS = 16
     PROBE_DRAFT_MODEL_ROWS = 4
 
     def _probe_rows(self, rows: list[DraftRow]) -> list[DraftRow]:
         """The probe's rows, their ``k_want`` set: requests in a fixed order (by id), each
-        to its cap (a draft model's to 1), until ``PROBE_DRAFTS`` drafts."""
-        per_row = 1 if self.config.writes_draft_kv else self.config.num_speculative_tokens
+        to its cap, until ``PROBE_DRAFTS`` drafts (a draft model's from at most
+        ``PROBE_DRAFT_MODEL_ROWS`` requests)."""
+        per_row = self.config.num_speculative_tokens
         max_rows = self.PROBE_DRAFT_MODEL_ROWS if self.config.writes_draft_kv else len(rows)
         left = self.PROBE_DRAFTS
         probed = []
