@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from test_exactness import check_exact
-from test_spec_decode import repetitive_batch
+from test_spec_decode import perturbed_draft, repetitive_batch
 
 from conveyor import LLM
 from conveyor.config import CacheConfig, load_model_config
@@ -29,33 +29,11 @@ pytestmark = pytest.mark.skipif(
 BLOCK = 8
 
 
-def noisy_copy(arch: str, noise: float = 0.03) -> str:
-    """The tiny ``arch`` target with noise on its weights: a draft that mostly agrees."""
-    import os
-    import shutil
-    import tempfile
-
-    import transformers as tf
-
-    path = make_checkpoint(arch)
-    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.add_(torch.randn(p.shape, generator=gen) * noise)
-    out = tempfile.mkdtemp(prefix=f"conveyor-draft-{arch}-")
-    model.save_pretrained(out, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if os.path.isfile(f"{path}/{f}"):
-            shutil.copy(f"{path}/{f}", out)
-    return out
-
-
 def proposer(arch: str, native: bool) -> DraftModelProposer:
     target = load_model_config(make_checkpoint(arch), dtype="float32")
-    p = DraftModelProposer(SpeculativeConfig("draft_model", model=noisy_copy(arch)), target,
-                           CacheConfig(block_size=BLOCK), torch.device("cpu"), "native")
+    cfg = SpeculativeConfig("draft_model", model=perturbed_draft(seed=1, arch=arch))
+    p = DraftModelProposer(cfg, target, CacheConfig(block_size=BLOCK), torch.device("cpu"),
+                           "native")
     p.allocate_kv_cache(3 * 8)
     if not native:
         p.native = None  # the PyTorch path, on the same native linears and kernels
@@ -140,7 +118,7 @@ def test_greedy_tokens_equal_transformers_through_the_native_loop() -> None:
     path = make_checkpoint("llama")
     prompts, params = repetitive_batch(seed=2)
     llm = LLM(path, dtype="float32", num_kv_blocks=24, block_size=8,
-              speculative_config={"method": "draft_model", "model": noisy_copy("llama"),
+              speculative_config={"method": "draft_model", "model": perturbed_draft(seed=1),
                                   "num_speculative_tokens": 3, "adaptive": False})
     native = llm.engine.runner.proposer.native
     assert native is not None

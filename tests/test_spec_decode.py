@@ -154,22 +154,23 @@ def test_a_bad_speculative_config_is_refused_before_loading() -> None:
 
 
 # ---- draft model ---------------------------------------------------------------------------
-def perturbed_draft(noise: float = 0.03, seed: int = 0) -> str:
-    """The target with noise on its weights: a draft that agrees often but not always."""
+def perturbed_draft(noise: float = 0.03, seed: int = 0, arch: str = "llama") -> str:
+    """The tiny ``arch`` target with noise on its weights: a draft that agrees often but
+    not always."""
     import shutil
     import tempfile
 
     import torch
     import transformers as tf
 
-    path = make_checkpoint("llama")
+    path = make_checkpoint(arch)
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.add_(torch.randn(p.shape, generator=gen) * noise)
-    out = tempfile.mkdtemp(prefix="conveyor-draft-")
+    out = tempfile.mkdtemp(prefix=f"conveyor-draft-{arch}-")
     model.save_pretrained(out, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         src = f"{path}/{f}"

@@ -1098,9 +1098,11 @@ def test_a_catch_up_is_spread_over_the_steps_it_serves():
     assert long_left[0].k_want > 0
     ctl.plan(short_left, 0, 1, 1, 512)
     assert short_left[0].k_want == 0
-    steps = ctl._catch_up_steps(long_left[0], 3.0)
-    assert steps == DraftLengthController.CATCH_UP_HORIZON
-    assert ctl._catch_up_steps(short_left[0], 3.0) == 1.0
+    prior = ctl.prior()
+    assert ctl._catch_up_steps(long_left[0], prior) == DraftLengthController.CATCH_UP_HORIZON
+    # 2 tokens left at 1 + P(draft 1 survives) a step (cap 1)
+    assert ctl._catch_up_steps(short_left[0], prior) == pytest.approx(
+        2 / (1 + ctl.acceptance(short_left[0].request, prior)[0]))
 
 
 def test_a_plan_that_drafts_nothing_is_reused_for_a_few_steps_of_that_size():

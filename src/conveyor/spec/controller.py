@@ -1066,12 +1066,16 @@ class DraftLengthController:
     # token (0.99x off) where k = 4 ran 1.42x.
     CATCH_UP_HORIZON = 8
 
-    def _catch_up_steps(self, row: DraftRow, tokens_per_step: float) -> float:
+    def _catch_up_steps(self, row: DraftRow, prior: list[float]) -> float:
         """Steps a request's catch-up is spread over: its remaining output at the tokens
-        a drafting step yields, between 1 and ``CATCH_UP_HORIZON``."""
+        a step drafting to its cap yields, between 1 and ``CATCH_UP_HORIZON``."""
+        survive, per_step = 1.0, 1.0
+        for a in self.acceptance(row.request, prior)[:row.cap]:
+            survive *= a
+            per_step += survive
         req = row.request
         left = req.max_tokens - req.num_output_tokens
-        return min(float(self.CATCH_UP_HORIZON), max(1.0, left / max(tokens_per_step, 1.0)))
+        return min(float(self.CATCH_UP_HORIZON), max(1.0, left / per_step))
 
     def _plan_by_benefit(self, rows: list[DraftRow], num_prefill: int, num_decode: int,
                          expected: int) -> None:
@@ -1127,14 +1131,11 @@ class DraftLengthController:
                 slope + per_draft + share):
             return
         cands: list[tuple[float, int, DraftRow]] = []
-        yields: dict[int, float] = {}  # row -> expected tokens a step, drafting to its cap
         for row in rows:
-            survive, gain = 1.0, 1.0
+            survive = 1.0
             for j, a in enumerate(self.acceptance(row.request, prior)[:row.cap], start=1):
                 survive *= a
-                gain += survive
                 cands.append((survive, j, row))
-            yields[id(row)] = gain
         per_catch = (self.catch_up_s_per_token or 0.0) if self.config.writes_draft_kv else 0.0
         steady_catch = self.STEADY_CATCH_UP
         charged = {id(r) for r in rows if per_catch > 0.0 and r.catch_up > steady_catch}
@@ -1166,7 +1167,7 @@ class DraftLengthController:
             cost = (slope + per_draft + (per_round if j > rounds else 0.0)
                     + (0.0 if taken else per_call))
             if j == 1 and id(row) in charged:
-                cost += per_catch * row.catch_up / self._catch_up_steps(row, yields[id(row)])
+                cost += per_catch * row.catch_up / self._catch_up_steps(row, prior)
             row.k_want = j
             taken.append(row)
             rounds = max(rounds, j)

@@ -152,17 +152,21 @@ class DraftModelProposer(Proposer):
                     valid += 1
             valid = min(valid, n - 1)  # the last real token is always fed: it gives draft 1
             first[it.req_id] = n - valid
+        # Steady: each request caught up on the token or two the last step added (more:
+        # it did not propose for a step or more, and pays for that now).
+        self.last_steady = max(first.values()) <= 2
         if (self.native is not None and not random_rows
                 and max(first.values()) <= self.DECODE_ROWS_CATCH_UP):
-            return self._propose_native(items, first)
-        rounds = self._forward_all(items, first, random_rows, qs)
-        flat = torch.cat(rounds).tolist() if len(rounds) > 1 else rounds[0].tolist()
-        out: dict[str, list[int]] = {it.req_id: [] for it in items}
-        at = 0
-        for r in range(len(rounds)):
-            for it in items[:len(rounds[r])]:
-                out[it.req_id].append(flat[at])
-                at += 1
+            out = self._propose_native(items, first)
+        else:
+            rounds = self._forward_all(items, first, random_rows, qs)
+            flat = torch.cat(rounds).tolist() if len(rounds) > 1 else rounds[0].tolist()
+            out = {it.req_id: [] for it in items}
+            at = 0
+            for r in range(len(rounds)):
+                for it in items[:len(rounds[r])]:
+                    out[it.req_id].append(flat[at])
+                    at += 1
         for it in items:
             drafts = out[it.req_id]
             st = self._states[it.req_id]
@@ -182,14 +186,8 @@ class DraftModelProposer(Proposer):
                         for t in it.token_ids[len(it.token_ids) - c:]], dtype=np.int64)
         max_ctx = int((lens0 + ks - 1).max())
         slots = padded_slots([it.block_ids for it in items], max_ctx, self.runner.block_size)
-        self.last_steady = int(catch.max()) <= 2
         drafts = self.native(ids, catch, lens0, ks, slots).tolist()
-        out: dict[str, list[int]] = {}
-        for it, row in zip(items, drafts, strict=True):
-            out[it.req_id] = row[:it.k]
-            st = self._states[it.req_id]
-            st.real_len, st.fed = len(it.token_ids), row[:it.k - 1]
-        return out
+        return {it.req_id: row[:it.k] for it, row in zip(items, drafts, strict=True)}
 
     @torch.inference_mode()
     def _forward_all(self, items: list[ProposeItem], first: dict[str, int],
@@ -208,9 +206,6 @@ class DraftModelProposer(Proposer):
         ks = np.array([it.k for it in items], dtype=np.int64)
         catch = np.array([first[it.req_id] for it in items], dtype=np.int64)
         layout = _DecodeLayout(runner, items, lens0, ks)
-        # Steady: each request caught up on the token or two the last step added (more:
-        # it did not propose for a step or more, and pays for that now).
-        self.last_steady = int(catch.max()) <= 2
         if int(catch.max()) <= self.DECODE_ROWS_CATCH_UP:
             hidden = self._catch_up_rows(items, lens0, catch, layout)
         else:

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), name)
             for name in ("decode_attention.c", "prefill_attention.c",
                          "prefill_attention_amx.c", "elementwise.c", "gemm.c",
-                          "draft_forward.c")]
+                         "draft_forward.c")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), name)
             for name in ("prefill_attention_body.h", "prefill_attention_avx2.h",
                          "prefill_attention_avx512.h", "prefill_attention_dims.h", "simd_math.h",

@@ -11,8 +11,9 @@
  * model already runs (gemm.c, elementwise.c, decode_attention.c), so every number is the
  * one the PyTorch path computes with native linears, in the same order.
  *
- * The model is passed as two tables (built once in Python, spec/draft_native.py):
- *   dims [9]: hidden, layers, Hq, Hkv, D, intermediate, vocab, window (0: none), unused
+ * The model is passed as two tables (built and checked once in Python, kernels/ops.py's
+ * DraftForward):
+ *   dims [8]: hidden, layers, Hq, Hkv, D, intermediate, vocab, window (0: none)
  *   ptrs [5 + 9 * layers]: embedding [vocab, hidden], final norm, packed LM head, RoPE cos,
  *     sin [max_pos, D]; per layer: input norm, post-attention norm, packed QKV, QKV bias
  *     (or 0), packed O, packed gate/up (silu(gate) * up fused), packed down, K cache, V

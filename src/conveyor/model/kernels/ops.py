@@ -444,8 +444,6 @@ class DraftForward:
     object, so a call checks only its own index arrays. ``ValueError`` if the model does
     not fit (the caller then keeps the PyTorch path)."""
 
-    N_DIMS, N_GLOBAL, N_LAYER = 8, 5, 9
-
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if not gemm_available():
             raise ValueError("conveyor::draft_propose: the native GEMM is not built here")
