@@ -7,9 +7,13 @@ one kernel call per layer. Each row is one body on one cache dtype: the entry th
 calls (the vector body where the head dim is a multiple of the build's vector width) and
 the generic body it replaced, timed in alternation in one run; each is checked against a
 dense softmax first. The cache is on huge pages where the OS takes the advice, as the
-engine's pool is; then a last row times the entry on a copy on small pages.
+engine's pool is; then a last row times the entry on a copy on small pages. With
+``--against REV`` the entry of git revision REV's ``decode_attention.c`` (built with this
+tree's flags) is timed in the same alternation: a kernel change's before and after in one
+run, which the VM's drift hits alike.
 
     python benchmarks/decode_attention_kernel.py --threads 2
+    python benchmarks/decode_attention_kernel.py --threads 2 --against HEAD~1 --layers 1
     python benchmarks/decode_attention_kernel.py --dtypes bfloat16 --head-dim 128 \
         --kv-heads 8 --heads 32
 """
@@ -17,8 +21,12 @@ engine's pool is; then a last row times the entry on a copy on small pages.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
+import os
 import statistics
+import subprocess
+import tempfile
 import time
 
 import torch
@@ -30,6 +38,27 @@ from conveyor.runner import huge_pages
 
 def _on_other_cache(fn, k_ptr: int, v_ptr: int, q_ptr: int, _k: int, _v: int, *rest):
     return fn(q_ptr, k_ptr, v_ptr, *rest)
+
+
+def build_at(rev: str, out_dir: str) -> ctypes.CDLL:
+    """decode_attention.c (and the kernel headers) as of git revision ``rev``, built with
+    this tree's flags for this CPU."""
+    here = os.path.dirname(os.path.abspath(kernels.__file__))
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    rel = os.path.relpath(here, top)
+    archive = subprocess.run(["git", "archive", rev, rel], cwd=top, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", out_dir], input=archive, check=True)
+    src = os.path.join(out_dir, rel, "decode_attention.c")
+    so = os.path.join(out_dir, "decode_attention.so")
+    flags = [*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())]
+    subprocess.run(["cc", *flags, "-shared", src, "-o", so, *kernels._LIBS], check=True)
+    lib = ctypes.CDLL(so)
+    ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    for name in ("decode_attention_f32", "decode_attention_bf16"):
+        getattr(lib, name).argtypes = [ptr] * 7 + [i32] * 5 + [f32]
+    return lib
 
 
 def main() -> None:
@@ -44,11 +73,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--against", metavar="REV", help="also time the entry of this git revision")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     lib = kernels.load()
     if lib is None:
         raise SystemExit("the native kernels could not be built (no C compiler?)")
+    other = build_at(args.against, tempfile.mkdtemp()) if args.against else None
     b, hq, hkv, d, ctx, bs = (args.batch, args.heads, args.kv_heads, args.head_dim,
                               args.context, args.block_size)
     per_seq = -(-ctx // bs)
@@ -80,6 +111,8 @@ def main() -> None:
         entry = getattr(lib, f"decode_attention_{suffix}")
         bodies = {"entry (vector body)": entry,
                   "generic body": getattr(lib, f"decode_attention_{suffix}_generic")}
+        if other is not None:
+            bodies[f"entry at {args.against}"] = getattr(other, f"decode_attention_{suffix}")
         if advised:
             bodies["entry, small pages"] = functools.partial(
                 _on_other_cache, entry, k_small.data_ptr(), v_small.data_ptr())

@@ -9,6 +9,10 @@ writes, other tensor ops, and the engine's own Python (scheduling, input buildin
 sampling bookkeeping).
 
     python benchmarks/decode_step.py --model smollm2-135m --dtype float32 --batch 32
+
+``--attention-against REV`` also times each round's steps with git revision REV's decode
+attention kernel swapped in (the native backend's library), alternated with this tree's:
+a kernel change's effect on the whole step, in one process.
 """
 
 from __future__ import annotations
@@ -178,6 +182,8 @@ def main() -> None:
     p.add_argument("--linear-backend", default="auto",
                    choices=("auto", "torch", "onednn", "native", "native-bf16"))
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--attention-against", metavar="REV",
+                   help="also time the step with this git revision's decode attention kernel")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -191,9 +197,26 @@ def main() -> None:
     weights = floor_weights(llm)
     plain_fns = linear_fns(weights)
     packed_fns = linear_fns(weights, packed) if packed else None
-    ratios, packed_ratios = [], []
+    ratios, packed_ratios, against = [], [], []
+    if args.attention_against:
+        import tempfile
+
+        from decode_attention_kernel import build_at
+
+        if not hasattr(runner.decode_kernel, "lib"):
+            raise SystemExit("--attention-against needs the native decode attention backend")
+        libs = (runner.decode_kernel.lib, build_at(args.attention_against, tempfile.mkdtemp()))
     for r in range(args.rounds):
+        if args.attention_against:
+            runner.decode_kernel.lib = libs[1]
+            other = time_steps(llm, args.steps)
+            runner.decode_kernel.lib = libs[0]
         step = time_steps(llm, args.steps)
+        if args.attention_against:
+            against.append(other / step)
+            print(f"round {r}: decode step {step * 1e3:7.1f} ms, with "
+                  f"{args.attention_against}'s decode attention {other * 1e3:7.1f} ms: "
+                  f"{other / step:.3f}x")
         floor = gemm_floor(plain_fns, weights, args.batch, args.steps)
         line = (f"round {r}: decode step {step * 1e3:7.1f} ms   GEMM floor (F.linear) "
                 f"{floor * 1e3:7.1f} ms   ratio {step / floor:5.2f}")
@@ -204,6 +227,9 @@ def main() -> None:
             line += f"   packed floor {pfloor * 1e3:7.1f} ms   ratio {step / pfloor:5.2f}"
         print(line)
     print(f"median ratio step / GEMM floor (F.linear): {statistics.median(ratios):.2f}")
+    if against:
+        print(f"median ratio step with {args.attention_against}'s decode attention / this "
+              f"tree's: {statistics.median(against):.3f}")
     if packed_ratios:
         print(f"median ratio step / packed {packed} floor: "
               f"{statistics.median(packed_ratios):.2f}")

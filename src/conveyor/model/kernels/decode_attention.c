@@ -32,19 +32,30 @@ static inline float bf16_to_float(uint16_t x) {
 }
 
 #define CHUNK 16
-/* The vector body prefetches PF_DIST positions ahead (and a sequence's first PF_DIST
- * before it starts): one chunk ahead left its loads waiting on memory at the start of
- * every chunk (on a 2-core Zen 4, 4 chunks ahead: the body 1.15-1.20x faster out of
- * cache, benchmarks/decode_attention_kernel.py). */
+/* The vector body prefetches PF_DIST positions ahead into L2 (and a sequence's first
+ * PF_DIST before it starts), then the chunk's K rows into L1 as the chunk starts. Into
+ * L1 at that distance (48 KiB of bf16 K and V ahead, more than L1 holds) the prefetches
+ * evicted each other: on a 2-core Zen 4, L2 is 1.2x faster for fp32 and bf16 caches out
+ * of cache, and distances of 1-6 chunks read within 3% of each other
+ * (benchmarks/decode_attention_kernel.py). */
 #define PF_DIST (4 * CHUNK)
 
 /* Prefetch one position's K and V rows (bytes each: paged blocks sit anywhere in memory,
- * where the hardware prefetcher cannot follow). */
+ * where the hardware prefetcher cannot follow), into L1 (the generic body) or L2. */
 static inline void prefetch_kv(const void* k, const void* v, int bytes) {
     for (int o = 0; o < bytes; o += 64) {
         __builtin_prefetch((const char*)k + o);
         __builtin_prefetch((const char*)v + o);
     }
+}
+static inline void prefetch_kv_l2(const void* k, const void* v, int bytes) {
+    for (int o = 0; o < bytes; o += 64) {
+        __builtin_prefetch((const char*)k + o, 0, 2);
+        __builtin_prefetch((const char*)v + o, 0, 2);
+    }
+}
+static inline void prefetch_l1(const void* p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const char*)p + o, 0, 3);
 }
 
 /* A sequence's output: each query head's accumulator over its softmax denominator. */
@@ -137,30 +148,39 @@ DEFINE_DECODE(decode_attention_bf16_generic, uint16_t, LOAD_BF16)
 /* ---- The vector body ------------------------------------------------------------------
  *
  * The generic body above keeps each query head's output accumulator in memory and adds
- * every position's V row to it (a load and a store per vector per position and head), and
- * widens a bf16 K or V element once per query head of its group. This one, for head dims
- * that are a multiple of the vector width VW:
- *   - a bf16 chunk's K and V rows are widened to fp32 once, into a per-thread buffer of
- *     2 x CHUNK rows (24 KiB for 3 KV heads x 64), which every query head of the group
- *     reads from L1; fp32 rows are read from the cache in place;
- *   - q is scaled once per sequence;
- *   - P V keeps up to NB vectors of one query head's accumulator in registers across the
- *     chunk's positions (loaded, rescaled by the chunk's alpha, and stored once a chunk).
+ * every position's V row to it (a load and a store per vector per position and head),
+ * reduces every score across its vector on its own, and widens a bf16 K or V element
+ * once per query head of its group. This one, for head dims that are a multiple of the
+ * vector width VW, is built to spend few instructions a position (at batch 32 the kernel
+ * runs at about one vector op a cycle, in the caches or out of them):
+ *   - scores: one vector of partial sums per position, VW positions reduced together by
+ *     a transpose-and-add (reduce_lanes: VW - 1 shuffle pairs for VW scores, where a
+ *     horizontal sum per score costs log2(VW) each);
+ *   - P V: the accumulators of up to GT query heads of a group stay in registers across
+ *     the chunk's positions, so each V vector is loaded once for the whole tile;
+ *   - a bf16 chunk's K and V rows are widened once into a per-thread buffer of 2 x CHUNK
+ *     rows (24 KiB for 3 KV heads x 64) that every query head of the group reads from L1
+ *     (with AVX-512 BF16 and a bf16-valued q, K is instead read as bf16 by vdpbf16ps);
+ *     fp32 rows are read in place; q is scaled once a sequence.
  * Written with GCC vector types, so -march=native makes it AVX-512 (VW 16), AVX2 (VW 8,
- * 256-bit) or SSE (VW 8 as two 128-bit halves) from one source. Sums run in another
- * order than the generic body's: results agree to rounding, not bit for bit.
+ * 256-bit) or SSE (VW 8 as two 128-bit halves) from one source. P V's sums run in the
+ * generic body's order; the scores' in another: results agree to rounding, not bit for
+ * bit.
  */
 #if defined(__AVX512F__)
 #define VW 16
+#define GT 4  /* query heads whose P V accumulators are in registers at once (x NB each) */
 #else
 #define VW 8
+#define GT 2
 #endif
-#define NB 8  /* accumulator vectors of one query head per pass (8 of 16 or 32 registers) */
+#define NB 4  /* accumulator vectors of one query head per pass */
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 typedef uint16_t vhu __attribute__((vector_size(VW * 2), aligned(2)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
 static inline vf vload(const float* p) { return *(const vfu*)p; }
 static inline void vstore(float* p, vf v) { *(vfu*)p = v; }
@@ -169,50 +189,103 @@ static inline vf vload_bf16(const uint16_t* p) {
     vu w = __builtin_convertvector(x, vu) << 16;
     return (vf)w;
 }
-static inline float vsum(vf v) {
-    float s = 0.f;
-    for (int i = 0; i < VW; i++) s += v[i];
-    return s;
+
+/* Lane t of the result: the sum of a[t]'s lanes, for t < VW (a is clobbered). Pairs of
+ * vectors are added pairwise within 128-bit lanes (HA/HB: what hadd does), twice; then
+ * 128-bit lanes are folded across (LA/LB). Each level halves the vectors and keeps
+ * their order, so the last one holds a[0..VW) in order. */
+#if VW == 16
+#define HA {0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30}
+#define HB {1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31}
+#define LA {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}
+#define LB {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}
+#else
+#define HA {0, 2, 8, 10, 4, 6, 12, 14}
+#define HB {1, 3, 9, 11, 5, 7, 13, 15}
+#define LA {0, 1, 2, 3, 8, 9, 10, 11}
+#define LB {4, 5, 6, 7, 12, 13, 14, 15}
+#endif
+static inline __attribute__((always_inline)) vf pair_add(vf x, vf y, vi ma, vi mb) {
+    return __builtin_shuffle(x, y, ma) + __builtin_shuffle(x, y, mb);
+}
+static inline __attribute__((always_inline)) vf reduce_lanes(vf* a) {
+    const vi ha = HA, hb = HB, la = LA, lb = LB;
+    for (int j = 0; j < VW / 2; j++) a[j] = pair_add(a[2 * j], a[2 * j + 1], ha, hb);
+    for (int j = 0; j < VW / 4; j++) a[j] = pair_add(a[2 * j], a[2 * j + 1], ha, hb);
+#if VW == 16
+    for (int j = 0; j < 2; j++) a[j] = pair_add(a[2 * j], a[2 * j + 1], la, lb);
+#endif
+    return pair_add(a[0], a[1], la, lb);
 }
 
-/* Scores of one chunk: s[i][t] = (scaled q_i) . K_t for every query head i.
+/* Scores of one chunk: s[i][t] = (scaled q_i) . K_t for every query head i, CHUNK of
+ * them (krow[t] for t >= tn repeats a valid row: its scores are never read).
  * krow[t]: the fp32 row [Hkv * D] of the chunk's position t. */
 static inline __attribute__((always_inline)) void chunk_scores(
-        const float* qs, const float* const* krow, float* s, int tn, int Hkv, int G,
-        const int D) {
+        const float* qs, const float* const* krow, float* s, int Hkv, int G, const int D) {
     for (int h = 0; h < Hkv; h++) {
         for (int g = 0; g < G; g++) {
             const int i = h * G + g;
             const float* qi = qs + (int64_t)i * D;
-            for (int t = 0; t < tn; t++) {
-                const float* kh = krow[t] + (int64_t)h * D;
-                vf a = vload(qi) * vload(kh);
-                for (int j = VW; j < D; j += VW) a += vload(qi + j) * vload(kh + j);
-                s[i * CHUNK + t] = vsum(a);
+            for (int t0 = 0; t0 < CHUNK; t0 += VW) {
+                vf a[VW];
+                for (int t = 0; t < VW; t++) {
+                    const float* kh = krow[t0 + t] + (int64_t)h * D;
+                    a[t] = vload(qi) * vload(kh);
+                    for (int j = VW; j < D; j += VW) a[t] += vload(qi + j) * vload(kh + j);
+                }
+                vstore(s + i * CHUNK + t0, reduce_lanes(a));
             }
         }
     }
 }
 
-/* acc_i = alpha_i acc_i + sum_t p[i][t] V_t, NB vectors of acc_i at a time in registers. */
+/* acc_i = alpha_i acc_i + sum_t p[i][t] V_t over the chunk's tn positions, for the query
+ * heads g0 .. g0 + gn of KV head h and nb vectors from d0: the tile's gn x nb
+ * accumulators in registers, each V vector loaded once for the whole tile. vrow[t]: the
+ * fp32 row [Hkv * D] of the chunk's position t. */
+static inline __attribute__((always_inline)) void pv_tile(
+        const float* const* vrow, const float* s, const float* alpha, float* acc, int tn,
+        int h, int G, int g0, const int gn, int d0, const int nb, const int D) {
+    vf a[GT][NB];
+    for (int gg = 0; gg < gn; gg++) {
+        const int i = h * G + g0 + gg;
+        for (int j = 0; j < nb; j++) a[gg][j] = vload(acc + (int64_t)i * D + d0 + j * VW) * alpha[i];
+    }
+    for (int t = 0; t < tn; t++) {
+        const float* vt = vrow[t] + (int64_t)h * D + d0;
+        vf v[NB];
+        for (int j = 0; j < nb; j++) v[j] = vload(vt + j * VW);
+        for (int gg = 0; gg < gn; gg++) {
+            const float p = s[(h * G + g0 + gg) * CHUNK + t];
+            for (int j = 0; j < nb; j++) a[gg][j] += p * v[j];
+        }
+    }
+    for (int gg = 0; gg < gn; gg++) {
+        const int i = h * G + g0 + gg;
+        for (int j = 0; j < nb; j++) vstore(acc + (int64_t)i * D + d0 + j * VW, a[gg][j]);
+    }
+}
+
 static inline __attribute__((always_inline)) void chunk_pv(
         const float* const* vrow, const float* s, const float* alpha, float* acc, int tn,
         int Hkv, int G, const int D) {
     for (int h = 0; h < Hkv; h++) {
-        for (int g = 0; g < G; g++) {
-            const int i = h * G + g;
-            const float* si = s + i * CHUNK;
-            float* ai = acc + (int64_t)i * D;
-            for (int d0 = 0; d0 < D; d0 += NB * VW) {
-                const int nb = (D - d0) / VW < NB ? (D - d0) / VW : NB;
-                vf a[NB];
-                for (int j = 0; j < nb; j++) a[j] = vload(ai + d0 + j * VW) * alpha[i];
-                for (int t = 0; t < tn; t++) {
-                    const float* vt = vrow[t] + (int64_t)h * D + d0;
-                    const float p = si[t];
-                    for (int j = 0; j < nb; j++) a[j] += p * vload(vt + j * VW);
-                }
-                for (int j = 0; j < nb; j++) vstore(ai + d0 + j * VW, a[j]);
+        for (int d0 = 0; d0 < D; d0 += NB * VW) {
+            const int nb = (D - d0) / VW < NB ? (D - d0) / VW : NB;
+            for (int g0 = 0; g0 < G; g0 += GT) {
+                const int gn = G - g0 < GT ? G - g0 : GT;
+                /* constant tile sizes where they are common, so the loops unroll into
+                 * registers (3: Llama and Qwen groups of 3 query heads, as SmolLM2's) */
+                if (nb == NB && gn == GT)
+                    pv_tile(vrow, s, alpha, acc, tn, h, G, g0, GT, d0, NB, D);
+#if GT > 3
+                else if (nb == NB && gn == 3)
+                    pv_tile(vrow, s, alpha, acc, tn, h, G, g0, 3, d0, NB, D);
+#endif
+                else
+                    for (int gg = 0; gg < gn; gg++)
+                        pv_tile(vrow, s, alpha, acc, tn, h, G, g0 + gg, 1, d0, nb, D);
             }
         }
     }
@@ -226,28 +299,30 @@ static inline __attribute__((always_inline)) void chunk_pv(
 #include <immintrin.h>
 #define HAVE_DP 1
 static inline __attribute__((always_inline)) void chunk_scores_dp(
-        const uint16_t* qh, const uint16_t* const* krow, float* s, int tn, int Hkv, int G,
+        const uint16_t* qh, const uint16_t* const* krow, float* s, int Hkv, int G,
         const int D, float scale) {
     for (int h = 0; h < Hkv; h++) {
         for (int g = 0; g < G; g++) {
             const int i = h * G + g;
             const uint16_t* qi = qh + (int64_t)i * D;
-            for (int t = 0; t < tn; t++) {
+            vf a[VW];
+            for (int t = 0; t < CHUNK; t++) {
                 const uint16_t* kh = krow[t] + (int64_t)h * D;
-                __m512 a = _mm512_setzero_ps();
+                __m512 x = _mm512_setzero_ps();
                 for (int j = 0; j < D; j += 32)
-                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qi + j),
+                    x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(qi + j),
                                          (__m512bh)_mm512_loadu_si512(kh + j));
-                s[i * CHUNK + t] = _mm512_reduce_add_ps(a) * scale;
+                a[t] = (vf)x;
             }
+            vstore(s + i * CHUNK, reduce_lanes(a) * scale);
         }
     }
 }
 #else
 #define HAVE_DP 0
 static inline void chunk_scores_dp(const uint16_t* qh, const uint16_t* const* krow, float* s,
-                                   int tn, int Hkv, int G, const int D, float scale) {
-    (void)qh; (void)krow; (void)s; (void)tn; (void)Hkv; (void)G; (void)D; (void)scale;
+                                   int Hkv, int G, const int D, float scale) {
+    (void)qh; (void)krow; (void)s; (void)Hkv; (void)G; (void)D; (void)scale;
 }
 #endif
 
@@ -262,7 +337,11 @@ static inline int q_as_bf16(const float* q, uint16_t* qh, int n) {
 }
 
 /* DEXPR: the head dim as a literal (64, 128: the loops unroll) or the argument Dr. It is
- * read inside the parallel region, which the compiler outlines before any inlining. */
+ * read inside the parallel region, which the compiler outlines before any inlining.
+ * A bf16 chunk's V rows are widened at the chunk's start, in one run of loads that do not
+ * wait on each other, rather than inside P V: there each position's loads sit behind the
+ * previous position's FMAs and the L2 latency shows (the body 1.3x slower out of cache
+ * on a Zen 4, though faster in cache); the chunk's K rows are prefetched into L1 then. */
 #define DEFINE_VEC(NAME, T, WIDEN, DEXPR)                                                   \
 static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,            \
                  const int32_t* lens, const int32_t* starts, float* out, int B, int Hq,     \
@@ -271,6 +350,7 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
     _Pragma("omp parallel")                                                                 \
     {                                                                                       \
     const int D = DEXPR, G = Hq / Hkv, row = Hkv * D;                                       \
+    const int row_bytes = (int)(row * sizeof(T));                                           \
     float* acc = (float*)malloc(sizeof(float) * (size_t)Hq * D);                            \
     float* qs = (float*)malloc(sizeof(float) * (size_t)Hq * D);                             \
     float* s = (float*)malloc(sizeof(float) * (size_t)Hq * CHUNK);                          \
@@ -292,34 +372,44 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
         const int use_dp = dp_ok && q_as_bf16(qb, qh, Hq * D);                              \
         for (int i = 0; i < Hq; i++) { m[i] = -INFINITY; l[i] = 0.f; }                      \
         for (int t = 0; t < PF_DIST && t < n; t++)                                          \
-            prefetch_kv(kc + sl[t] * row, vc + sl[t] * row, (int)(row * sizeof(T)));        \
+            prefetch_kv_l2(kc + sl[t] * row, vc + sl[t] * row, row_bytes);                  \
         for (int t0 = 0; t0 < n; t0 += CHUNK) {                                             \
             const int tn = n - t0 < CHUNK ? n - t0 : CHUNK;                                 \
             for (int t = 0; t < tn; t++) {                                                  \
                 if (t0 + PF_DIST + t < n)                                                   \
-                    prefetch_kv(kc + sl[t0 + PF_DIST + t] * row, vc + sl[t0 + PF_DIST + t]  \
-                                * row, (int)(row * sizeof(T)));                             \
+                    prefetch_kv_l2(kc + sl[t0 + PF_DIST + t] * row,                         \
+                                   vc + sl[t0 + PF_DIST + t] * row, row_bytes);             \
                 const T* kt = kc + sl[t0 + t] * row;                                        \
                 const T* vt = vc + sl[t0 + t] * row;                                        \
-                if (WIDEN && use_dp) { /* K read as bf16 by the scores: widen V only */     \
+                if (WIDEN) {                                                                \
                     float* wv = wide + (int64_t)(CHUNK + t) * row;                          \
                     for (int x = 0; x < row; x += VW)                                       \
                         vstore(wv + x, vload_bf16((const uint16_t*)vt + x));                \
-                    kraw[t] = (const uint16_t*)kt; vrow[t] = wv;                            \
+                    vrow[t] = wv;                                                           \
+                } else {                                                                    \
+                    vrow[t] = (const float*)vt;                                             \
+                }                                                                           \
+                if (WIDEN && use_dp) { /* K read as bf16 by the scores */                   \
+                    prefetch_l1(kt, row_bytes);                                             \
+                    kraw[t] = (const uint16_t*)kt;                                          \
                 } else if (WIDEN) {                                                         \
                     float* wk = wide + (int64_t)t * row;                                    \
-                    float* wv = wide + (int64_t)(CHUNK + t) * row;                          \
-                    for (int x = 0; x < row; x += VW) {                                     \
+                    for (int x = 0; x < row; x += VW)                                       \
                         vstore(wk + x, vload_bf16((const uint16_t*)kt + x));                \
-                        vstore(wv + x, vload_bf16((const uint16_t*)vt + x));                \
-                    }                                                                       \
-                    krow[t] = wk; vrow[t] = wv;                                             \
+                    krow[t] = wk;                                                           \
                 } else {                                                                    \
-                    krow[t] = (const float*)kt; vrow[t] = (const float*)vt;                 \
+                    prefetch_l1(kt, row_bytes);                                             \
+                    krow[t] = (const float*)kt;                                             \
                 }                                                                           \
             }                                                                               \
-            if (use_dp) chunk_scores_dp(qh, kraw, s, tn, Hkv, G, D, scale);                 \
-            else chunk_scores(qs, krow, s, tn, Hkv, G, D);                                  \
+            /* the scores run on CHUNK rows: past tn, repeats of a valid one */             \
+            if (use_dp) {                                                                   \
+                for (int t = tn; t < CHUNK; t++) kraw[t] = kraw[0];                         \
+                chunk_scores_dp(qh, kraw, s, Hkv, G, D, scale);                             \
+            } else {                                                                        \
+                for (int t = tn; t < CHUNK; t++) krow[t] = krow[0];                         \
+                chunk_scores(qs, krow, s, Hkv, G, D);                                       \
+            }                                                                               \
             for (int i = 0; i < Hq; i++) {                                                  \
                 float* si = s + i * CHUNK;                                                  \
                 float cm = m[i];                                                            \
