@@ -34,10 +34,11 @@ static inline float bf16_to_float(uint16_t x) {
 #define CHUNK 16
 /* The vector body prefetches PF_DIST positions ahead into L2 (and a sequence's first
  * PF_DIST before it starts), then the chunk's K rows into L1 as the chunk starts. Into
- * L1 at that distance (48 KiB of bf16 K and V ahead, more than L1 holds) the prefetches
- * evicted each other: on a 2-core Zen 4, L2 is 1.2x faster for fp32 and bf16 caches out
- * of cache, and distances of 1-6 chunks read within 3% of each other
- * (benchmarks/decode_attention_kernel.py). */
+ * L1 at that distance (48 KiB of bf16 K and V ahead, more than L1 holds) the prefetched
+ * lines evicted each other: on a 2-core Zen 4, prefetching into L2 made the body 1.2x
+ * faster out of cache for fp32 and bf16 caches alike, distances of 1-6 chunks reading
+ * within 3% of each other, and spreading the prefetches over the chunk's P V loop was
+ * 3-8% slower (benchmarks/decode_attention_kernel.py). */
 #define PF_DIST (4 * CHUNK)
 
 /* Prefetch one position's K and V rows (bytes each: paged blocks sit anywhere in memory,
@@ -305,7 +306,7 @@ static inline __attribute__((always_inline)) void chunk_scores_dp(
         for (int g = 0; g < G; g++) {
             const int i = h * G + g;
             const uint16_t* qi = qh + (int64_t)i * D;
-            vf a[VW];
+            vf a[VW];  /* (VW == CHUNK == 16 here: one reduce_lanes for the chunk) */
             for (int t = 0; t < CHUNK; t++) {
                 const uint16_t* kh = krow[t] + (int64_t)h * D;
                 __m512 x = _mm512_setzero_ps();
