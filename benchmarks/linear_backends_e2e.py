@@ -9,6 +9,8 @@ decode step sees.
 
     python benchmarks/linear_backends_e2e.py --batches 1,16 --rounds 8,4
     python benchmarks/linear_backends_e2e.py --model smollm2-135m --load-format dummy
+    python benchmarks/linear_backends_e2e.py --model smollm2-135m --load-format dummy \
+        --batches 1,4,16,32 --rounds 6,4,3,3 --max-num-seqs 128   # a server's cap
     python benchmarks/linear_backends_e2e.py --dtype bfloat16   # bf16 weights; fp32
                                                   # arithmetic where the CPU lacks bf16
 """
@@ -48,6 +50,9 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the engines' cap (default: the largest batch): auto times decode "
+                        "rows at it")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the checkpoint's dtype (bfloat16: computed as --compute-dtype auto "
                         "decides here)")
@@ -68,7 +73,8 @@ def main() -> int:
         cpu, math, weight_dtype if weight_dtype != math else None)]
     max_len = args.prompt_tokens + args.max_tokens + 16
     engines = {n: LLM(model, load_format=load_format, dtype=args.dtype,
-                      max_num_seqs=max(batches), max_num_batched_tokens=1024,
+                      max_num_seqs=args.max_num_seqs or max(batches),
+                      max_num_batched_tokens=1024,
                       enable_prefix_caching=False, max_model_len=max_len,
                       num_threads=args.threads, linear_backend=n) for n in names}
     print(f"CPU: {cpu_model_name()} ({os.cpu_count()} cores); model {model}, {args.dtype} "
