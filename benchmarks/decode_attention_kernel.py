@@ -53,7 +53,8 @@ def build_at(rev: str, out_dir: str) -> ctypes.CDLL:
     src = os.path.join(out_dir, rel, "decode_attention.c")
     so = os.path.join(out_dir, "decode_attention.so")
     flags = [*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())]
-    subprocess.run(["cc", *flags, "-shared", src, "-o", so, *kernels._LIBS], check=True)
+    compiler = os.environ.get("CC") or "cc"  # ($CC first, as kernels.load_variant)
+    subprocess.run([compiler, *flags, "-shared", src, "-o", so, *kernels._LIBS], check=True)
     lib = ctypes.CDLL(so)
     ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     for name in ("decode_attention_f32", "decode_attention_bf16"):

@@ -152,8 +152,7 @@ DEFINE_DECODE(decode_attention_bf16_generic, uint16_t, LOAD_BF16)
  * every position's V row to it (a load and a store per vector per position and head),
  * reduces every score across its vector on its own, and widens a bf16 K or V element
  * once per query head of its group. This one, for head dims that are a multiple of the
- * vector width VW, is built to spend few instructions a position (at batch 32 the kernel
- * runs at about one vector op a cycle, in the caches or out of them):
+ * vector width VW, is built to spend few instructions a position:
  *   - scores: one vector of partial sums per position, VW positions reduced together by
  *     a transpose-and-add (reduce_lanes: VW - 1 shuffle pairs for VW scores, where a
  *     horizontal sum per score costs log2(VW) each);
@@ -251,7 +250,8 @@ static inline __attribute__((always_inline)) void pv_tile(
     vf a[GT][NB];
     for (int gg = 0; gg < gn; gg++) {
         const int i = h * G + g0 + gg;
-        for (int j = 0; j < nb; j++) a[gg][j] = vload(acc + (int64_t)i * D + d0 + j * VW) * alpha[i];
+        for (int j = 0; j < nb; j++)
+            a[gg][j] = vload(acc + (int64_t)i * D + d0 + j * VW) * alpha[i];
     }
     for (int t = 0; t < tn; t++) {
         const float* vt = vrow[t] + (int64_t)h * D + d0;
