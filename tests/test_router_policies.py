@@ -214,3 +214,27 @@ def test_a_failing_summary_leaves_the_replica_in_rotation_and_a_failing_health_n
     assert not b.healthy and b.reason == "/health answered 503"
     with pytest.raises(ValueError, match="malformed"):
         a.apply_summary({"block_size": 16})
+
+
+def test_a_health_check_that_raises_fails_that_check_only(caplog) -> None:
+    """An exception that is not an HTTP error fails that replica's check, loudly; the other
+    replica is checked all the same, and the next check that answers puts it back (raised
+    out of check_all, it would have ended the checker's task for good)."""
+    broken = {"a"}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.host in broken:
+            raise RuntimeError("transport bug")
+        return httpx.Response(200, json={})
+
+    app = build_router_app(RouterConfig(["http://a:1", "http://b:1"]),
+                           transport=httpx.MockTransport(handle))
+    checker = app.state.router.checker
+    asyncio.run(checker.check_all())
+    a, b = app.state.router.replicas
+    assert not a.healthy and a.reason == "health check raised RuntimeError: transport bug"
+    assert b.healthy
+    assert "health check of http://a:1 raised" in caplog.text
+    broken.clear()
+    asyncio.run(checker.check_all())
+    assert a.healthy and a.reason == ""

@@ -129,6 +129,13 @@ class HealthChecker:
         except httpx.HTTPError as e:
             replica.mark_down(f"health check failed: {type(e).__name__}: {e}")
             return
+        except Exception as e:
+            # Anything else (a bug, a transport's odd failure) fails this check only:
+            # raised out of check_all, it would end the checker's task, and no replica
+            # would ever come back into rotation.
+            logger.exception("health check of %s raised", replica.url)
+            replica.mark_down(f"health check raised {type(e).__name__}: {e}")
+            return
         if r.status_code != 200:
             replica.mark_down(f"/health answered {r.status_code}")
             return
