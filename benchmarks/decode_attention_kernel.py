@@ -21,15 +21,13 @@ run, which the VM's drift hits alike.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
-import os
 import statistics
-import subprocess
 import tempfile
 import time
 
 import torch
+from kernel_at import build_at
 
 from conveyor.model import kernels
 from conveyor.model.dtypes import cpu_model_name
@@ -38,28 +36,6 @@ from conveyor.runner import huge_pages
 
 def _on_other_cache(fn, k_ptr: int, v_ptr: int, q_ptr: int, _k: int, _v: int, *rest):
     return fn(q_ptr, k_ptr, v_ptr, *rest)
-
-
-def build_at(rev: str, out_dir: str) -> ctypes.CDLL:
-    """decode_attention.c (and the kernel headers) as of git revision ``rev``, built with
-    this tree's flags for this CPU."""
-    here = os.path.dirname(os.path.abspath(kernels.__file__))
-    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, check=True,
-                         capture_output=True, text=True).stdout.strip()
-    rel = os.path.relpath(here, top)
-    archive = subprocess.run(["git", "archive", rev, rel], cwd=top, check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", out_dir], input=archive, check=True)
-    src = os.path.join(out_dir, rel, "decode_attention.c")
-    so = os.path.join(out_dir, "decode_attention.so")
-    flags = [*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())]
-    compiler = os.environ.get("CC") or "cc"  # ($CC first, as kernels.load_variant)
-    subprocess.run([compiler, *flags, "-shared", src, "-o", so, *kernels._LIBS], check=True)
-    lib = ctypes.CDLL(so)
-    ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    for name in ("decode_attention_f32", "decode_attention_bf16"):
-        getattr(lib, name).argtypes = [ptr] * 7 + [i32] * 5 + [f32]
-    return lib
 
 
 def main() -> None:
@@ -80,7 +56,8 @@ def main() -> None:
     lib = kernels.load()
     if lib is None:
         raise SystemExit("the native kernels could not be built (no C compiler?)")
-    other = build_at(args.against, tempfile.mkdtemp()) if args.against else None
+    other = (build_at(args.against, "decode_attention.c", tempfile.mkdtemp())
+             if args.against else None)
     b, hq, hkv, d, ctx, bs = (args.batch, args.heads, args.kv_heads, args.head_dim,
                               args.context, args.block_size)
     per_seq = -(-ctx // bs)

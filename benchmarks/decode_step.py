@@ -201,11 +201,12 @@ def main() -> None:
     if args.attention_against:
         import tempfile
 
-        from decode_attention_kernel import build_at
+        from kernel_at import build_at
 
         if not hasattr(runner.decode_kernel, "lib"):
             raise SystemExit("--attention-against needs the native decode attention backend")
-        libs = (runner.decode_kernel.lib, build_at(args.attention_against, tempfile.mkdtemp()))
+        libs = (runner.decode_kernel.lib,
+                build_at(args.attention_against, "decode_attention.c", tempfile.mkdtemp()))
     for r in range(args.rounds):
         if args.attention_against:
             runner.decode_kernel.lib = libs[1]

@@ -179,43 +179,50 @@ def load_variant(isa: str) -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning("native CPU kernels disabled: %s", detail.strip()[:500])
         return None
-    _bind(lib)
+    bind(lib)
     return lib
 
 
-def _bind(lib: ctypes.CDLL) -> None:
-    ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    signatures = {
-        "decode_attention_f32": [ptr] * 7 + [i32] * 5 + [f32],
-        "decode_attention_bf16": [ptr] * 7 + [i32] * 5 + [f32],
-        # (the generic bodies alone: tests and benchmarks/decode_attention_kernel.py)
-        "decode_attention_f32_generic": [ptr] * 7 + [i32] * 5 + [f32],
-        "decode_attention_bf16_generic": [ptr] * 7 + [i32] * 5 + [f32],
-        "rms_norm_f32": [ptr] * 3 + [i32] * 2 + [f32],
-        "add_rms_norm_f32": [ptr] * 4 + [i32] * 2 + [f32],
-        "silu_mul_f32": [ptr] * 2 + [i32] * 2,
-        "rope_f32": [ptr] * 4 + [i32] * 4,
-        "rms_norm_bf16": [ptr] * 3 + [i32] * 2 + [f32],
-        "add_rms_norm_bf16": [ptr] * 4 + [i32] * 2 + [f32],
-        "silu_mul_bf16": [ptr] * 2 + [i32] * 2,
-        "rope_bf16": [ptr] * 4 + [i32] * 4,
-        "prefill_attention_f32": [ptr] * 4 + [i32] * 7 + [f32],
-        "prefill_attention_bf16": [ptr] * 4 + [i32] * 7 + [f32],
-        "gemm_f32_available": [],
-        "amx_tiles_available": [],
-        "gemm_packed_size": [i32] * 3,
-        "gemm_pack_weight_f32": [ptr] * 2 + [i32] * 3,
-        "gemm_f32": [ptr, i32, ptr, ptr, ptr] + [i32] * 5,
-        "gemm_pack_weight_bf16": [ptr] * 2 + [i32] * 3,
-        "gemm_f32_w16": [ptr, i32, ptr, ptr, ptr] + [i32] * 5,
-        "draft_propose_f32": [ptr, ptr, f32, i32] + [ptr] * 5 + [i32, ptr],
-    }
-    restypes = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
-                "gemm_f32_available": ctypes.c_int, "amx_tiles_available": ctypes.c_int,
-                "gemm_packed_size": ctypes.c_int64,
-                "gemm_f32": ctypes.c_int, "gemm_f32_w16": ctypes.c_int,
-                "draft_propose_f32": ctypes.c_int}
-    for name, argtypes in signatures.items():
+_PTR, _I32, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# Each exported function's argument types, and its result type where it returns one.
+SIGNATURES: dict[str, list] = {
+    "decode_attention_f32": [_PTR] * 7 + [_I32] * 5 + [_F32],
+    "decode_attention_bf16": [_PTR] * 7 + [_I32] * 5 + [_F32],
+    # (the generic bodies alone: tests and benchmarks/decode_attention_kernel.py)
+    "decode_attention_f32_generic": [_PTR] * 7 + [_I32] * 5 + [_F32],
+    "decode_attention_bf16_generic": [_PTR] * 7 + [_I32] * 5 + [_F32],
+    "rms_norm_f32": [_PTR] * 3 + [_I32] * 2 + [_F32],
+    "add_rms_norm_f32": [_PTR] * 4 + [_I32] * 2 + [_F32],
+    "silu_mul_f32": [_PTR] * 2 + [_I32] * 2,
+    "rope_f32": [_PTR] * 4 + [_I32] * 4,
+    "rms_norm_bf16": [_PTR] * 3 + [_I32] * 2 + [_F32],
+    "add_rms_norm_bf16": [_PTR] * 4 + [_I32] * 2 + [_F32],
+    "silu_mul_bf16": [_PTR] * 2 + [_I32] * 2,
+    "rope_bf16": [_PTR] * 4 + [_I32] * 4,
+    "prefill_attention_f32": [_PTR] * 4 + [_I32] * 7 + [_F32],
+    "prefill_attention_bf16": [_PTR] * 4 + [_I32] * 7 + [_F32],
+    "gemm_f32_available": [],
+    "amx_tiles_available": [],
+    "gemm_packed_size": [_I32] * 3,
+    "gemm_pack_weight_f32": [_PTR] * 2 + [_I32] * 3,
+    "gemm_f32": [_PTR, _I32, _PTR, _PTR, _PTR] + [_I32] * 5,
+    "gemm_pack_weight_bf16": [_PTR] * 2 + [_I32] * 3,
+    "gemm_f32_w16": [_PTR, _I32, _PTR, _PTR, _PTR] + [_I32] * 5,
+    "draft_propose_f32": [_PTR, _PTR, _F32, _I32] + [_PTR] * 5 + [_I32, _PTR],
+}
+RESTYPES = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
+            "gemm_f32_available": ctypes.c_int, "amx_tiles_available": ctypes.c_int,
+            "gemm_packed_size": ctypes.c_int64,
+            "gemm_f32": ctypes.c_int, "gemm_f32_w16": ctypes.c_int,
+            "draft_propose_f32": ctypes.c_int}
+
+
+def bind(lib: ctypes.CDLL, only_present: bool = False) -> None:
+    """Give ``lib``'s functions their C types; ``only_present``: skip those it lacks (a
+    library of some of the sources: benchmarks/kernel_at.py)."""
+    for name, argtypes in SIGNATURES.items():
+        if only_present and not hasattr(lib, name):
+            continue
         fn = getattr(lib, name)
-        fn.restype = restypes.get(name)
+        fn.restype = RESTYPES.get(name)
         fn.argtypes = argtypes

@@ -10,9 +10,12 @@
 
 #include "bf16.h"
 
-/* silu by vector exp where the CPU has AVX-512F or AVX2 + FMA (16 or 8 lanes): libmvec's
- * expf through the compiler runs at ~1/3 of memory speed on the MLP's 2,048 x 1,536
- * (benchmarks/prefill_step.py); exp512/exp256 are Cephes' polynomial, within ~1 ulp. */
+/* Intrinsics where the CPU has AVX-512F or AVX2 + FMA (LANES: 16 or 8 float lanes), for
+ * silu's exp (libmvec's expf through the compiler ran at ~1/3 of memory speed on the
+ * MLP's 2,048 x 1,536: benchmarks/prefill_step.py; exp512/exp256 are Cephes' polynomial,
+ * within ~1 ulp) and for the bf16 kernels, whose scalar conversions and roundings the
+ * compiler left scalar (2.0-2.2x the float32 kernels' time on 2,048 rows:
+ * benchmarks/elementwise_kernels.py). */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
@@ -22,7 +25,7 @@
 /* The widest vectors the build has: V(op) is the intrinsic op at that width (V(_add_ps):
  * _mm512_add_ps or _mm256_add_ps), the V_ names what differs by more than the prefix. */
 #if defined(__AVX512F__)
-#define SILU_LANES 16
+#define LANES 16
 typedef __m512 vf_t;
 typedef __m512i vi_t;
 #define V(op) CONVEYOR_CAT(_mm512, op)
@@ -32,8 +35,9 @@ typedef __m512i vi_t;
 #define V_CAST_PS_SI _mm512_castps_si512
 #define V_CAST_SI_PS _mm512_castsi512_ps
 #define V_LOAD_HALF(p) _mm256_loadu_si256((const __m256i*)(p)) /* 16 bf16 */
+#define V_HSUM _mm512_reduce_add_ps
 #elif defined(__AVX2__) && defined(__FMA__)
-#define SILU_LANES 8
+#define LANES 8
 typedef __m256 vf_t;
 typedef __m256i vi_t;
 #define V(op) CONVEYOR_CAT(_mm256, op)
@@ -43,11 +47,17 @@ typedef __m256i vi_t;
 #define V_CAST_PS_SI _mm256_castps_si256
 #define V_CAST_SI_PS _mm256_castsi256_ps
 #define V_LOAD_HALF(p) _mm_loadu_si128((const __m128i*)(p)) /* 8 bf16 */
+#define V_HSUM hsum256
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
 #else
-#define SILU_LANES 0
+#define LANES 0
 #endif
 
-#if SILU_LANES
+#if LANES
 /* 1 / d by the reciprocal estimate and one Newton step: a vdivps is ~3x the rest of silu
  * on a Zen 5 */
 static inline vf_t recip_v(vf_t d) {
@@ -136,8 +146,8 @@ void silu_mul_f32(const float* gu, float* out, int rows, int inter) {
         const float* u = g + inter;
         float* o = out + (int64_t)r * inter;
         int i = 0;
-#if SILU_LANES
-        for (; i + SILU_LANES <= inter; i += SILU_LANES)
+#if LANES
+        for (; i + LANES <= inter; i += LANES)
             V(_storeu_ps)(o + i, V(_mul_ps)(silu_v(V(_loadu_ps)(g + i)), V(_loadu_ps)(u + i)));
 #endif
         /* the clamp keeps expf finite, as -ffast-math assumes: silu(g < -80) ~ 0 */
@@ -172,24 +182,51 @@ void rope_f32(float* qkv, const int64_t* pos, const float* cos_t, const float* s
  * wherever the reference (TorchOps on bf16 tensors) rounds, so that they track it to
  * the rounding of a sum's order: RMSNorm rounds x / rms(x) before the weight multiplies,
  * the residual add rounds, silu rounds before the multiply by up, RoPE rounds the tables
- * and each product before the add. The conversions are shifts and integer adds, which
- * the compiler vectorizes for the machine's ISA (-march=native: AVX-512, AVX2 or scalar;
- * bf16.h).
+ * and each product before the add. With LANES, whole vectors go through the intrinsics
+ * above (the same roundings, a vector at a time) and a row's last dim % LANES elements
+ * through the scalar conversions of bf16.h, which is all a build without them has.
  */
+
+/* The sum of squares of a row of n bf16 values (whole vectors, then the tail). */
+static inline float sum_squares_bf16(const uint16_t* x, int n) {
+    int i = 0;
+    float ss = 0.f;
+#if LANES
+    vf_t acc = V(_setzero_ps)();
+    for (; i + LANES <= n; i += LANES) {
+        const vf_t v = vload_bf16(x + i);
+        acc = V(_fmadd_ps)(v, v, acc);
+    }
+    ss = V_HSUM(acc);
+#endif
+    for (; i < n; i++) {
+        const float v = bf16_to_f32(x[i]);
+        ss += v * v;
+    }
+    return ss;
+}
+
+/* o = w * bf16(x * inv), rounded, over a row of n */
+static inline void scale_row_bf16(const uint16_t* x, const uint16_t* w, uint16_t* o, int n,
+                                  float inv) {
+    int i = 0;
+#if LANES
+    const vf_t vinv = V(_set1_ps)(inv);
+    for (; i + LANES <= n; i += LANES)
+        vstore_bf16(o + i, V(_mul_ps)(vload_bf16(w + i),
+                                      vround_bf16(V(_mul_ps)(vload_bf16(x + i), vinv))));
+#endif
+    for (; i < n; i++)
+        o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(x[i]) * inv));
+}
+
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int rows, int dim,
                    float eps) {
     #pragma omp parallel for schedule(static) if (rows > 8)
     for (int r = 0; r < rows; r++) {
         const uint16_t* xr = x + (int64_t)r * dim;
-        uint16_t* o = out + (int64_t)r * dim;
-        float ss = 0.f;
-        for (int i = 0; i < dim; i++) {
-            const float v = bf16_to_f32(xr[i]);
-            ss += v * v;
-        }
-        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
-        for (int i = 0; i < dim; i++)
-            o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(xr[i]) * inv));
+        const float inv = 1.f / sqrtf(sum_squares_bf16(xr, dim) / (float)dim + eps);
+        scale_row_bf16(xr, w, out + (int64_t)r * dim, dim, inv);
     }
 }
 
@@ -199,17 +236,15 @@ void add_rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w,
     for (int r = 0; r < rows; r++) {
         const uint16_t* xr = x + (int64_t)r * dim;
         uint16_t* res = residual + (int64_t)r * dim;
-        uint16_t* o = out + (int64_t)r * dim;
-        float ss = 0.f;
-        for (int i = 0; i < dim; i++) {
-            const uint16_t hb = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(xr[i]));
-            const float h = bf16_to_f32(hb);
-            res[i] = hb;
-            ss += h * h;
-        }
-        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
-        for (int i = 0; i < dim; i++)
-            o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(res[i]) * inv));
+        int i = 0;
+#if LANES
+        for (; i + LANES <= dim; i += LANES)
+            vstore_bf16(res + i, V(_add_ps)(vload_bf16(res + i), vload_bf16(xr + i)));
+#endif
+        for (; i < dim; i++) res[i] = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(xr[i]));
+        /* (the rounded sums, read back while the row is in L1) */
+        const float inv = 1.f / sqrtf(sum_squares_bf16(res, dim) / (float)dim + eps);
+        scale_row_bf16(res, w, out + (int64_t)r * dim, dim, inv);
     }
 }
 
@@ -220,8 +255,8 @@ void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int inter) {
         const uint16_t* u = g + inter;
         uint16_t* o = out + (int64_t)r * inter;
         int i = 0;
-#if SILU_LANES
-        for (; i + SILU_LANES <= inter; i += SILU_LANES)
+#if LANES
+        for (; i + LANES <= inter; i += LANES)
             vstore_bf16(o + i, V(_mul_ps)(vround_bf16(silu_v(vload_bf16(g + i))),
                                           vload_bf16(u + i)));
 #endif
@@ -233,6 +268,30 @@ void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int inter) {
     }
 }
 
+/* RoPE on one bf16 head: x[i] = bf16(bf16(x1 c1) - bf16(x2 s1)), x[i + half] =
+ * bf16(bf16(x2 c2) + bf16(x1 s2)), with c and s the row's tables already rounded to bf16
+ * (round_bf16(-a) is -round_bf16(a): the reference's rotate_half negation commutes). */
+static inline void rope_head_bf16(uint16_t* x, const float* c, const float* s, int half) {
+    int i = 0;
+#if LANES
+    for (; i + LANES <= half; i += LANES) {
+        const vf_t x1 = vload_bf16(x + i), x2 = vload_bf16(x + i + half);
+        vstore_bf16(x + i, V(_sub_ps)(vround_bf16(V(_mul_ps)(x1, V(_loadu_ps)(c + i))),
+                                      vround_bf16(V(_mul_ps)(x2, V(_loadu_ps)(s + i)))));
+        vstore_bf16(x + i + half,
+                    V(_add_ps)(vround_bf16(V(_mul_ps)(x2, V(_loadu_ps)(c + i + half))),
+                               vround_bf16(V(_mul_ps)(x1, V(_loadu_ps)(s + i + half)))));
+    }
+#endif
+    for (; i < half; i++) {
+        const float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
+        x[i] = f32_to_bf16(round_bf16(x1 * c[i]) - round_bf16(x2 * s[i]));
+        x[i + half] = f32_to_bf16(round_bf16(x2 * c[i + half]) + round_bf16(x1 * s[i + half]));
+    }
+}
+
+#define ROPE_MAX_D 512 /* head dims up to this round their tables once per row */
+
 void rope_bf16(uint16_t* qkv, const int64_t* pos, const float* cos_t, const float* sin_t,
                int T, int heads, int row_stride, int D) {
     const int half = D / 2;
@@ -240,6 +299,17 @@ void rope_bf16(uint16_t* qkv, const int64_t* pos, const float* cos_t, const floa
     for (int t = 0; t < T; t++) {
         const float* c = cos_t + pos[t] * D;
         const float* s = sin_t + pos[t] * D;
+        float cs[2 * ROPE_MAX_D];
+        if (D <= ROPE_MAX_D) { /* the row's tables rounded to bf16 once, for all heads */
+            for (int i = 0; i < D; i++) {
+                cs[i] = round_bf16(c[i]);
+                cs[ROPE_MAX_D + i] = round_bf16(s[i]);
+            }
+            for (int h = 0; h < heads; h++)
+                rope_head_bf16(qkv + (int64_t)t * row_stride + (int64_t)h * D, cs,
+                               cs + ROPE_MAX_D, half);
+            continue;
+        }
         for (int h = 0; h < heads; h++) {
             uint16_t* x = qkv + (int64_t)t * row_stride + (int64_t)h * D;
             for (int i = 0; i < half; i++) {

@@ -1,0 +1,32 @@
+"""A native kernel source as of another git revision, built with this tree's flags for
+this CPU and loaded beside the process's own library: how a benchmark times a kernel
+change's before and after in one run, where the VM's drift hits both alike."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+
+from conveyor.model import kernels
+
+
+def build_at(rev: str, source: str, out_dir: str) -> ctypes.CDLL:
+    """``source`` (a file of ``conveyor/model/kernels``, e.g. ``elementwise.c``) with the
+    kernel headers of git revision ``rev``, built alone into a library whose functions
+    get their C types (``kernels.SIGNATURES``)."""
+    here = os.path.dirname(os.path.abspath(kernels.__file__))
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    rel = os.path.relpath(here, top)
+    archive = subprocess.run(["git", "archive", rev, rel], cwd=top, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", out_dir], input=archive, check=True)
+    so = os.path.join(out_dir, source.replace(".c", ".so"))
+    flags = [*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())]
+    compiler = os.environ.get("CC") or "cc"  # ($CC first, as kernels.load_variant)
+    subprocess.run([compiler, *flags, "-shared", os.path.join(out_dir, rel, source), "-o", so,
+                    *kernels._LIBS], check=True)
+    lib = ctypes.CDLL(so)
+    kernels.bind(lib, only_present=True)
+    return lib
