@@ -138,3 +138,67 @@ def test_bf16_bodies_across_key_block_edges(isa: str, length: int) -> None:
         out = torch.full((length, 8, d), float("nan"), dtype=torch.bfloat16)
         assert NativePrefill(lib)(q, k, v, out, d ** -0.5)
         assert_within_bf16_bound(out, reference(q, k, v, d ** -0.5), q, k, v, d ** -0.5, isa)
+
+
+def _flat_batch(lengths: list[int], gaps: int, hq: int, hkv: int, d: int, dtype):
+    """q, k, v of a flat batch holding the prompts with ``gaps`` rows before each (the
+    rows a step's decodes or other segments hold), and the [2, S] segments table."""
+    starts, row = [], 0
+    for n in lengths:
+        row += gaps
+        starts.append(row)
+        row += n
+    q, k, v = qkv_views(row, hq, hkv, d, seed=row, dtype=dtype)
+    return q, k, v, torch.tensor([starts, lengths], dtype=torch.int32)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", kernels.isa_builds())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [[47], [130, 17, 1, 64, 33, 2], [300, 20, 9, 16]])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_varlen_equals_a_call_a_prompt_bit_for_bit(isa: str, dtype: torch.dtype,
+                                                   lengths: list[int], threads: int) -> None:
+    """All of a step's fresh prompts in one call: the same output as a call per prompt
+    (a prompt's tasks do not depend on which thread, or how many, run them), whichever
+    prompts run alone on every thread (the long one) and which one to a thread; the rows
+    between prompts untouched."""
+    lib = kernels.load_variant(isa)
+    q, k, v, segments = _flat_batch(lengths, 3, 9, 3, 64, dtype)
+    want = torch.full(q.shape, float("nan"), dtype=dtype)
+    for s, n in segments.t().tolist():
+        assert NativePrefill(lib)(q[s:s + n], k[s:s + n], v[s:s + n], want[s:s + n], 0.125)
+    got = torch.full(q.shape, float("nan"), dtype=dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert NativePrefill(lib).varlen(q, k, v, got, segments, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got.isnan(), want.isnan())  # the same rows written, the gaps not
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@needs_native
+def test_varlen_refuses_segments_outside_the_rows_and_declines_unbuilt_head_dims() -> None:
+    from conveyor.model.kernels import ops
+
+    q, k, v, segments = _flat_batch([5, 7], 1, 4, 2, 32, torch.float32)
+    out = torch.empty(q.shape)
+    assert segments.tolist() == [[1, 7], [5, 7]]  # the last prompt ends at row 14 of 14
+    assert ops.prefill_attention_varlen(q, k, v, out, segments, 0.2)
+    for starts, lens, says in (([1, 8], [5, 7], "inside the 14 rows"),
+                               ([1, 7], [5, 0], "lengths >= 1"),
+                               ([-1, 7], [5, 7], "inside the 14 rows")):
+        table = torch.tensor([starts, lens], dtype=torch.int32)
+        with pytest.raises(ValueError, match=says):
+            ops.prefill_attention_varlen(q, k, v, out, table, 0.2)
+    with pytest.raises(ValueError, match="segments must be int32"):
+        ops.prefill_attention_varlen(q, k, v, out, segments.long(), 0.2)
+    with pytest.raises(ValueError, match=r"segments must have shape \[2, S\]"):
+        ops.prefill_attention_varlen(q, k, v, out, segments[:1].contiguous(), 0.2)
+    with pytest.raises(ValueError, match="conveyor::prefill_attention_varlen: out"):
+        ops.prefill_attention_varlen(q, k, v, out.double(), segments, 0.2)
+    q, k, v, segments = _flat_batch([5, 7], 1, 4, 2, 48, torch.float32)  # no d=48 copy
+    assert not NativePrefill(kernels.load()).varlen(q, k, v, torch.empty(q.shape), segments,
+                                                    0.2)

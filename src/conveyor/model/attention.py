@@ -11,7 +11,8 @@ The cache of one layer is ``[num_slots, num_kv_heads, head_dim]`` with
 first, then every query reads its whole context through its slots: the decode
 group in one padded ``scaled_dot_product_attention`` call (or the native decode kernel),
 each prefill segment in its own call (a fresh prompt attends to its own K/V without
-touching the cache, through the native prefill kernel on CPU where it applies).
+touching the cache, through the native prefill kernel on CPU where it applies: all the
+fresh prompts of a layer in one call).
 """
 
 from __future__ import annotations
@@ -47,7 +48,19 @@ class AttentionMetadata:
     prefills: list[PrefillSegment] = field(default_factory=list)
     # For a fresh prompt's causal attention: (q, k, v, out, scale) -> True if it wrote
     # ``out`` (the native kernel), False to leave the segment to SDPA; None: SDPA always.
+    # One with a ``varlen(q, k, v, out, segments, scale)`` method takes all the fresh
+    # prompts of a layer in one call (segments: ``fresh_segments()``).
     prefill_kernel: Callable | None = None
+    _fresh: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def fresh_segments(self) -> torch.Tensor:
+        """[2, S] int32: the first rows and lengths of the fresh prompts (no cached
+        prefix, no mask), built on the first layer's call and shared by the rest."""
+        if self._fresh is None:
+            fresh = [(p.start, p.length) for p in self.prefills
+                     if p.ctx_slots is None and p.mask is None]
+            self._fresh = torch.tensor(fresh, dtype=torch.int32).reshape(-1, 2).t().contiguous()
+        return self._fresh
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -63,10 +76,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     if nd:
         out[:nd] = meta.decode_kernel(q[:nd], k_cache, v_cache, meta, scale)
+    varlen = getattr(meta.prefill_kernel, "varlen", None)
+    fresh_done = varlen is not None and varlen(q, k, v, out, meta.fresh_segments(), scale)
     for seg in meta.prefills:
         s, e = seg.start, seg.start + seg.length
-        if (seg.ctx_slots is None and seg.mask is None and meta.prefill_kernel is not None
-                and meta.prefill_kernel(q[s:e], k[s:e], v[s:e], out[s:e], scale)):
+        if seg.ctx_slots is None and seg.mask is None and (fresh_done or (
+                meta.prefill_kernel is not None
+                and meta.prefill_kernel(q[s:e], k[s:e], v[s:e], out[s:e], scale))):
             continue
         qs = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, len, D]
         if seg.ctx_slots is None:

@@ -201,6 +201,8 @@ SIGNATURES: dict[str, list] = {
     "rope_bf16": [_PTR] * 4 + [_I32] * 4,
     "prefill_attention_f32": [_PTR] * 4 + [_I32] * 7 + [_F32],
     "prefill_attention_bf16": [_PTR] * 4 + [_I32] * 7 + [_F32],
+    "prefill_attention_varlen_f32": [_PTR] * 6 + [_I32] * 7 + [_F32],
+    "prefill_attention_varlen_bf16": [_PTR] * 6 + [_I32] * 7 + [_F32],
     "gemm_f32_available": [],
     "amx_tiles_available": [],
     "gemm_packed_size": [_I32] * 3,
@@ -211,6 +213,8 @@ SIGNATURES: dict[str, list] = {
     "draft_propose_f32": [_PTR, _PTR, _F32, _I32] + [_PTR] * 5 + [_I32, _PTR],
 }
 RESTYPES = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
+            "prefill_attention_varlen_f32": ctypes.c_int,
+            "prefill_attention_varlen_bf16": ctypes.c_int,
             "gemm_f32_available": ctypes.c_int, "amx_tiles_available": ctypes.c_int,
             "gemm_packed_size": ctypes.c_int64,
             "gemm_f32": ctypes.c_int, "gemm_f32_w16": ctypes.c_int,

@@ -241,6 +241,29 @@ def _heads_ok(t, dtype) -> bool:
             and t.stride(1) == t.shape[2])
 
 
+def _prefill_ok(q, k, v, out, dt) -> bool:
+    try:
+        return ((dt is F32 or dt is BF16) and _heads_ok(q, dt) and _heads_ok(k, dt)
+                and _heads_ok(v, dt) and _heads_ok(out, dt)
+                and out.shape == q.shape and k.shape == v.shape and k.shape[0] == q.shape[0]
+                and k.shape[2] == q.shape[2] and k.shape[1] > 0
+                and not q.shape[1] % k.shape[1] and k.stride(0) == v.stride(0)
+                and (q.shape[0] < 2 or out.stride(0) >= q.shape[1] * q.shape[2]))
+    except AttributeError:
+        return False
+
+
+def _prefill_refusal(op: str, q, k, v, out, dt) -> ValueError:
+    types = (dt,) if dt is F32 or dt is BF16 else _ACT
+    return _refuse(op, tuple(
+        (name, t, types, 3, "heads") for name, t in (("q", q), ("k", k), ("v", v),
+                                                      ("out", out))),
+        lambda: f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} and out "
+                f"{tuple(out.shape)} (row strides {q.stride(0)}, {k.stride(0)}, "
+                f"{v.stride(0)}, {out.stride(0)}) do not fit [T, Hq, D], [T, Hkv, D] x2 "
+                "(Hkv dividing Hq, one row stride for k and v), [T, Hq, D] (rows apart)")
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       scale: float, lib=None) -> bool:
     """Causal attention of a fresh prompt, written into ``out``: q, out [T, Hq, D], k, v
@@ -251,29 +274,45 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     kernel has no copy for.
     ``lib``: a library from ``kernels.load_variant`` instead of the process's own."""
     dt = getattr(q, "dtype", None)
-    try:
-        ok = ((dt is F32 or dt is BF16) and _heads_ok(q, dt) and _heads_ok(k, dt)
-              and _heads_ok(v, dt) and _heads_ok(out, dt)
-              and out.shape == q.shape and k.shape == v.shape and k.shape[0] == q.shape[0]
-              and k.shape[2] == q.shape[2] and k.shape[1] > 0 and not q.shape[1] % k.shape[1]
-              and k.stride(0) == v.stride(0)
-              and (q.shape[0] < 2 or out.stride(0) >= q.shape[1] * q.shape[2]))
-    except AttributeError:
-        ok = False
-    if not ok:
-        types = (dt,) if dt is F32 or dt is BF16 else _ACT
-        raise _refuse("prefill_attention", tuple(
-            (name, t, types, 3, "heads") for name, t in (("q", q), ("k", k), ("v", v),
-                                                          ("out", out))),
-            lambda: f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} and out "
-                    f"{tuple(out.shape)} (row strides {q.stride(0)}, {k.stride(0)}, "
-                    f"{v.stride(0)}, {out.stride(0)}) do not fit [T, Hq, D], [T, Hkv, D] x2 "
-                    "(Hkv dividing Hq, one row stride for k and v), [T, Hq, D] (rows apart)")
+    if not _prefill_ok(q, k, v, out, dt):
+        raise _prefill_refusal("prefill_attention", q, k, v, out, dt)
     t_len, hq, d = q.shape
     lib = lib or _lib or _native()
     fn = lib.prefill_attention_f32 if dt is F32 else lib.prefill_attention_bf16
     return fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t_len, hq, k.shape[1],
               d, q.stride(0), k.stride(0), out.stride(0), scale) == 0
+
+
+def prefill_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, segments: torch.Tensor, scale: float,
+                             lib=None) -> bool:
+    """``prefill_attention`` of several fresh prompts of one flat batch in one call:
+    ``segments`` [2, S] int32 holds each prompt's first row (row 0) and length (row 1) in
+    q, k, v and out, whose other rows are neither read nor written. Unlike the other
+    index tensors, its values are checked (each prompt inside the T rows, at least one
+    row long): it costs a few microseconds a layer, not a reduction per token. Prompts
+    should not overlap (their rows' outputs would race). False (nothing written) for a
+    head dim the kernel has no copy for."""
+    dt = getattr(q, "dtype", None)
+    if not _prefill_ok(q, k, v, out, dt):
+        raise _prefill_refusal("prefill_attention_varlen", q, k, v, out, dt)
+    what = _argument_error(segments, _I32, 2, "contiguous")
+    if what is None and segments.shape[0] != 2:
+        what = f"must have shape [2, S], got {tuple(segments.shape)}"
+    if what is not None:
+        raise ValueError(f"conveyor::prefill_attention_varlen: segments {what}")
+    t_len, hq, d = q.shape
+    starts, lens = segments.numpy()
+    if len(lens) and (lens.min() < 1 or starts.min() < 0
+                      or (starts.astype(np.int64) + lens).max() > t_len):
+        raise ValueError("conveyor::prefill_attention_varlen: segments must lie inside the "
+                         f"{t_len} rows with lengths >= 1, got starts {starts.tolist()} and "
+                         f"lengths {lens.tolist()}")
+    lib = lib or _lib or _native()
+    fn = lib.prefill_attention_varlen_f32 if dt is F32 else lib.prefill_attention_varlen_bf16
+    return fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), segments.data_ptr(),
+              segments.data_ptr() + 4 * segments.shape[1], segments.shape[1], hq, k.shape[1], d,
+              q.stride(0), k.stride(0), out.stride(0), scale) == 0
 
 
 # --- gemm.c ---------------------------------------------------------------------------
@@ -577,6 +616,9 @@ _SCHEMAS = {
                          "float scale) -> Tensor"),
     "prefill_attention": (prefill_attention, "prefill_attention(Tensor q, Tensor k, "
                           "Tensor v, Tensor(a!) out, float scale) -> bool"),
+    "prefill_attention_varlen": (prefill_attention_varlen, "prefill_attention_varlen("
+                                 "Tensor q, Tensor k, Tensor v, Tensor(a!) out, "
+                                 "Tensor segments, float scale) -> bool"),
     "gemm_pack_weight": (gemm_pack_weight,
                          "gemm_pack_weight(Tensor weight, bool gate_up=False) -> Tensor"),
     "gemm": (gemm, "gemm(Tensor x, Tensor packed, Tensor? bias, int out_features, "

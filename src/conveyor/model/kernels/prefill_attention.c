@@ -23,6 +23,7 @@
  * fast-math assumes finite values.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -164,3 +165,58 @@ int prefill_attention_##SUF(const T* q, const T* k, const T* v, T* out, int L, i
 }
 DISPATCH(f32, float, NO_AMX_)
 DISPATCH(bf16, uint16_t, prefill_attention_bf16_amx)
+
+/*
+ * The fresh prompts of one step in one call (a layer's prefill attention in one call,
+ * not one a prompt): segment s is rows starts[s] .. starts[s] + lens[s] - 1 of q, k, v
+ * and out. A prompt whose causal work (L^2) is more than 1 / (2 x threads) of what is
+ * left runs alone on every thread, longest first; the rest run one prompt to a thread,
+ * longest first, in one parallel region (each body's own region is inactive inside it),
+ * which saves a fork and join and the idle tail of each prompt's last tasks. A prompt's
+ * tasks are the same either way, so the output does not depend on the split. Returns 0,
+ * or -1 (nothing written) for a head dim without a compiled copy. The caller checks that
+ * each segment lies inside the rows.
+ */
+#define DISPATCH_VARLEN(SUF, T)                                                             \
+int prefill_attention_varlen_##SUF(const T* q, const T* k, const T* v, T* out,              \
+                                   const int32_t* starts, const int32_t* lens, int nseg,    \
+                                   int Hq, int Hkv, int head_dim, int q_stride,             \
+                                   int kv_stride, int out_stride, float scale) {            \
+    if (head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128) return -1;   \
+    if (nseg <= 0) return 0;                                                                \
+    int* order = (int*)malloc(sizeof(int) * (size_t)nseg);                                  \
+    if (order == NULL) return -1;                                                           \
+    double left = 0.;                                                                       \
+    for (int s = 0; s < nseg; s++) { /* longest first (insertion sort: a step's few) */     \
+        int j = s;                                                                          \
+        for (; j > 0 && lens[order[j - 1]] < lens[s]; j--) order[j] = order[j - 1];         \
+        order[j] = s;                                                                       \
+        left += (double)lens[s] * lens[s];                                                  \
+    }                                                                                       \
+    const int threads = omp_get_max_threads();                                              \
+    int first = 0;                                                                          \
+    for (; first < nseg; first++) {                                                         \
+        const int s = order[first];                                                         \
+        const double work = (double)lens[s] * lens[s];                                      \
+        if (threads > 1 && work * 2 * threads <= left) break;                               \
+        prefill_attention_##SUF(q + (int64_t)starts[s] * q_stride,                          \
+                                k + (int64_t)starts[s] * kv_stride,                         \
+                                v + (int64_t)starts[s] * kv_stride,                         \
+                                out + (int64_t)starts[s] * out_stride, lens[s], Hq, Hkv,    \
+                                head_dim, q_stride, kv_stride, out_stride, scale);          \
+        left -= work;                                                                       \
+    }                                                                                       \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                        \
+    for (int i = first; i < nseg; i++) {                                                    \
+        const int s = order[i];                                                             \
+        prefill_attention_##SUF(q + (int64_t)starts[s] * q_stride,                          \
+                                k + (int64_t)starts[s] * kv_stride,                         \
+                                v + (int64_t)starts[s] * kv_stride,                         \
+                                out + (int64_t)starts[s] * out_stride, lens[s], Hq, Hkv,    \
+                                head_dim, q_stride, kv_stride, out_stride, scale);          \
+    }                                                                                       \
+    free(order);                                                                            \
+    return 0;                                                                               \
+}
+DISPATCH_VARLEN(f32, float)
+DISPATCH_VARLEN(bf16, uint16_t)

@@ -29,6 +29,7 @@
  * prefill_attention_bf16_amx returns -1 and the caller runs the AVX-512 body.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -272,7 +273,7 @@ int prefill_attention_bf16_amx(const uint16_t* q, const uint16_t* k, const uint1
         free(vp);
         return -1;
     }
-    #pragma omp parallel
+    #pragma omp parallel if (!omp_in_parallel()) /* (inactive inside a varlen call) */
     {
     #pragma omp for schedule(static)
     for (int c = 0; c < Hkv * nkb; c++)

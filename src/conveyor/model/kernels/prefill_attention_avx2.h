@@ -39,7 +39,7 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
     const int nchunks = (L + KC - 1) / KC;
     float* kts = (float*)aligned_alloc(64, sizeof(float) * (size_t)Hkv * nchunks * D * KC);
     float* vts = (float*)aligned_alloc(64, sizeof(float) * (size_t)Hkv * nchunks * KC * D);
-    #pragma omp parallel
+    #pragma omp parallel if (!omp_in_parallel()) /* (inactive inside a varlen call) */
     {
     #pragma omp for schedule(static)
     for (int c = 0; c < Hkv * nchunks; c++) {

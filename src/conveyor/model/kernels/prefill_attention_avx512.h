@@ -57,7 +57,7 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
     /* K as bf16 pairs: [D / 2][KC] 32-bit lanes, dims 2p (low half) and 2p + 1 of a key. */
     uint32_t* kps = (uint32_t*)kts;
 #endif
-    #pragma omp parallel
+    #pragma omp parallel if (!omp_in_parallel()) /* (inactive inside a varlen call) */
     {
     #pragma omp for schedule(static)
     for (int c = 0; c < Hkv * nchunks; c++) {

@@ -9,7 +9,7 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
     const int G = Hq / Hkv;
     const int nblocks = (L + QB - 1) / QB;
     const int ntasks = Hkv * nblocks;
-    #pragma omp parallel
+    #pragma omp parallel if (!omp_in_parallel()) /* (inactive inside a varlen call) */
     {
     const int nq_max = (QB * G + 3) / 4 * 4;
     float* kt = (float*)aligned_alloc(64, sizeof(float) * D * KC);
