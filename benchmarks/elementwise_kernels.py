@@ -26,8 +26,8 @@ from conveyor.model.dtypes import cpu_model_name
 
 def cases(dtype: torch.dtype, rows: int, hidden: int, inter: int, heads: int,
           kv_heads: int, head_dim: int):
-    """Per op: (call(lib) -> its output, restore() of the inputs it changes in place, the
-    bytes a call reads and writes)."""
+    """Per op: (call(lib) -> its output tensor or tensors, restore() of the inputs it
+    changes in place, the bytes a call reads and writes)."""
     g = torch.Generator().manual_seed(0)
     sfx = "f32" if dtype is torch.float32 else "bf16"
     size = torch.tensor([], dtype=dtype).element_size()
@@ -55,7 +55,7 @@ def cases(dtype: torch.dtype, rows: int, hidden: int, inter: int, heads: int,
     def add_rms(lib):
         getattr(lib, f"add_rms_norm_{sfx}")(x.data_ptr(), res.data_ptr(), w.data_ptr(),
                                             out_h.data_ptr(), rows, hidden, 1e-5)
-        return torch.cat((out_h, res), 1)
+        return out_h, res
 
     def silu(lib):
         getattr(lib, f"silu_mul_{sfx}")(gate_up.data_ptr(), out_i.data_ptr(), rows, inter)
@@ -101,7 +101,9 @@ def main() -> None:
                 outs = {}
                 for label, lb in libs.items():  # the same inputs for each build
                     restore()
-                    outs[label] = fn(lb).clone()
+                    got = fn(lb)
+                    outs[label] = torch.cat([t.flatten() for t in (
+                        got if isinstance(got, tuple) else (got,))])
                 times: dict[str, list[float]] = {label: [] for label in libs}
                 for _ in range(args.repeats):
                     for label, lb in libs.items():  # in alternation: drift hits all alike

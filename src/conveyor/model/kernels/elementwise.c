@@ -7,6 +7,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "bf16.h"
 
@@ -206,46 +207,72 @@ static inline float sum_squares_bf16(const uint16_t* x, int n) {
     return ss;
 }
 
-/* o = w * bf16(x * inv), rounded, over a row of n */
-static inline void scale_row_bf16(const uint16_t* x, const uint16_t* w, uint16_t* o, int n,
-                                  float inv) {
+/* o = w * bf16(x * inv), rounded, over a row of n: w read widened (wf) where the call
+ * could widen it once, else from bf16 (w16) */
+static inline void scale_row_bf16(const uint16_t* x, const uint16_t* w16, const float* wf,
+                                  uint16_t* o, int n, float inv) {
     int i = 0;
 #if LANES
     const vf_t vinv = V(_set1_ps)(inv);
-    for (; i + LANES <= n; i += LANES)
-        vstore_bf16(o + i, V(_mul_ps)(vload_bf16(w + i),
-                                      vround_bf16(V(_mul_ps)(vload_bf16(x + i), vinv))));
+    for (; i + LANES <= n; i += LANES) {
+        const vf_t w = wf != NULL ? V(_loadu_ps)(wf + i) : vload_bf16(w16 + i);
+        vstore_bf16(o + i, V(_mul_ps)(w, vround_bf16(V(_mul_ps)(vload_bf16(x + i), vinv))));
+    }
 #endif
     for (; i < n; i++)
-        o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(x[i]) * inv));
+        o[i] = f32_to_bf16(bf16_to_f32(w16[i]) * round_bf16(bf16_to_f32(x[i]) * inv));
+}
+
+/* The weight widened once a call (every row multiplies by it); NULL if there is no
+ * memory for it (the rows then widen it themselves). */
+static float* widen_bf16(const uint16_t* w, int n) {
+    float* wf = (float*)malloc(sizeof(float) * (size_t)n);
+    if (wf != NULL)
+        for (int i = 0; i < n; i++) wf[i] = bf16_to_f32(w[i]);
+    return wf;
 }
 
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int rows, int dim,
                    float eps) {
+    float* wf = widen_bf16(w, dim);
     #pragma omp parallel for schedule(static) if (rows > 8)
     for (int r = 0; r < rows; r++) {
         const uint16_t* xr = x + (int64_t)r * dim;
         const float inv = 1.f / sqrtf(sum_squares_bf16(xr, dim) / (float)dim + eps);
-        scale_row_bf16(xr, w, out + (int64_t)r * dim, dim, inv);
+        scale_row_bf16(xr, w, wf, out + (int64_t)r * dim, dim, inv);
     }
+    free(wf);
 }
 
 void add_rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w,
                        uint16_t* out, int rows, int dim, float eps) {
+    float* wf = widen_bf16(w, dim);
     #pragma omp parallel for schedule(static) if (rows > 8)
     for (int r = 0; r < rows; r++) {
         const uint16_t* xr = x + (int64_t)r * dim;
         uint16_t* res = residual + (int64_t)r * dim;
         int i = 0;
+        float ss = 0.f;
 #if LANES
-        for (; i + LANES <= dim; i += LANES)
-            vstore_bf16(res + i, V(_add_ps)(vload_bf16(res + i), vload_bf16(xr + i)));
+        /* the sum rounded once: stored as it is and squared as it is */
+        vf_t acc = V(_setzero_ps)();
+        for (; i + LANES <= dim; i += LANES) {
+            const vf_t h = vround_bf16(V(_add_ps)(vload_bf16(res + i), vload_bf16(xr + i)));
+            vstore_bf16(res + i, h);
+            acc = V(_fmadd_ps)(h, h, acc);
+        }
+        ss = V_HSUM(acc);
 #endif
-        for (; i < dim; i++) res[i] = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(xr[i]));
-        /* (the rounded sums, read back while the row is in L1) */
-        const float inv = 1.f / sqrtf(sum_squares_bf16(res, dim) / (float)dim + eps);
-        scale_row_bf16(res, w, out + (int64_t)r * dim, dim, inv);
+        for (; i < dim; i++) {
+            const uint16_t hb = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(xr[i]));
+            const float h = bf16_to_f32(hb);
+            res[i] = hb;
+            ss += h * h;
+        }
+        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        scale_row_bf16(res, w, wf, out + (int64_t)r * dim, dim, inv);
     }
+    free(wf);
 }
 
 void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int rows, int inter) {
