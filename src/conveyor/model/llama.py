@@ -220,9 +220,11 @@ class LlamaForCausalLM(nn.Module):
             del self.lm_head
         return pack_linears(self.layers, backend) + 1
 
-    def pack_linears_by_shape(self, choice: dict[str, str]) -> int:
+    def pack_linears_by_shape(self, choice: dict[str, str], few_rows: int = 0,
+                              lib=None) -> int:
         """Pack each projection with the backend ``choice`` names for its shape (keys of
-        ``linear_choice.LinearShape``: measured per machine); returns how many were packed."""
+        ``linear_choice.LinearShape``: measured per machine); returns how many were packed.
+        ``few_rows``: calls of up to that many rows to conveyor's GEMM (``few_rows.py``)."""
         from conveyor.model.backends import linear_backend
         from conveyor.model.linear_choice import LinearShape
         from conveyor.model.packed_linear import pack_linears_by
@@ -235,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
                 del self.lm_head
             count = 1
         return count + pack_linears_by(self.layers, lambda name, w: choice[LinearShape(
-            *w.shape, gate_up=name == "gate_up_proj").key])
+            *w.shape, gate_up=name == "gate_up_proj").key], few_rows, lib)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -152,20 +152,30 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
     return cls(weight.device, weight.dtype).make_linear(weight, bias, gate_up=gate_up)
 
 
-def pack_linears_by(model: nn.Module, backend_of: Callable[[str, torch.Tensor], str]) -> int:
+def pack_linears_by(model: nn.Module, backend_of: Callable[[str, torch.Tensor], str],
+                    few_rows: int = 0, lib=None) -> int:
     """Replace each ``nn.Linear`` by the packed one of ``backend_of(name, weight)`` (a
-    backend that does not pack, ``torch``, keeps it); returns how many were packed."""
+    backend that does not pack, ``torch``, keeps it); returns how many were packed. With
+    ``few_rows``, calls of up to that many rows go to conveyor's GEMM on a bf16 copy of
+    the weight (``few_rows.RowSplitLinear``; ``lib``: the kernels with the GEMM)."""
     from conveyor.model.backends import linear_backend
+    from conveyor.model.few_rows import Bf16WeightGemm, RowSplitLinear
 
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 backend = backend_of(name, child.weight)
+                module: nn.Module = child
                 if linear_backend(backend).packs:
-                    setattr(parent, name, packed_linear(child.weight, child.bias, backend,
-                                                        gate_up=name == "gate_up_proj"))
+                    module = packed_linear(child.weight, child.bias, backend,
+                                           gate_up=name == "gate_up_proj")
                     count += 1
+                if few_rows > 0 and not getattr(module, "applies_silu_mul", False):
+                    module = RowSplitLinear(Bf16WeightGemm(child.weight, child.bias, lib),
+                                            module, few_rows)
+                if module is not child:
+                    setattr(parent, name, module)
     return count
 
 

@@ -169,6 +169,7 @@ class ModelRunner:
         self.linear_backend = pick_linear_backend(linear_backend, device, dtype, weight_dtype)
         # Shape key -> backend of every projection (one name unless measured per shape).
         self.linear_choice: dict[str, str] = {}
+        self.few_rows = 0  # calls of up to this many rows to conveyor's GEMM (few_rows.py)
         candidates = linear_backend_names_for(device, dtype, weight_dtype)
         if linear_backend == "auto" and len(candidates) > 1 and measuring_enabled():
             counts = model_shape_counts(self.model.layers, self.model.lm_head_weight)
@@ -179,7 +180,9 @@ class ModelRunner:
                 device, dtype, *linear_rows, {s.key: n for s, n in counts.items()})
             used = list(self.linear_choice.values())
             self.linear_backend = max(set(used), key=used.count)  # the most used, for logs
-            self.packed_linears = self.model.pack_linears_by_shape(self.linear_choice) > 0
+            self.few_rows, gemm_lib = self._few_rows(counts, device, dtype, weight_dtype)
+            self.packed_linears = self.model.pack_linears_by_shape(
+                self.linear_choice, self.few_rows, gemm_lib) > 0
         else:
             self.packed_linears = self.linear_backend != "torch"
             if self.packed_linears:
@@ -198,6 +201,20 @@ class ModelRunner:
         self.timings = PhaseTimings()
         self.record_logits = False
         self.last_logits: dict[str, torch.Tensor] = {}
+
+    def _few_rows(self, counts, device: torch.device, dtype: torch.dtype,
+                  weight_dtype: torch.dtype | None):
+        """(rows, the GEMM's kernels): how many rows of a call go to conveyor's GEMM on a
+        second, bf16 copy of each projection (``few_rows.py``: a bf16 model on a CPU with
+        the GEMM, measured), 0 where none do."""
+        from conveyor.model import few_rows
+        from conveyor.model.packed_linear import native_gemm_lib
+
+        lib = native_gemm_lib() if device.type == "cpu" else None
+        if dtype != torch.bfloat16 or lib is None:
+            return 0, None
+        many = select_linear_backend(self.linear_backend, device, dtype, weight_dtype)
+        return few_rows.choose(counts, self.linear_backend, many, lib), lib
 
     def allocate_kv_cache(self, num_blocks: int | None = None, max_num_seqs: int = 1) -> int:
         """Allocate the KV pool (sized from free memory unless given); returns its blocks."""

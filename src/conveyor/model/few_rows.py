@@ -1,0 +1,165 @@
+"""Few-row calls of a bfloat16 model's projections through conveyor's GEMM on the bf16
+weights, where that measured faster than the backend chosen for the rest.
+
+A decode step at batch 1 or 2 reads every weight once for one or two rows: it is bound by
+memory, and on a Zen 4 oneDNN's bf16 kernels stream a weight at 15-19 GB/s there against
+24 GB/s for ``kernels/gemm.c`` reading the same bf16 weight (float32 sums of the exact
+bf16 products, rounded to bf16 once: the numbers of oneDNN's bf16 GEMM, in another
+order). From 4 rows on oneDNN's bf16 dot products win (1.5x at 4 rows, 2.2x at 32). So a
+projection may keep both: ``RowSplitLinear`` sends calls of up to ``max_rows`` rows to
+the GEMM and the rest to the chosen backend. That costs a second copy of every
+projection's weight, so it is taken only where the copies fit ``MAX_EXTRA_BYTES``, and
+only where it was measured on this CPU: each row count of ``ROW_COUNTS`` timed over the
+model's projections in layer order (as a decode step reads them, see
+``linear_choice.rotation``), the split up to the largest row count (from 1 up) at which
+the GEMM was no slower, where it took at most ``WIN`` of the other's time at one of
+them. ``CONVEYOR_FEW_ROWS=N`` forces a split at N rows (0: none).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+from torch import nn
+
+from conveyor.model import choice_cache
+from conveyor.model.dtypes import cpu_model_name
+from conveyor.model.linear_choice import LinearShape, _forward, _rotation_times, rotation
+
+logger = logging.getLogger(__name__)
+
+ROW_COUNTS = (1, 2, 4)
+WIN = 0.9  # the GEMM's share of the other's time, at most, at one row count: worth a copy
+MAX_EXTRA_BYTES = 1 << 30  # the second copies of the weights, at most
+
+
+class Bf16WeightGemm(nn.Module):
+    """``x @ weight.T`` for bf16 x through conveyor's GEMM on the bf16 weight (float32
+    arithmetic on bf16 values: the products exact, the sums float32), rounded to bf16."""
+
+    applies_silu_mul = False
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib) -> None:
+        super().__init__()
+        from conveyor.model.packed_linear import NativeLinear
+
+        self.out_features, self.in_features = weight.shape
+        self.gemm = NativeLinear(weight.detach().to(torch.bfloat16), bias, lib,
+                                 bf16_weight=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x.to(torch.float32)).to(x.dtype)
+
+
+class RowSplitLinear(nn.Module):
+    """Calls of up to ``max_rows`` rows to ``few``, the others to ``many`` (the same
+    weight, packed twice)."""
+
+    def __init__(self, few: nn.Module, many: nn.Module, max_rows: int) -> None:
+        super().__init__()
+        if getattr(many, "applies_silu_mul", False) or getattr(few, "applies_silu_mul", False):
+            raise ValueError("a row split needs plain projections on both sides")
+        self.few, self.many, self.max_rows = few, many, max_rows
+        self.in_features, self.out_features = many.in_features, many.out_features
+        self.applies_silu_mul = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.few(x) if x.shape[0] <= self.max_rows else self.many(x)
+
+    def extra_repr(self) -> str:
+        return f"up to {self.max_rows} rows to the first"
+
+
+def split_rows(times: dict[int, tuple[float, float]]) -> int:
+    """The largest row count up to which the GEMM (first of each pair) loses at no row
+    count, if it wins by ``WIN`` at one of them; else 0."""
+    rows, gain = 0, False
+    for r in sorted(times):
+        gemm, other = times[r]
+        if gemm > other:
+            break
+        gain = gain or gemm <= WIN * other
+        rows = r
+    return rows if gain else 0
+
+
+def forced_rows() -> int | None:
+    value = os.environ.get("CONVEYOR_FEW_ROWS", "").strip()
+    return int(value) if value else None
+
+
+def extra_bytes(counts: dict[LinearShape, int]) -> int:
+    """The second copies' bytes: every projection's weight in bf16 (not the LM head)."""
+    return sum(2 * s.out_features * s.in_features * n for s, n in counts.items()
+               if not s.lm_head)
+
+
+class _Adapter:
+    def __init__(self, make) -> None:
+        self.make_linear = make
+
+
+@torch.inference_mode()
+def measure(shapes: list[LinearShape], counts: dict[str, int], many_backend, lib
+            ) -> dict[int, tuple[float, float]]:
+    """Row count -> (the GEMM's, the other backend's) seconds for one pass over the
+    model's projections, each timed in the rotation."""
+    gen = torch.Generator().manual_seed(0)
+    weights = {s.key: (torch.randn(s.out_features, s.in_features, generator=gen) * 0.02).to(
+        torch.bfloat16) for s in shapes}
+    order = rotation(shapes, counts, 2)
+    few = _Adapter(lambda w, b, gate_up=False: Bf16WeightGemm(w, b, lib))
+    out: dict[int, list[float]] = {r: [] for r in ROW_COUNTS}
+    for backend in (few, many_backend):
+        calls = []
+        seen: set[str] = set()
+        for s in order:
+            w = weights[s.key] if s.key not in seen else weights[s.key].clone()
+            seen.add(s.key)
+            # (a plain projection on both sides: gate/up's activation follows apart)
+            calls.append((s.key, _forward(backend.make_linear(w, None, gate_up=False),
+                                          LinearShape(s.out_features, s.in_features))))
+        for r in ROW_COUNTS:
+            xs = {s.key: torch.randn(r, s.in_features, generator=gen).to(torch.bfloat16)
+                  for s in shapes}
+            per_call = _rotation_times(calls, xs)
+            out[r].append(sum(per_call[s.key] * counts.get(s.key, 1) for s in shapes))
+        del calls
+    return {r: (t[0], t[1]) for r, t in out.items()}
+
+
+def choose(counts: dict[LinearShape, int], many_name: str, many_backend, lib) -> int:
+    """The largest row count the GEMM takes (0: no split), forced, cached or measured."""
+    forced = forced_rows()
+    if forced is not None:
+        return max(forced, 0)
+    need = extra_bytes(counts)
+    if need > MAX_EXTRA_BYTES:
+        logger.info("few-row GEMM not considered: a second copy of the weights would take "
+                    "%.1f GiB (at most %.1f)", need / 2**30, MAX_EXTRA_BYTES / 2**30)
+        return 0
+    shapes = sorted((s for s in counts if not s.lm_head), key=lambda s: s.key)
+    by_key = {s.key: n for s, n in counts.items() if not s.lm_head}
+    from conveyor.model import kernels
+
+    key = choice_cache.key("bf16", many_name, ",".join(f"{k}*{n}" for k, n in
+                                                       sorted(by_key.items())),
+                           repr(ROW_COUNTS), str(WIN), "no loss, one gain",
+                           kernels.build_key())
+    entry = choice_cache.read("few_rows").get(key)
+    if entry is not None:
+        logger.info("few-row GEMM (cached for this CPU): up to %d rows", entry["rows"])
+        return int(entry["rows"])
+    t0 = time.perf_counter()
+    times = measure(shapes, by_key, many_backend, lib)
+    rows = split_rows(times)
+    logger.info("few-row GEMM measured in %.1f s on %s: up to %d rows against %s; ms a "
+                "pass (GEMM, %s): %s", time.perf_counter() - t0, cpu_model_name(), rows,
+                many_name, many_name,
+                {r: tuple(round(1e3 * x, 2) for x in t) for r, t in times.items()})
+    choice_cache.store("few_rows", key, {"rows": rows, "cpu": cpu_model_name(),
+                                         "timings_s": times})
+    return rows
