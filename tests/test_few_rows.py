@@ -1,9 +1,8 @@
-"""Few-row calls of a bf16 model's projections through conveyor's GEMM on bf16 weights
-(``model/few_rows.py``): the GEMM's numbers are bf16 products summed in float32 and
-rounded once, calls are split by row count, the split is taken only where measured no
-slower at every row count it covers and faster by a margin at one, and never where the
-weights' second copy would not fit; a bf16 engine with the split decodes as it does
-without it."""
+"""Few-row calls of a model's projections through conveyor's GEMM (``model/few_rows.py``):
+on bf16 weights its numbers are bf16 products summed in float32 and rounded once, calls
+are split by row count, the split is taken only where measured no slower at every row
+count it covers and faster by a margin at one, and never where the weights' second copy
+would not fit; a float32 or bf16 engine with the split decodes as it does without it."""
 
 from __future__ import annotations
 
@@ -76,6 +75,7 @@ def test_a_model_too_big_for_a_second_copy_is_not_split(monkeypatch) -> None:
     monkeypatch.delenv("CONVEYOR_FEW_ROWS", raising=False)
     counts = {LinearShape(3072, 576): 30, LinearShape(49152, 576, lm_head=True): 1}
     assert few_rows.extra_bytes(counts) == 2 * 3072 * 576 * 30  # not the LM head
+    assert few_rows.extra_bytes(counts, 4) == 4 * 3072 * 576 * 30
     monkeypatch.setattr(few_rows, "MAX_EXTRA_BYTES", few_rows.extra_bytes(counts) - 1)
     assert few_rows.choose(counts, "onednn", None, None) == 0  # (nothing measured)
     monkeypatch.setenv("CONVEYOR_FEW_ROWS", "3")
@@ -83,16 +83,20 @@ def test_a_model_too_big_for_a_second_copy_is_not_split(monkeypatch) -> None:
 
 
 @needs_gemm
-@pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 arithmetic runs on F.linear "
-                    "only here (no AVX-512 BF16 or AMX): no measured linear choice to split")
-def test_a_bf16_engine_with_the_split_gives_the_same_logits(monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_engine_with_the_split_gives_the_same_logits(monkeypatch, dtype: str) -> None:
+    if dtype == "bfloat16" and not cpu_has_native_bf16():
+        pytest.skip("bf16 arithmetic runs on F.linear only here (no AVX-512 BF16 or AMX): "
+                    "no measured linear choice to split")
     path = make_checkpoint("llama")
     prompts = random_prompts(2, lo=5, hi=20, seed=4)
     logits = {}
     for forced in ("2", "0"):
         monkeypatch.setenv("CONVEYOR_FEW_ROWS", forced)
-        llm = LLM(path, dtype="bfloat16", compute_dtype="bfloat16")
+        llm = LLM(path, dtype=dtype, compute_dtype=dtype)
         runner = llm.engine.runner
+        if runner.linear_backend.startswith("native"):
+            pytest.skip("conveyor's GEMM is this CPU's choice already: nothing to split")
         split = [m for m in runner.model.modules() if isinstance(m, RowSplitLinear)]
         assert runner.few_rows == int(forced) and bool(split) == (forced == "2")
         runner.record_logits = True
@@ -105,5 +109,6 @@ def test_a_bf16_engine_with_the_split_gives_the_same_logits(monkeypatch) -> None
                 llm.engine.step()
                 seen += [v.clone() for v in runner.last_logits.values()]
         logits[forced] = torch.stack(seen)
-    torch.testing.assert_close(logits["2"], logits["0"], rtol=0.05, atol=0.05)
+    tol = 1e-4 if dtype == "float32" else 0.05
+    torch.testing.assert_close(logits["2"], logits["0"], rtol=tol, atol=tol)
     assert F.cosine_similarity(logits["2"], logits["0"], dim=-1).min() > 0.999

@@ -1,19 +1,20 @@
-"""Few-row calls of a bfloat16 model's projections through conveyor's GEMM on the bf16
-weights, where that measured faster than the backend chosen for the rest.
+"""Few-row calls of a model's projections through conveyor's GEMM, where that measured
+faster than the backend chosen for the rest.
 
 A decode step at batch 1 or 2 reads every weight once for one or two rows: it is bound by
 memory, and on a Zen 4 oneDNN's bf16 kernels stream a weight at 15-19 GB/s there against
 24 GB/s for ``kernels/gemm.c`` reading the same bf16 weight (float32 sums of the exact
 bf16 products, rounded to bf16 once: the numbers of oneDNN's bf16 GEMM, in another
-order). From 4 rows on oneDNN's bf16 dot products win (1.5x at 4 rows, 2.2x at 32). So a
-projection may keep both: ``RowSplitLinear`` sends calls of up to ``max_rows`` rows to
-the GEMM and the rest to the chosen backend. That costs a second copy of every
-projection's weight, so it is taken only where the copies fit ``MAX_EXTRA_BYTES``, and
-only where it was measured on this CPU: each row count of ``ROW_COUNTS`` timed over the
-model's projections in layer order (as a decode step reads them, see
-``linear_choice.rotation``), the split up to the largest row count (from 1 up) at which
-the GEMM was no slower, where it took at most ``WIN`` of the other's time at one of
-them. ``CONVEYOR_FEW_ROWS=N`` forces a split at N rows (0: none).
+order). From 4 rows on oneDNN's bf16 dot products win (1.5x at 4 rows, 2.2x at 32). In
+float32 the GEMM beat oneDNN at batch 1 too, where oneDNN was chosen for the larger row
+counts of a server's cap. So a projection may keep both: ``RowSplitLinear`` sends calls
+of up to ``max_rows`` rows to the GEMM and the rest to the chosen backend. That costs a
+second copy of every projection's weight, so it is taken only where the copies fit
+``MAX_EXTRA_BYTES``, and only where it was measured on this CPU: each row count of
+``ROW_COUNTS`` timed over the model's projections in layer order (as a decode step reads
+them, see ``linear_choice.rotation``), the split up to the largest row count (from 1 up)
+at which the GEMM was no slower, where it took at most ``WIN`` of the other's time at one
+of them. ``CONVEYOR_FEW_ROWS=N`` forces a split at N rows (0: none).
 """
 
 from __future__ import annotations
@@ -91,10 +92,21 @@ def forced_rows() -> int | None:
     return int(value) if value else None
 
 
-def extra_bytes(counts: dict[LinearShape, int]) -> int:
-    """The second copies' bytes: every projection's weight in bf16 (not the LM head)."""
-    return sum(2 * s.out_features * s.in_features * n for s, n in counts.items()
+def extra_bytes(counts: dict[LinearShape, int], itemsize: int = 2) -> int:
+    """The second copies' bytes: every projection's weight (not the LM head)."""
+    return sum(itemsize * s.out_features * s.in_features * n for s, n in counts.items()
                if not s.lm_head)
+
+
+def few_row_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                   lib) -> nn.Module:
+    """The GEMM's module for a projection of a ``dtype`` model: bf16 in and out on a bf16
+    copy, or float32 (``NativeLinear``, plain: no fused activation)."""
+    if dtype == torch.bfloat16:
+        return Bf16WeightGemm(weight, bias, lib)
+    from conveyor.model.packed_linear import NativeLinear
+
+    return NativeLinear(weight.detach().to(torch.float32), bias, lib)
 
 
 class _Adapter:
@@ -103,15 +115,15 @@ class _Adapter:
 
 
 @torch.inference_mode()
-def measure(shapes: list[LinearShape], counts: dict[str, int], many_backend, lib
-            ) -> dict[int, tuple[float, float]]:
+def measure(shapes: list[LinearShape], counts: dict[str, int], many_backend, lib,
+            dtype: torch.dtype = torch.bfloat16) -> dict[int, tuple[float, float]]:
     """Row count -> (the GEMM's, the other backend's) seconds for one pass over the
     model's projections, each timed in the rotation."""
     gen = torch.Generator().manual_seed(0)
     weights = {s.key: (torch.randn(s.out_features, s.in_features, generator=gen) * 0.02).to(
-        torch.bfloat16) for s in shapes}
-    order = rotation(shapes, counts, 2)
-    few = _Adapter(lambda w, b, gate_up=False: Bf16WeightGemm(w, b, lib))
+        dtype) for s in shapes}
+    order = rotation(shapes, counts, dtype.itemsize)
+    few = _Adapter(lambda w, b, gate_up=False: few_row_linear(w, b, dtype, lib))
     out: dict[int, list[float]] = {r: [] for r in ROW_COUNTS}
     for backend in (few, many_backend):
         calls = []
@@ -123,7 +135,7 @@ def measure(shapes: list[LinearShape], counts: dict[str, int], many_backend, lib
             calls.append((s.key, _forward(backend.make_linear(w, None, gate_up=False),
                                           LinearShape(s.out_features, s.in_features))))
         for r in ROW_COUNTS:
-            xs = {s.key: torch.randn(r, s.in_features, generator=gen).to(torch.bfloat16)
+            xs = {s.key: torch.randn(r, s.in_features, generator=gen).to(dtype)
                   for s in shapes}
             per_call = _rotation_times(calls, xs)
             out[r].append(sum(per_call[s.key] * counts.get(s.key, 1) for s in shapes))
@@ -131,12 +143,13 @@ def measure(shapes: list[LinearShape], counts: dict[str, int], many_backend, lib
     return {r: (t[0], t[1]) for r, t in out.items()}
 
 
-def choose(counts: dict[LinearShape, int], many_name: str, many_backend, lib) -> int:
+def choose(counts: dict[LinearShape, int], many_name: str, many_backend, lib,
+           dtype: torch.dtype = torch.bfloat16) -> int:
     """The largest row count the GEMM takes (0: no split), forced, cached or measured."""
     forced = forced_rows()
     if forced is not None:
         return max(forced, 0)
-    need = extra_bytes(counts)
+    need = extra_bytes(counts, dtype.itemsize)
     if need > MAX_EXTRA_BYTES:
         logger.info("few-row GEMM not considered: a second copy of the weights would take "
                     "%.1f GiB (at most %.1f)", need / 2**30, MAX_EXTRA_BYTES / 2**30)
@@ -145,7 +158,7 @@ def choose(counts: dict[LinearShape, int], many_name: str, many_backend, lib) ->
     by_key = {s.key: n for s, n in counts.items() if not s.lm_head}
     from conveyor.model import kernels
 
-    key = choice_cache.key("bf16", many_name, ",".join(f"{k}*{n}" for k, n in
+    key = choice_cache.key(str(dtype), many_name, ",".join(f"{k}*{n}" for k, n in
                                                        sorted(by_key.items())),
                            repr(ROW_COUNTS), str(WIN), "no loss, one gain",
                            kernels.build_key())
@@ -154,7 +167,7 @@ def choose(counts: dict[LinearShape, int], many_name: str, many_backend, lib) ->
         logger.info("few-row GEMM (cached for this CPU): up to %d rows", entry["rows"])
         return int(entry["rows"])
     t0 = time.perf_counter()
-    times = measure(shapes, by_key, many_backend, lib)
+    times = measure(shapes, by_key, many_backend, lib, dtype)
     rows = split_rows(times)
     logger.info("few-row GEMM measured in %.1f s on %s: up to %d rows against %s; ms a "
                 "pass (GEMM, %s): %s", time.perf_counter() - t0, cpu_model_name(), rows,

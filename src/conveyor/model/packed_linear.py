@@ -156,10 +156,11 @@ def pack_linears_by(model: nn.Module, backend_of: Callable[[str, torch.Tensor], 
                     few_rows: int = 0, lib=None) -> int:
     """Replace each ``nn.Linear`` by the packed one of ``backend_of(name, weight)`` (a
     backend that does not pack, ``torch``, keeps it); returns how many were packed. With
-    ``few_rows``, calls of up to that many rows go to conveyor's GEMM on a bf16 copy of
-    the weight (``few_rows.RowSplitLinear``; ``lib``: the kernels with the GEMM)."""
+    ``few_rows``, calls of up to that many rows go to conveyor's GEMM on a copy of the
+    weight (``few_rows.RowSplitLinear``; ``lib``: the kernels with the GEMM), unless the
+    projection is the GEMM's already."""
     from conveyor.model.backends import linear_backend
-    from conveyor.model.few_rows import Bf16WeightGemm, RowSplitLinear
+    from conveyor.model.few_rows import RowSplitLinear, few_row_linear
 
     count = 0
     for parent in list(model.modules()):
@@ -171,8 +172,10 @@ def pack_linears_by(model: nn.Module, backend_of: Callable[[str, torch.Tensor], 
                     module = packed_linear(child.weight, child.bias, backend,
                                            gate_up=name == "gate_up_proj")
                     count += 1
-                if few_rows > 0 and not getattr(module, "applies_silu_mul", False):
-                    module = RowSplitLinear(Bf16WeightGemm(child.weight, child.bias, lib),
+                if (few_rows > 0 and not isinstance(module, NativeLinear)
+                        and not getattr(module, "applies_silu_mul", False)):
+                    module = RowSplitLinear(few_row_linear(child.weight, child.bias,
+                                                           child.weight.dtype, lib),
                                             module, few_rows)
                 if module is not child:
                     setattr(parent, name, module)

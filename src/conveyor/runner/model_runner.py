@@ -205,16 +205,18 @@ class ModelRunner:
     def _few_rows(self, counts, device: torch.device, dtype: torch.dtype,
                   weight_dtype: torch.dtype | None):
         """(rows, the GEMM's kernels): how many rows of a call go to conveyor's GEMM on a
-        second, bf16 copy of each projection (``few_rows.py``: a bf16 model on a CPU with
-        the GEMM, measured), 0 where none do."""
+        second copy of each projection (``few_rows.py``: a float32 or bf16 model on a CPU
+        with the GEMM, measured), 0 where none do."""
         from conveyor.model import few_rows
         from conveyor.model.packed_linear import native_gemm_lib
 
         lib = native_gemm_lib() if device.type == "cpu" else None
-        if dtype != torch.bfloat16 or lib is None:
+        # (a bf16 checkpoint computed in float32 reads bf16 weights already: native-bf16)
+        if dtype not in (torch.float32, torch.bfloat16) or weight_dtype is not None \
+                or lib is None or self.linear_backend.startswith("native"):
             return 0, None
         many = select_linear_backend(self.linear_backend, device, dtype, weight_dtype)
-        return few_rows.choose(counts, self.linear_backend, many, lib), lib
+        return few_rows.choose(counts, self.linear_backend, many, lib, dtype), lib
 
     def allocate_kv_cache(self, num_blocks: int | None = None, max_num_seqs: int = 1) -> int:
         """Allocate the KV pool (sized from free memory unless given); returns its blocks."""
