@@ -28,7 +28,12 @@ from torch import nn
 
 from conveyor.model import choice_cache
 from conveyor.model.dtypes import cpu_model_name
-from conveyor.model.linear_choice import LinearShape, _forward, _rotation_times, rotation
+from conveyor.model.linear_choice import (
+    LinearShape,
+    _rotation_calls,
+    _rotation_times,
+    rotation,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -120,25 +125,21 @@ def measure(shapes: list[LinearShape], counts: dict[str, int], many_backend, lib
     """Row count -> (the GEMM's, the other backend's) seconds for one pass over the
     model's projections, each timed in the rotation."""
     gen = torch.Generator().manual_seed(0)
-    weights = {s.key: (torch.randn(s.out_features, s.in_features, generator=gen) * 0.02).to(
-        dtype) for s in shapes}
-    order = rotation(shapes, counts, dtype.itemsize)
+    # A plain projection on both sides (gate/up's activation follows apart in the model).
+    plain = {s.key: LinearShape(s.out_features, s.in_features) for s in shapes}
+    weights = {p.key: (torch.randn(p.out_features, p.in_features, generator=gen) * 0.02).to(
+        dtype) for p in plain.values()}
+    order = [plain[s.key] for s in rotation(shapes, counts, dtype.itemsize)]
     few = _Adapter(lambda w, b, gate_up=False: few_row_linear(w, b, dtype, lib))
     out: dict[int, list[float]] = {r: [] for r in ROW_COUNTS}
     for backend in (few, many_backend):
-        calls = []
-        seen: set[str] = set()
-        for s in order:
-            w = weights[s.key] if s.key not in seen else weights[s.key].clone()
-            seen.add(s.key)
-            # (a plain projection on both sides: gate/up's activation follows apart)
-            calls.append((s.key, _forward(backend.make_linear(w, None, gate_up=False),
-                                          LinearShape(s.out_features, s.in_features))))
+        calls = _rotation_calls(backend, order, weights)
         for r in ROW_COUNTS:
-            xs = {s.key: torch.randn(r, s.in_features, generator=gen).to(dtype)
-                  for s in shapes}
+            xs = {p.key: torch.randn(r, p.in_features, generator=gen).to(dtype)
+                  for p in plain.values()}
             per_call = _rotation_times(calls, xs)
-            out[r].append(sum(per_call[s.key] * counts.get(s.key, 1) for s in shapes))
+            out[r].append(sum(per_call[plain[s.key].key] * counts.get(s.key, 1)
+                              for s in shapes))
         del calls
     return {r: (t[0], t[1]) for r, t in out.items()}
 
