@@ -12,7 +12,8 @@ sampling bookkeeping).
 
 ``--attention-against REV`` also times each round's steps with git revision REV's decode
 attention kernel swapped in (the native backend's library), alternated with this tree's:
-a kernel change's effect on the whole step, in one process.
+a kernel change's effect on the whole step, in one process. ``--gemm-against REV`` does
+the same for the native GEMM (``gemm.c``; the steps whose linears are native).
 """
 
 from __future__ import annotations
@@ -184,6 +185,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--attention-against", metavar="REV",
                    help="also time the step with this git revision's decode attention kernel")
+    p.add_argument("--gemm-against", metavar="REV",
+                   help="also time the step with this git revision's native GEMM")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -207,17 +210,32 @@ def main() -> None:
             raise SystemExit("--attention-against needs the native decode attention backend")
         libs = (runner.decode_kernel.lib,
                 build_at(args.attention_against, "decode_attention.c", tempfile.mkdtemp()))
+    if args.gemm_against:
+        import tempfile
+
+        from kernel_at import Overlay, build_at
+
+        from conveyor.model.kernels import ops
+
+        base = ops._lib or ops._native()
+        gemms = (base, Overlay(base, build_at(args.gemm_against, "gemm.c", tempfile.mkdtemp()),
+                               ("gemm_f32", "gemm_f32_w16")))
+    rev = args.attention_against or args.gemm_against
+    what = "decode attention" if args.attention_against else "GEMM"
     for r in range(args.rounds):
         if args.attention_against:
             runner.decode_kernel.lib = libs[1]
             other = time_steps(llm, args.steps)
             runner.decode_kernel.lib = libs[0]
+        elif args.gemm_against:
+            ops._lib = gemms[1]
+            other = time_steps(llm, args.steps)
+            ops._lib = gemms[0]
         step = time_steps(llm, args.steps)
-        if args.attention_against:
+        if rev:
             against.append(other / step)
-            print(f"round {r}: decode step {step * 1e3:7.1f} ms, with "
-                  f"{args.attention_against}'s decode attention {other * 1e3:7.1f} ms: "
-                  f"{other / step:.3f}x")
+            print(f"round {r}: decode step {step * 1e3:7.1f} ms, with {rev}'s {what} "
+                  f"{other * 1e3:7.1f} ms: {other / step:.3f}x")
         floor = gemm_floor(plain_fns, weights, args.batch, args.steps)
         line = (f"round {r}: decode step {step * 1e3:7.1f} ms   GEMM floor (F.linear) "
                 f"{floor * 1e3:7.1f} ms   ratio {step / floor:5.2f}")
@@ -229,8 +247,8 @@ def main() -> None:
         print(line)
     print(f"median ratio step / GEMM floor (F.linear): {statistics.median(ratios):.2f}")
     if against:
-        print(f"median ratio step with {args.attention_against}'s decode attention / this "
-              f"tree's: {statistics.median(against):.3f}")
+        print(f"median ratio step with {rev}'s {what} / this tree's: "
+              f"{statistics.median(against):.3f}")
     if packed_ratios:
         print(f"median ratio step / packed {packed} floor: "
               f"{statistics.median(packed_ratios):.2f}")

@@ -9,6 +9,9 @@ over rounds). The last rows are a prefill-sized call on one weight (compute-boun
 widening bf16 panels costs there).
 
     python benchmarks/gemm_rows.py --rows 1,2,4,8,32 --rounds 3
+
+``--against REV`` adds both native columns with git revision REV's ``gemm.c`` (built with
+this tree's flags, in the same alternation): a kernel change's before and after in one run.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ SMOLLM2 = [(960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, 
 
 def build(kind: str, layers: int, gen: torch.Generator) -> list:
     calls = []
+    kind = kind.split(" @ ")[0]  # REV's kernel runs on the same packed weights
     for _ in range(layers):
         for n, k, gate_up in SMOLLM2:
             w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
@@ -41,11 +45,18 @@ def build(kind: str, layers: int, gen: torch.Generator) -> list:
     return calls
 
 
-def one_pass(calls: list, xs: dict[int, torch.Tensor]) -> float:
-    t = time.perf_counter()
-    for fn in calls:
-        fn(xs[fn.in_features])
-    return time.perf_counter() - t
+def one_pass(calls: list, xs: dict[int, torch.Tensor], lib=None) -> float:
+    """A pass over calls; with lib, through that library (ops' own restored after)."""
+    own = ops._lib
+    if lib is not None:
+        ops._lib = lib
+    try:
+        t = time.perf_counter()
+        for fn in calls:
+            fn(xs[fn.in_features])
+        return time.perf_counter() - t
+    finally:
+        ops._lib = own
 
 
 def main() -> int:
@@ -56,6 +67,7 @@ def main() -> int:
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--prefill-rows", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--against", metavar="REV", help="also time git revision REV's gemm.c")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not ops.gemm_available():
@@ -63,22 +75,41 @@ def main() -> int:
         return 1
     kinds = ["native fp32", "native bf16 weights"] + (["onednn fp32"] if onednn_available()
                                                       else [])
+    libs = {}
+    if args.against:
+        import tempfile
+
+        from kernel_at import Overlay, build_at
+
+        base = ops._lib or ops._native()
+        other = Overlay(base, build_at(args.against, "gemm.c", tempfile.mkdtemp()),
+                        ("gemm_f32", "gemm_f32_w16"))
+        for kind in kinds[:2]:
+            libs[f"{kind} @ {args.against}"] = other
+        kinds = kinds[:2] + list(libs) + kinds[2:]
     gen = torch.Generator().manual_seed(0)
     print(f"CPU: {cpu_model_name()}, {args.threads} threads; {args.layers} layers of "
           f"SmolLM2-135M's projection shapes; ms per pass over all of them")
-    print(f"{'rows':>6} " + " ".join(f"{k:>20}" for k in kinds) + "   fp32 / bf16 weights")
+    width = max(20, *(len(k) for k in kinds))
+    print(f"{'rows':>6} " + " ".join(f"{k:>{width}}" for k in kinds) + "   fp32 / bf16 weights"
+          + ("   vs REV: fp32, bf16 weights" if libs else ""))
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
         times: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(args.rounds):
             for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
                 calls = build(kind, args.layers, gen)
-                one_pass(calls, xs)  # untimed: first touches
-                times[kind].append(min(one_pass(calls, xs) for _ in range(args.passes)))
+                lib = libs.get(kind)
+                one_pass(calls, xs, lib)  # untimed: first touches
+                times[kind].append(min(one_pass(calls, xs, lib) for _ in range(args.passes)))
                 del calls
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        print(f"{rows:>6} " + " ".join(f"{med[k]:>20.2f}" for k in kinds)
-              + f"   {med['native fp32'] / med['native bf16 weights']:.2f}x")
+        line = (f"{rows:>6} " + " ".join(f"{med[k]:>{width}.2f}" for k in kinds)
+                + f"   {med['native fp32'] / med['native bf16 weights']:.2f}x")
+        if libs:
+            line += "   " + ", ".join(f"{med[f'{k} @ {args.against}'] / med[k]:.2f}x"
+                                      for k in kinds[:2])
+        print(line)
         sys.stdout.flush()
     x = torch.randn(args.prefill_rows, 576, generator=gen)
     w = (torch.randn(3072, 576, generator=gen) * 0.02).to(torch.bfloat16)

@@ -30,3 +30,14 @@ def build_at(rev: str, source: str, out_dir: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(so)
     kernels.bind(lib, only_present=True)
     return lib
+
+
+class Overlay:
+    """A loaded library with some of its functions taken from another (``build_at``'s):
+    set as ``ops._lib``, every native op keeps this tree's kernels except ``names``."""
+
+    def __init__(self, base: ctypes.CDLL, other: ctypes.CDLL, names: tuple[str, ...]) -> None:
+        self._base, self._other, self._names = base, other, frozenset(names)
+
+    def __getattr__(self, name: str):
+        return getattr(self._other if name in self._names else self._base, name)
