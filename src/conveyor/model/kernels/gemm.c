@@ -362,16 +362,16 @@ static void tiles_few(int np, int kc, const float* a, const void* wp, int64_t pa
 #if defined(__AVX512F__)
         /* one zmm a row and panel: up to 8 accumulators (8 FMA chains) */
         const int step = mr == 1 ? (np >= 8 ? 8 : np >= 4 ? 4 : np >= 2 ? 2 : 1)
-                         : mr == 2 ? (np >= 4 ? 4 : np >= 2 ? 2 : 1) : np >= 2 ? 2 : 1;
+                         : (np >= 4 ? 4 : np >= 2 ? 2 : 1);
         if (mr == 1) {
             if (step == 8) FEW(1, 8); else if (step == 4) FEW(1, 4);
             else if (step == 2) FEW(1, 2); else FEW(1, 1);
         } else if (mr == 2) {
             if (step == 4) FEW(2, 4); else if (step == 2) FEW(2, 2); else FEW(2, 1);
         } else if (mr == 3) {
-            if (step == 2) FEW(3, 2); else FEW(3, 1);
+            if (step == 4) FEW(3, 4); else if (step == 2) FEW(3, 2); else FEW(3, 1);
         } else {
-            if (step == 2) FEW(4, 2); else FEW(4, 1);
+            if (step == 4) FEW(4, 4); else if (step == 2) FEW(4, 2); else FEW(4, 1);
         }
 #else
         const int step = mr == 1 ? (np >= 4 ? 4 : np >= 2 ? 2 : 1)
