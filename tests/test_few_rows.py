@@ -64,10 +64,17 @@ def test_calls_are_split_by_row_count() -> None:
     ({1: (8, 10), 2: (9, 10), 4: (12, 10)}, 2),   # faster at 1 and 2, slower at 4
     ({1: (9.8, 10), 2: (8, 10), 4: (12, 10)}, 2),  # a margin at 2 only is enough
     ({1: (9.8, 10), 2: (9.9, 10), 4: (12, 10)}, 0),  # no better than WIN anywhere
-    ({1: (11, 10), 2: (5, 10), 4: (5, 10)}, 0),   # slower at 1 row: no split
+    ({1: (12, 10), 2: (5, 10), 4: (5, 10)}, 0),   # slower at 1 row past a tie: no split
+    ({1: (11, 10), 2: (5, 10), 4: (5, 10)}, 4),   # a tie at 1 row, won back after it
     ({1: (5, 10), 2: (5, 10), 4: (5, 10)}, 4),
+    # float32 on a Zen 4: a tie at 4 rows, gains past it up to 64
+    ({1: (6, 10), 2: (6.5, 10), 4: (10.5, 10), 8: (8, 10), 16: (8, 10), 32: (8.7, 10),
+      64: (9.5, 10)}, 64),
+    # ties past 2 rows that never win back: the split stops where the gain peaked
+    ({1: (5, 10), 2: (5, 10), 4: (10.8, 10), 8: (10.8, 10)}, 2),
+    ({1: (5, 10), 2: (5, 10), 4: (10.8, 10), 8: (11.5, 10), 16: (1, 10)}, 2),  # a loss ends it
 ])
-def test_the_split_covers_row_counts_it_never_loses(times, rows: int) -> None:
+def test_the_split_goes_where_the_gain_is_largest(times, rows: int) -> None:
     assert split_rows(times) == rows
 
 
@@ -112,3 +119,23 @@ def test_an_engine_with_the_split_gives_the_same_logits(monkeypatch, dtype: str)
     tol = 1e-4 if dtype == "float32" else 0.05
     torch.testing.assert_close(logits["2"], logits["0"], rtol=tol, atol=tol)
     assert F.cosine_similarity(logits["2"], logits["0"], dim=-1).min() > 0.999
+
+
+def test_only_row_counts_below_the_timed_decode_rows_are_measured(monkeypatch,
+                                                                  tmp_path) -> None:
+    """Row counts the backend choice was timed at (a server's max_num_seqs) and above are
+    its own: the split is measured below them, and not at all below 2 rows."""
+    monkeypatch.delenv("CONVEYOR_FEW_ROWS", raising=False)
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
+    seen = []
+
+    def fake_measure(shapes, by_key, many, lib, dtype, row_counts):
+        seen.append(row_counts)
+        return {r: (5.0, 10.0) for r in row_counts}
+
+    monkeypatch.setattr(few_rows, "measure", fake_measure)
+    counts = {LinearShape(64, 32): 2}
+    assert few_rows.choose(counts, "onednn", None, None, torch.float32, decode_rows=16) == 8
+    assert seen == [(1, 2, 4, 8)]
+    assert few_rows.choose(counts, "onednn", None, None, torch.float32, decode_rows=1) == 0
+    assert len(seen) == 1

@@ -122,12 +122,49 @@ def test_decode_rows_are_timed_on_a_weight_of_its_own_per_call_in_layer_order() 
                                     counts)
     decode = [ptr for ptr, rows in seen if rows == 3]
     per_pass = len(layer) * 4
-    assert len(decode) == per_pass * (linear_choice.ROTATION_PASSES + 1)
-    first = decode[:per_pass]
-    assert len(set(first)) == per_pass, "every call of a pass on a weight of its own"
-    assert all(decode[i:i + per_pass] == first for i in range(0, len(decode), per_pass))
+    per_round = per_pass * (linear_choice.ROTATION_PASSES + 1)
+    assert len(decode) == per_round * linear_choice.MEASURE_ROUNDS
+    for r in range(0, len(decode), per_round):  # each round packs its own copies
+        turn = decode[r:r + per_round]
+        first = turn[:per_pass]
+        assert len(set(first)) == per_pass, "every call of a pass on a weight of its own"
+        assert all(turn[i:i + per_pass] == first for i in range(0, per_round, per_pass))
     assert any(rows == 7 for _, rows in seen), "and a prefill-sized call"
     assert all(d > 0 and p > 0 for t in timings.values() for d, p in t.values())
+
+
+def test_backends_take_turns_and_keep_their_best_round(monkeypatch) -> None:
+    """Every backend is timed once a round, in reversed order every other round, and keeps
+    its best: a slow turn (a burst of load on a shared machine) does not decide alone."""
+    turns: list[str] = []
+    # scripted seconds per turn: "a" slow in its first turn only
+    script = {"a": iter([5.0, 0.5]), "b": iter([1.0, 1.0])}
+
+    class Backend:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def make_linear(self, weight, bias, gate_up=False):
+            def run(x):
+                return x @ weight.T
+            run.backend = self.name
+            return run
+
+    def fake_times(calls, xs):
+        name = calls[0][1].backend
+        turns.append(name)
+        t = next(script[name])
+        return {key: t for key, _ in calls}
+
+    monkeypatch.setattr(linear_choice, "_rotation_times", fake_times)
+    monkeypatch.setattr(linear_choice.choice_cache, "best_of", lambda fn: 1.0)
+    layer = [LinearShape(8, 4)]
+    timings = linear_choice.measure(layer, {"a": Backend("a"), "b": Backend("b")}, CPU,
+                                    torch.float32, 3, 7)
+    assert linear_choice.MEASURE_ROUNDS == 2
+    assert turns == ["a", "b", "b", "a"]
+    assert timings["8x4"] == {"a": (0.5, 1.0), "b": (1.0, 1.0)}
+    assert linear_choice.fastest(timings["8x4"]) == "a"
 
 
 def test_decode_and_prefill_count_alike_as_ratios() -> None:

@@ -98,13 +98,7 @@ def best_total(times: dict[str, float]) -> tuple[float, bool]:
 def _cache_key(dtype: torch.dtype, heads: tuple[int, int, int], rows: int,
                candidates: list[str]) -> str:
     return choice_cache.key(str(dtype), repr(heads), str(rows), ",".join(candidates),
-                            f"{DECODE_CONTEXT},{PREFILL_TOKENS}", _kernel_build())
-
-
-def _kernel_build() -> str:
-    from conveyor.model import kernels
-
-    return kernels.build_key() if kernels.native_kernels_enabled() else "no-native"
+                            f"{DECODE_CONTEXT},{PREFILL_TOKENS}", choice_cache.kernel_build())
 
 
 def choose(backends: dict[str, object], device: torch.device, dtype: torch.dtype,

@@ -45,6 +45,15 @@ def key(*parts: str) -> str:
     return hashlib.sha256("|".join([*machine, *parts]).encode()).hexdigest()[:24]
 
 
+def kernel_build() -> str:
+    """The native kernels' build key (sources, flags, ISA), a part of every key whose
+    choice can land on them: a changed kernel is measured afresh, not judged by the timings
+    of the one it replaced."""
+    from conveyor.model import kernels
+
+    return kernels.build_key() if kernels.native_kernels_enabled() else "no-native"
+
+
 def _path(kind: str) -> str:
     return os.path.join(cache_root(), f"{kind}_choice.json")
 

@@ -11,10 +11,15 @@ counts of a server's cap. So a projection may keep both: ``RowSplitLinear`` send
 of up to ``max_rows`` rows to the GEMM and the rest to the chosen backend. That costs a
 second copy of every projection's weight, so it is taken only where the copies fit
 ``MAX_EXTRA_BYTES``, and only where it was measured on this CPU: each row count of
-``ROW_COUNTS`` timed over the model's projections in layer order (as a decode step reads
-them, see ``linear_choice.rotation``), the split up to the largest row count (from 1 up)
-at which the GEMM was no slower, where it took at most ``WIN`` of the other's time at one
-of them. ``CONVEYOR_FEW_ROWS=N`` forces a split at N rows (0: none).
+``ROW_COUNTS`` below the decode rows the backend choice was timed at (a server's
+``max_num_seqs``), timed over the model's projections in layer order (as a decode step
+reads them, see ``linear_choice.rotation``), the two sides taking turns; the split goes
+up to the row count where the GEMM's summed gain is largest (``split_rows``), where it
+took at most ``WIN`` of the other's time at one count and lost by no more than ``TIE`` at
+any. In float32 that reaches past a few rows: once the GEMM prefetches its next weight
+slice it beats oneDNN from 8 rows to 64 (1.14x at 32), where oneDNN was chosen for a
+server's cap of 128 (a tie there). ``CONVEYOR_FEW_ROWS=N`` forces a split at N rows (0:
+none).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 from conveyor.model import choice_cache
 from conveyor.model.dtypes import cpu_model_name
 from conveyor.model.linear_choice import (
+    MEASURE_ROUNDS,
     LinearShape,
     _rotation_calls,
     _rotation_times,
@@ -37,8 +43,9 @@ from conveyor.model.linear_choice import (
 
 logger = logging.getLogger(__name__)
 
-ROW_COUNTS = (1, 2, 4)
+ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # (those below the decode rows the choice timed)
 WIN = 0.9  # the GEMM's share of the other's time, at most, at one row count: worth a copy
+TIE = 1.1  # the GEMM's share of the other's time, at most, at every row count split
 MAX_EXTRA_BYTES = 1 << 30  # the second copies of the weights, at most
 
 
@@ -80,16 +87,21 @@ class RowSplitLinear(nn.Module):
 
 
 def split_rows(times: dict[int, tuple[float, float]]) -> int:
-    """The largest row count up to which the GEMM (first of each pair) loses at no row
-    count, if it wins by ``WIN`` at one of them; else 0."""
-    rows, gain = 0, False
+    """The row count up to which the GEMM (first of each pair) takes the calls: of the
+    counts up to the first where it lost by more than ``TIE``, the one up to which its
+    summed gain (1 - its time over the other's, a count each) is largest, if it won by
+    ``WIN`` at one of them; else 0. A loss within ``TIE`` (noise, on a shared machine) does
+    not end the split where larger counts win back more."""
+    best, best_gain, gain, won = 0, 0.0, 0.0, False
     for r in sorted(times):
         gemm, other = times[r]
-        if gemm > other:
+        if gemm > TIE * other:
             break
-        gain = gain or gemm <= WIN * other
-        rows = r
-    return rows if gain else 0
+        gain += 1.0 - gemm / other
+        won = won or gemm <= WIN * other
+        if won and gain > best_gain:
+            best, best_gain = r, gain
+    return best
 
 
 def forced_rows() -> int | None:
@@ -121,7 +133,8 @@ class _Adapter:
 
 @torch.inference_mode()
 def measure(shapes: list[LinearShape], counts: dict[str, int], many_backend, lib,
-            dtype: torch.dtype = torch.bfloat16) -> dict[int, tuple[float, float]]:
+            dtype: torch.dtype = torch.bfloat16, row_counts: tuple[int, ...] = ROW_COUNTS
+            ) -> dict[int, tuple[float, float]]:
     """Row count -> (the GEMM's, the other backend's) seconds for one pass over the
     model's projections, each timed in the rotation."""
     gen = torch.Generator().manual_seed(0)
@@ -131,22 +144,28 @@ def measure(shapes: list[LinearShape], counts: dict[str, int], many_backend, lib
         dtype) for p in plain.values()}
     order = [plain[s.key] for s in rotation(shapes, counts, dtype.itemsize)]
     few = _Adapter(lambda w, b, gate_up=False: few_row_linear(w, b, dtype, lib))
-    out: dict[int, list[float]] = {r: [] for r in ROW_COUNTS}
-    for backend in (few, many_backend):
-        calls = _rotation_calls(backend, order, weights)
-        for r in ROW_COUNTS:
-            xs = {p.key: torch.randn(r, p.in_features, generator=gen).to(dtype)
-                  for p in plain.values()}
-            per_call = _rotation_times(calls, xs)
-            out[r].append(sum(per_call[plain[s.key].key] * counts.get(s.key, 1)
-                              for s in shapes))
-        del calls
+    xs = {r: {p.key: torch.randn(r, p.in_features, generator=gen).to(dtype)
+              for p in plain.values()} for r in row_counts}
+    out = {r: [float("inf"), float("inf")] for r in row_counts}
+    # Both sides packed at once (two rotations: 2 x ROTATION_BYTES at most), taking turns
+    # at each row count, MEASURE_ROUNDS each in alternating order, each side's best kept:
+    # a burst of load on a shared machine (seconds long; it once made the GEMM measure
+    # 1.15x slower than oneDNN at batch 1 where a decode step ran 1.2x faster with it)
+    # hits both sides alike.
+    calls = [_rotation_calls(backend, order, weights) for backend in (few, many_backend)]
+    for r in row_counts:
+        for round_ in range(MEASURE_ROUNDS):
+            for side in ((0, 1) if round_ % 2 == 0 else (1, 0)):
+                per_call = _rotation_times(calls[side], xs[r])
+                out[r][side] = min(out[r][side], sum(
+                    per_call[plain[s.key].key] * counts.get(s.key, 1) for s in shapes))
     return {r: (t[0], t[1]) for r, t in out.items()}
 
 
 def choose(counts: dict[LinearShape, int], many_name: str, many_backend, lib,
-           dtype: torch.dtype = torch.bfloat16) -> int:
-    """The largest row count the GEMM takes (0: no split), forced, cached or measured."""
+           dtype: torch.dtype = torch.bfloat16, decode_rows: int | None = None) -> int:
+    """The largest row count the GEMM takes (0: no split), forced, cached or measured:
+    ``ROW_COUNTS`` below ``decode_rows`` (those the backend choice was timed at)."""
     forced = forced_rows()
     if forced is not None:
         return max(forced, 0)
@@ -159,16 +178,19 @@ def choose(counts: dict[LinearShape, int], many_name: str, many_backend, lib,
     by_key = {s.key: n for s, n in counts.items() if not s.lm_head}
     from conveyor.model import kernels
 
+    row_counts = tuple(r for r in ROW_COUNTS if decode_rows is None or r < decode_rows)
+    if not row_counts:
+        return 0
     key = choice_cache.key(str(dtype), many_name, ",".join(f"{k}*{n}" for k, n in
                                                        sorted(by_key.items())),
-                           repr(ROW_COUNTS), str(WIN), "no loss, one gain",
+                           repr(row_counts), str(WIN), str(TIE), "largest gain, turns",
                            kernels.build_key())
     entry = choice_cache.read("few_rows").get(key)
     if entry is not None:
         logger.info("few-row GEMM (cached for this CPU): up to %d rows", entry["rows"])
         return int(entry["rows"])
     t0 = time.perf_counter()
-    times = measure(shapes, by_key, many_backend, lib, dtype)
+    times = measure(shapes, by_key, many_backend, lib, dtype, row_counts)
     rows = split_rows(times)
     logger.info("few-row GEMM measured in %.1f s on %s: up to %d rows against %s; ms a "
                 "pass (GEMM, %s): %s", time.perf_counter() - t0, cpu_model_name(), rows,

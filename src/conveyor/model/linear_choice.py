@@ -13,10 +13,13 @@ warm (the same weight called back to back), torch and oneDNN won three of five s
 the trained spec pair's target on a 2-core Zen 3, and the engine ran 1.28x slower at
 batch 1 and 1.16x at batch 16 than with the native GEMM everywhere, which streams a cold
 weight 1.5-3x faster. A backend's loss is its decode time over the best one's plus its
-prefill time over the best one's (``fastest``): both regimes count alike. The choice is
-cached per CPU model, flags, torch version, thread count, dtype, shapes and row counts
-(``<cache>/linear_choice.json``), logged, and ``--linear-backend NAME`` still forces one;
-``CONVEYOR_MEASURE_LINEARS=0`` keeps the static priority order.
+prefill time over the best one's (``fastest``): both regimes count alike. Backends take
+turns, ``MEASURE_ROUNDS`` of them in alternating order, each keeping its best: on a
+shared machine one noisy turn (a 1.8x slower native GEMM, once, on a 2-core Zen 4) would
+otherwise decide a choice that is then cached. The choice is cached per CPU model,
+flags, torch version, thread count, dtype, shapes, row counts and native kernel build
+(``<cache>/linear_choice.json``), logged, and ``--linear-backend NAME`` still forces
+one; ``CONVEYOR_MEASURE_LINEARS=0`` keeps the static priority order.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ PREFILL_ROWS_CAP = 512  # enough rows to be compute-bound; keeps the measurement
 # (32 MiB an 8-core group on a Zen 3), and no more packing than that per backend.
 ROTATION_BYTES = 64 << 20
 ROTATION_PASSES = 3  # timed passes over the rotation (the fastest is kept)
+MEASURE_ROUNDS = 2  # turns of every backend, in alternating order (the best is kept)
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,8 @@ def _cache_key(shapes: list[LinearShape], dtype: torch.dtype, rows: tuple[int, i
     # before, is not reused)
     return choice_cache.key(str(dtype), repr(rows), ",".join(candidates),
                             ",".join(f"{s.key}*{(counts or {}).get(s.key, 1)}"
-                                     for s in shapes), "rotation")
+                                     for s in shapes), "rotation",
+                            choice_cache.kernel_build())
 
 
 def _forward(module: nn.Module, shape: LinearShape):
@@ -128,22 +133,28 @@ def measure(shapes: list[LinearShape], backends: dict[str, object], device: torc
     order = rotation(shapes, counts, dtype.itemsize)
     decode_x = {s.key: torch.randn(decode_rows, s.in_features, generator=gen).to(
         device=device, dtype=dtype) for s in shapes}
+    prefill_x = {s.key: torch.randn(prefill_rows, s.in_features, generator=gen).to(
+        device=device, dtype=dtype) for s in shapes
+        if not (s.lm_head or prefill_rows <= decode_rows)}
     out: dict[str, dict[str, tuple[float, float]]] = {s.key: {} for s in shapes}
-    for name, backend in backends.items():
-        calls = _rotation_calls(backend, order, weights)
-        decode = _rotation_times(calls, decode_x)
-        first: dict[str, object] = {}  # each shape's first call: the weight itself
-        for key, fn in calls:
-            first.setdefault(key, fn)
-        for shape in shapes:
-            if shape.lm_head or prefill_rows <= decode_rows:
-                prefill = decode[shape.key]
-            else:
-                x = torch.randn(prefill_rows, shape.in_features, generator=gen).to(
-                    device=device, dtype=dtype)
-                prefill = choice_cache.best_of(lambda fn=first[shape.key], x=x: fn(x))
-            out[shape.key][name] = (decode[shape.key], prefill)
-        del calls, first  # (this backend's packed copies, before the next one packs)
+    # MEASURE_ROUNDS rounds, the backends in turn (reversed every other round), each
+    # backend's best kept: a burst of load on a shared machine that slows one backend's
+    # turn does not decide a choice that is then cached.
+    names = list(backends)
+    for round_ in range(MEASURE_ROUNDS):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            calls = _rotation_calls(backends[name], order, weights)
+            decode = _rotation_times(calls, decode_x)
+            first: dict[str, object] = {}  # each shape's first call: the weight itself
+            for key, fn in calls:
+                first.setdefault(key, fn)
+            for shape in shapes:
+                x = prefill_x.get(shape.key)
+                prefill = decode[shape.key] if x is None else choice_cache.best_of(
+                    lambda fn=first[shape.key], x=x: fn(x))
+                old = out[shape.key].get(name, (float("inf"), float("inf")))
+                out[shape.key][name] = (min(old[0], decode[shape.key]), min(old[1], prefill))
+            del calls, first  # (this backend's packed copies, before the next one packs)
     return out
 
 

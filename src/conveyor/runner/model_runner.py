@@ -180,7 +180,8 @@ class ModelRunner:
                 device, dtype, *linear_rows, {s.key: n for s, n in counts.items()})
             used = list(self.linear_choice.values())
             self.linear_backend = max(set(used), key=used.count)  # the most used, for logs
-            self.few_rows, gemm_lib = self._few_rows(counts, device, dtype, weight_dtype)
+            self.few_rows, gemm_lib = self._few_rows(counts, device, dtype, weight_dtype,
+                                                     linear_rows[0])
             self.packed_linears = self.model.pack_linears_by_shape(
                 self.linear_choice, self.few_rows, gemm_lib) > 0
         else:
@@ -203,7 +204,7 @@ class ModelRunner:
         self.last_logits: dict[str, torch.Tensor] = {}
 
     def _few_rows(self, counts, device: torch.device, dtype: torch.dtype,
-                  weight_dtype: torch.dtype | None):
+                  weight_dtype: torch.dtype | None, decode_rows: int):
         """(rows, the GEMM's kernels): how many rows of a call go to conveyor's GEMM on a
         second copy of each projection (``few_rows.py``: a float32 or bf16 model on a CPU
         with the GEMM, measured), 0 where none do."""
@@ -216,7 +217,8 @@ class ModelRunner:
                 or lib is None or self.linear_backend.startswith("native"):
             return 0, None
         many = select_linear_backend(self.linear_backend, device, dtype, weight_dtype)
-        return few_rows.choose(counts, self.linear_backend, many, lib, dtype), lib
+        return few_rows.choose(counts, self.linear_backend, many, lib, dtype,
+                               decode_rows), lib
 
     def allocate_kv_cache(self, num_blocks: int | None = None, max_num_seqs: int = 1) -> int:
         """Allocate the KV pool (sized from free memory unless given); returns its blocks."""
