@@ -32,16 +32,20 @@ static inline float bf16_to_float(uint16_t x) {
 }
 
 #define CHUNK 16
-/* The vector body prefetches PF_DIST positions ahead into L2 (and a sequence's first
- * PF_DIST before it starts), then the chunk's K rows into L1 as the chunk starts. Into
- * L1 at that distance (48 KiB of bf16 K and V ahead, more than L1 holds) the prefetched
- * lines evicted each other: on a 2-core Zen 4, prefetching into L2 made the body 1.2x
- * faster out of cache for fp32 and bf16 caches alike, distances of 1-6 chunks reading
- * within 3% of each other, and spreading the prefetches over the chunk's P V loop was
- * 3-8% slower (benchmarks/decode_attention_kernel.py). Half a chunk ahead, 8 positions
- * (a few KiB in flight: what the miss queues hold), was faster than 4 chunks: 1.02-1.03x
- * for fp32 caches, 1.09-1.10x for bf16 (4 and 16 positions in between). */
-#define PF_DIST 8
+/* The vector body prefetches K and V rows ahead into L2 (a sequence's first ones before
+ * it starts), then the chunk's K rows into L1 as the chunk starts. Into L1 (48 KiB of
+ * bf16 K and V ahead, more than L1 holds) the prefetched lines evicted each other. On a
+ * 2-core Zen 4 (benchmarks/decode_attention_kernel.py, batch 32 x 260, out of cache):
+ *   - a bf16 cache, whose chunk is widened in one run of loads at its start, prefetches
+ *     PF_DIST_WIDE positions ahead as the chunk starts: 8 was 1.09-1.10x faster than 64
+ *     (4 and 16 in between), and spreading its prefetches over P V was 6% slower;
+ *   - an fp32 cache, read in place by the scores and P V, prefetches PF_DIST positions
+ *     ahead from inside P V, each KV head's tile its own head's K and V lines of a
+ *     position as it reaches it, so the loads go out among the arithmetic instead of in
+ *     one burst before it: 1.21x faster than the burst (8 positions ahead 1.05x, 32
+ *     1.13x). */
+#define PF_DIST 16
+#define PF_DIST_WIDE 8
 
 /* Prefetch one position's K and V rows (bytes each: paged blocks sit anywhere in memory,
  * where the hardware prefetcher cannot follow), into L1 (the generic body) or L2. */
@@ -248,7 +252,8 @@ static inline __attribute__((always_inline)) void chunk_scores(
  * fp32 row [Hkv * D] of the chunk's position t. */
 static inline __attribute__((always_inline)) void pv_tile(
         const float* const* vrow, const float* s, const float* alpha, float* acc, int tn,
-        int h, int G, int g0, const int gn, int d0, const int nb, const int D) {
+        int h, int G, int g0, const int gn, int d0, const int nb, const int D,
+        const char* const* pfk, const char* const* pfv, int pf_bytes) {
     vf a[GT][NB];
     for (int gg = 0; gg < gn; gg++) {
         const int i = h * G + g0 + gg;
@@ -256,6 +261,12 @@ static inline __attribute__((always_inline)) void pv_tile(
             a[gg][j] = vload(acc + (int64_t)i * D + d0 + j * VW) * alpha[i];
     }
     for (int t = 0; t < tn; t++) {
+        if (pf_bytes > 0 && pfk[t] != NULL) {
+            for (int o = 0; o < pf_bytes; o += 64) {
+                __builtin_prefetch(pfk[t] + o, 0, 2);
+                __builtin_prefetch(pfv[t] + o, 0, 2);
+            }
+        }
         const float* vt = vrow[t] + (int64_t)h * D + d0;
         vf v[NB];
         for (int j = 0; j < nb; j++) v[j] = vload(vt + j * VW);
@@ -272,8 +283,18 @@ static inline __attribute__((always_inline)) void pv_tile(
 
 static inline __attribute__((always_inline)) void chunk_pv(
         const float* const* vrow, const float* s, const float* alpha, float* acc, int tn,
-        int Hkv, int G, const int D) {
+        int Hkv, int G, const int D, const char* const* pfk, const char* const* pfv,
+        int head_bytes) {
+    const char* hk[CHUNK];
+    const char* hv[CHUNK];
     for (int h = 0; h < Hkv; h++) {
+        /* the first tile of KV head h prefetches head h's K and V of the positions
+         * PF_DIST ahead: the loads spread over the chunk's arithmetic */
+        for (int t = 0; t < tn && head_bytes > 0; t++) {
+            hk[t] = pfk[t] == NULL ? NULL : pfk[t] + (int64_t)h * head_bytes;
+            hv[t] = pfv[t] == NULL ? NULL : pfv[t] + (int64_t)h * head_bytes;
+        }
+        int pf = head_bytes;
         for (int d0 = 0; d0 < D; d0 += NB * VW) {
             const int nb = (D - d0) / VW < NB ? (D - d0) / VW : NB;
             for (int g0 = 0; g0 < G; g0 += GT) {
@@ -281,14 +302,18 @@ static inline __attribute__((always_inline)) void chunk_pv(
                 /* constant tile sizes where they are common, so the loops unroll into
                  * registers (3: Llama and Qwen groups of 3 query heads, as SmolLM2's) */
                 if (nb == NB && gn == GT)
-                    pv_tile(vrow, s, alpha, acc, tn, h, G, g0, GT, d0, NB, D);
+                    pv_tile(vrow, s, alpha, acc, tn, h, G, g0, GT, d0, NB, D, hk, hv, pf);
 #if GT > 3
                 else if (nb == NB && gn == 3)
-                    pv_tile(vrow, s, alpha, acc, tn, h, G, g0, 3, d0, NB, D);
+                    pv_tile(vrow, s, alpha, acc, tn, h, G, g0, 3, d0, NB, D, hk, hv, pf);
 #endif
                 else
-                    for (int gg = 0; gg < gn; gg++)
-                        pv_tile(vrow, s, alpha, acc, tn, h, G, g0 + gg, 1, d0, nb, D);
+                    for (int gg = 0; gg < gn; gg++) {
+                        pv_tile(vrow, s, alpha, acc, tn, h, G, g0 + gg, 1, d0, nb, D, hk,
+                                hv, pf);
+                        pf = 0;
+                    }
+                pf = 0;
             }
         }
     }
@@ -354,6 +379,7 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
     {                                                                                       \
     const int D = DEXPR, G = Hq / Hkv, row = Hkv * D;                                       \
     const int row_bytes = (int)(row * sizeof(T));                                           \
+    const int pf_dist = WIDEN ? PF_DIST_WIDE : PF_DIST;                                     \
     float* acc = (float*)malloc(sizeof(float) * (size_t)Hq * D);                            \
     float* qs = (float*)malloc(sizeof(float) * (size_t)Hq * D);                             \
     float* s = (float*)malloc(sizeof(float) * (size_t)Hq * CHUNK);                          \
@@ -366,6 +392,8 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
     const uint16_t* kraw[CHUNK];                                                            \
     const float* krow[CHUNK];                                                               \
     const float* vrow[CHUNK];                                                               \
+    const char* pfk[CHUNK];                                                                 \
+    const char* pfv[CHUNK];                                                                 \
     _Pragma("omp for schedule(dynamic, 1)")                                                 \
     for (int b = 0; b < B; b++) {                                                           \
         const int start = starts[b], n = lens[b] - start;                                   \
@@ -374,14 +402,19 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
         for (int x = 0; x < Hq * D; x++) { qs[x] = qb[x] * scale; acc[x] = 0.f; }           \
         const int use_dp = dp_ok && q_as_bf16(qb, qh, Hq * D);                              \
         for (int i = 0; i < Hq; i++) { m[i] = -INFINITY; l[i] = 0.f; }                      \
-        for (int t = 0; t < PF_DIST && t < n; t++)                                          \
+        for (int t = 0; t < pf_dist && t < n; t++)                                          \
             prefetch_kv_l2(kc + sl[t] * row, vc + sl[t] * row, row_bytes);                  \
         for (int t0 = 0; t0 < n; t0 += CHUNK) {                                             \
             const int tn = n - t0 < CHUNK ? n - t0 : CHUNK;                                 \
             for (int t = 0; t < tn; t++) {                                                  \
-                if (t0 + PF_DIST + t < n)                                                   \
-                    prefetch_kv_l2(kc + sl[t0 + PF_DIST + t] * row,                         \
-                                   vc + sl[t0 + PF_DIST + t] * row, row_bytes);             \
+                const int ahead = t0 + pf_dist + t < n;                                     \
+                if (WIDEN && ahead) /* widened at the chunk's start: fetched in a run */    \
+                    prefetch_kv_l2(kc + sl[t0 + pf_dist + t] * row,                         \
+                                   vc + sl[t0 + pf_dist + t] * row, row_bytes);             \
+                pfk[t] = !WIDEN && ahead /* read in place: fetched during P V */            \
+                    ? (const char*)(kc + sl[t0 + pf_dist + t] * row) : NULL;                \
+                pfv[t] = !WIDEN && ahead                                                    \
+                    ? (const char*)(vc + sl[t0 + pf_dist + t] * row) : NULL;                \
                 const T* kt = kc + sl[t0 + t] * row;                                        \
                 const T* vt = vc + sl[t0 + t] * row;                                        \
                 if (WIDEN) {                                                                \
@@ -424,7 +457,8 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
                 for (int t = 0; t < tn; t++) { si[t] = expf(si[t] - cm); sum += si[t]; }    \
                 l[i] += sum;                                                                \
             }                                                                               \
-            chunk_pv(vrow, s, alpha, acc, tn, Hkv, G, D);                                   \
+            chunk_pv(vrow, s, alpha, acc, tn, Hkv, G, D, pfk, pfv,                          \
+                     WIDEN ? 0 : (int)(D * sizeof(T)));                                     \
         }                                                                                   \
         write_normalized(out + (int64_t)b * Hq * D, acc, l, Hq, D);                         \
     }                                                                                       \
