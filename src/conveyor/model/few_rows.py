@@ -16,10 +16,10 @@ second copy of every projection's weight, so it is taken only where the copies f
 reads them, see ``linear_choice.rotation``), the two sides taking turns; the split goes
 up to the row count where the GEMM's summed gain is largest (``split_rows``), where it
 took at most ``WIN`` of the other's time at one count and lost by no more than ``TIE`` at
-any. In float32 that reaches past a few rows: once the GEMM prefetches its next weight
-slice it beats oneDNN from 8 rows to 64 (1.14x at 32), where oneDNN was chosen for a
-server's cap of 128 (a tie there). ``CONVEYOR_FEW_ROWS=N`` forces a split at N rows (0:
-none).
+any. In float32 the split can reach past a few rows: since the GEMM prefetches its next
+weight slice it beats oneDNN from 8 rows to 64 on a Zen 4 (1.14x at 32), while the two
+tie at a server's cap of 128 rows, which either may win. ``CONVEYOR_FEW_ROWS=N`` forces
+a split at N rows (0: none).
 """
 
 from __future__ import annotations
