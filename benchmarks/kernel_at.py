@@ -11,10 +11,11 @@ import subprocess
 from conveyor.model import kernels
 
 
-def build_at(rev: str, source: str, out_dir: str) -> ctypes.CDLL:
+def build_at(rev: str, source: str, out_dir: str, *also: str) -> ctypes.CDLL:
     """``source`` (a file of ``conveyor/model/kernels``, e.g. ``elementwise.c``) with the
-    kernel headers of git revision ``rev``, built alone into a library whose functions
-    get their C types (``kernels.SIGNATURES``)."""
+    kernel headers of git revision ``rev``, built alone (with the sources ``also`` it
+    calls into, e.g. ``prefill_attention_amx.c``) into a library whose functions get their
+    C types (``kernels.SIGNATURES``)."""
     here = os.path.dirname(os.path.abspath(kernels.__file__))
     top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, check=True,
                          capture_output=True, text=True).stdout.strip()
@@ -25,8 +26,9 @@ def build_at(rev: str, source: str, out_dir: str) -> ctypes.CDLL:
     so = os.path.join(out_dir, source.replace(".c", ".so"))
     flags = [*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())]
     compiler = os.environ.get("CC") or "cc"  # ($CC first, as kernels.load_variant)
-    subprocess.run([compiler, *flags, "-shared", os.path.join(out_dir, rel, source), "-o", so,
-                    *kernels._LIBS], check=True)
+    sources = [os.path.join(out_dir, rel, name) for name in (source, *also)]
+    subprocess.run([compiler, *flags, "-shared", *sources, "-o", so, *kernels._LIBS],
+                   check=True)
     lib = ctypes.CDLL(so)
     kernels.bind(lib, only_present=True)
     return lib

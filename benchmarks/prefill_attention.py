@@ -8,6 +8,9 @@ Each row also says how many of its outputs are bit-equal to SDPA's in the same d
 AVX-512 BF16 body does).
 
     python benchmarks/prefill_attention.py --tokens 64,146,256 --threads 2
+
+``--against REV`` adds a row for git revision REV's kernel (built with this tree's flags
+for this CPU, in the same rounds): a kernel change's before and after in one run.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--against", metavar="REV", help="also time git revision REV's kernel")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     hq, hkv, d = (int(x) for x in args.heads.split(","))
@@ -40,6 +44,13 @@ def main() -> None:
     libs = {isa: lib for isa, lib in libs.items() if lib is not None}
     if not libs:
         raise SystemExit(f"native kernels unavailable: {kernels.why_unavailable()}")
+    if args.against:
+        import tempfile
+
+        from kernel_at import build_at
+
+        libs[f"@ {args.against}"] = build_at(
+            args.against, "prefill_attention.c", tempfile.mkdtemp(), "prefill_attention_amx.c")
     print(f"CPU: {cpu_model_name()}, {args.threads} threads, heads {hq}/{hkv} x {d}; "
           f"kernel builds: {', '.join(libs)}")
     for dtype_name in args.dtypes.split(","):

@@ -68,7 +68,11 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
             const float* kt = kts + ((int64_t)h * nchunks + j0 / KC) * D * KC;
             const float* vt = vts + ((int64_t)h * nchunks + j0 / KC) * KC * D;
             for (int i0 = 0; i0 < nq; i0 += 4) {
-                if (r0 + (i0 + 3 < nq ? i0 + 3 : nq - 1) / G < j0) continue;
+                const int last = r0 + (i0 + 3 < nq ? i0 + 3 : nq - 1) / G; /* tile's last row */
+                if (last < j0) continue;
+                /* P @ V stops at the last key a query of the tile sees: past it every p is
+                 * exactly 0 (on the diagonal chunk, about half its keys) */
+                const int kv = last - j0 + 1 < kn ? last - j0 + 1 : kn;
                 const float* q0 = qs + (int64_t)i0 * D;
                 __m256 s00 = _mm256_setzero_ps(), s01 = s00, s10 = s00, s11 = s00,
                        s20 = s00, s21 = s00, s30 = s00, s31 = s00;
@@ -146,7 +150,7 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
                     __m256 o21 = _mm256_mul_ps(_mm256_load_ps(a0 + 2 * D + 8), al2);
                     __m256 o30 = _mm256_mul_ps(_mm256_load_ps(a0 + 3 * D), al3);
                     __m256 o31 = _mm256_mul_ps(_mm256_load_ps(a0 + 3 * D + 8), al3);
-                    for (int jj = 0; jj < kn; jj++) {
+                    for (int jj = 0; jj < kv; jj++) {
                         const __m256 v0 = _mm256_load_ps(vt + jj * D + dc);
                         const __m256 v1 = _mm256_load_ps(vt + jj * D + dc + 8);
                         __m256 x = _mm256_broadcast_ss(&p[0][jj]);
