@@ -211,15 +211,11 @@ def main() -> None:
         libs = (runner.decode_kernel.lib,
                 build_at(args.attention_against, "decode_attention.c", tempfile.mkdtemp()))
     if args.gemm_against:
-        import tempfile
-
-        from kernel_at import Overlay, build_at
+        from kernel_at import gemm_at
 
         from conveyor.model.kernels import ops
 
-        base = ops._lib or ops._native()
-        gemms = (base, Overlay(base, build_at(args.gemm_against, "gemm.c", tempfile.mkdtemp()),
-                               ("gemm_f32", "gemm_f32_w16")))
+        gemms = (ops._lib or ops._native(), gemm_at(args.gemm_against))
     rev = args.attention_against or args.gemm_against
     what = "decode attention" if args.attention_against else "GEMM"
     for r in range(args.rounds):

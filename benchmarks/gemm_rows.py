@@ -77,13 +77,9 @@ def main() -> int:
                                                       else [])
     libs = {}
     if args.against:
-        import tempfile
+        from kernel_at import gemm_at
 
-        from kernel_at import Overlay, build_at
-
-        base = ops._lib or ops._native()
-        other = Overlay(base, build_at(args.against, "gemm.c", tempfile.mkdtemp()),
-                        ("gemm_f32", "gemm_f32_w16"))
+        other = gemm_at(args.against)
         for kind in kinds[:2]:
             libs[f"{kind} @ {args.against}"] = other
         kinds = kinds[:2] + list(libs) + kinds[2:]

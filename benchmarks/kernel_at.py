@@ -43,3 +43,17 @@ class Overlay:
 
     def __getattr__(self, name: str):
         return getattr(self._other if name in self._names else self._base, name)
+
+
+GEMM_FUNCTIONS = ("gemm_f32", "gemm_f32_w16")
+
+
+def gemm_at(rev: str) -> Overlay:
+    """The process's own kernels with git revision ``rev``'s native GEMM: set as
+    ``ops._lib``, every ``PackedGemm`` call runs REV's ``gemm.c``."""
+    import tempfile
+
+    from conveyor.model.kernels import ops
+
+    return Overlay(ops._lib or ops._native(), build_at(rev, "gemm.c", tempfile.mkdtemp()),
+                   GEMM_FUNCTIONS)

@@ -176,15 +176,13 @@ def choose(counts: dict[LinearShape, int], many_name: str, many_backend, lib,
         return 0
     shapes = sorted((s for s in counts if not s.lm_head), key=lambda s: s.key)
     by_key = {s.key: n for s, n in counts.items() if not s.lm_head}
-    from conveyor.model import kernels
-
     row_counts = tuple(r for r in ROW_COUNTS if decode_rows is None or r < decode_rows)
     if not row_counts:
         return 0
     key = choice_cache.key(str(dtype), many_name, ",".join(f"{k}*{n}" for k, n in
                                                        sorted(by_key.items())),
                            repr(row_counts), str(WIN), str(TIE), "largest gain, turns",
-                           kernels.build_key())
+                           choice_cache.kernel_build())
     entry = choice_cache.read("few_rows").get(key)
     if entry is not None:
         logger.info("few-row GEMM (cached for this CPU): up to %d rows", entry["rows"])

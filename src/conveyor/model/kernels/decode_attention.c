@@ -261,12 +261,7 @@ static inline __attribute__((always_inline)) void pv_tile(
             a[gg][j] = vload(acc + (int64_t)i * D + d0 + j * VW) * alpha[i];
     }
     for (int t = 0; t < tn; t++) {
-        if (pf_bytes > 0 && pfk[t] != NULL) {
-            for (int o = 0; o < pf_bytes; o += 64) {
-                __builtin_prefetch(pfk[t] + o, 0, 2);
-                __builtin_prefetch(pfv[t] + o, 0, 2);
-            }
-        }
+        if (pf_bytes > 0 && pfk[t] != NULL) prefetch_kv_l2(pfk[t], pfv[t], pf_bytes);
         const float* vt = vrow[t] + (int64_t)h * D + d0;
         vf v[NB];
         for (int j = 0; j < nb; j++) v[j] = vload(vt + j * VW);
