@@ -11,6 +11,10 @@ embedding, the LM head on the sampled rows, sampling and the engine's own work.
 
     python benchmarks/prefill_step.py --dtype bfloat16
     python benchmarks/prefill_step.py --dtype float32 --prompt one
+
+``--gemm-against REV`` also times each round's step with git revision REV's ``gemm.c``
+(the same engine, packed weights and prompts; the two alternate, one process) and prints
+the ratio: a GEMM change's effect on a whole prefill step, drift hitting both alike.
 """
 
 from __future__ import annotations
@@ -110,6 +114,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--linear-backend", default="auto")
+    p.add_argument("--gemm-against", metavar="REV",
+                   help="also time each step with git revision REV's gemm.c")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -124,7 +130,7 @@ def main() -> None:
     faults: list[int] = []
     system: list[float] = []
 
-    def one_step(tag: str) -> float:
+    def one_step(tag: str, record: bool = True) -> float:
         for i, ids in enumerate(prompts(args.prompt, rng)):
             engine.add_request({"prompt_token_ids": ids},
                                SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0),
@@ -135,18 +141,41 @@ def main() -> None:
         engine.step()
         wall = time.perf_counter() - t
         after = resource.getrusage(resource.RUSAGE_SELF)
-        faults.append(after.ru_minflt - before.ru_minflt)
-        system.append(after.ru_stime - before.ru_stime)
+        if record:
+            faults.append(after.ru_minflt - before.ru_minflt)
+            system.append(after.ru_stime - before.ru_stime)
         while engine.has_unfinished_requests():
             engine.step()
         return wall
 
     one_step("warmup")
+    gemms = None
+    if args.gemm_against:
+        from kernel_at import gemm_at
+
+        from conveyor.model.kernels import ops
+
+        gemms = (ops._lib or ops._native(), gemm_at(args.gemm_against))
+        ops._lib = gemms[1]
+        one_step("warmup-against", record=False)
+        ops._lib = gemms[0]
     install(model, timers)
-    walls, parts = [], []
+    walls, parts, against = [], [], []
     for r in range(args.rounds):
+        if gemms is not None and r % 2 == 0:  # REV's first in even rounds, after in odd
+            ops._lib = gemms[1]
+            other = one_step(f"a{r}", record=False)
+            ops._lib = gemms[0]
         walls.append(one_step(f"r{r}"))
         parts.append(dict(timers.acc))
+        if gemms is not None and r % 2 == 1:
+            ops._lib = gemms[1]
+            other = one_step(f"a{r}", record=False)
+            ops._lib = gemms[0]
+        if gemms is not None:
+            against.append(other / walls[-1])
+            print(f"round {r}: step {walls[-1] * 1e3:.0f} ms, with {args.gemm_against}'s "
+                  f"GEMM {other * 1e3:.0f} ms: {against[-1]:.3f}x", flush=True)
     own, flinear = gemm_floor(model, dtype, args.rounds)
     wall = statistics.median(walls)
     med = {k: statistics.median(p.get(k, 0.0) for p in parts) for k in parts[0]}
@@ -157,6 +186,9 @@ def main() -> None:
           f"{', '.join(f'{s * 1e3:.0f}' for s in system[1:])} ms")
     print(f"step {wall * 1e3:8.1f} ms   GEMM floor: engine's linears {own * 1e3:.1f} ms "
           f"({wall / own:.2f}x), F.linear {flinear * 1e3:.1f} ms ({wall / flinear:.2f}x)")
+    if against:
+        print(f"median ratio step with {args.gemm_against}'s GEMM / this tree's: "
+              f"{statistics.median(against):.3f}")
     for name, s in sorted(med.items(), key=lambda kv: -kv[1]):
         print(f"  {name:14s} {s * 1e3:8.1f} ms  {100 * s / wall:5.1f}%")
     print(f"  {'rest':14s} {(wall - sum(med.values())) * 1e3:8.1f} ms  (embedding, LM head, "

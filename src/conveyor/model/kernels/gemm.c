@@ -5,8 +5,12 @@
  * The structure is the classic one of BLIS and GotoBLAS: a 6x16 register tile (12 ymm
  * accumulators; a K step is two loads of W, six broadcasts of x and twelve FMAs), W in
  * panels of 16 output columns that are K-contiguous (a panel's KC x 16 slice stays in L1
- * while every 6-row sliver of an MC-row block of x, packed once per call, passes over
- * it), tiles of MC rows x NCP panels handed to threads dynamically. It needs AVX2 + FMA
+ * while every 6-row sliver of an MC-row block of x passes over it), tiles of MC rows x
+ * NCP panels handed to threads dynamically. Unlike BLIS, x is not packed: a tile
+ * broadcasts its six rows' elements from x itself (six sequential streams the hardware
+ * prefetcher follows), which skips a transposing pass over x per call and its barrier:
+ * 1.03x over the packed form on a 2,048-token step's projections, 1.04-1.10x where K is
+ * 1,024-4,096 (rows 4 KB apart included), on the Zen 4 class. It needs AVX2 + FMA
  * (the loader only builds it where -march=native has them). Where the build has AVX-512
  * (-march=native on such a CPU), a panel row is one zmm register and the tiles keep one
  * zmm accumulator per row and panel (6 a tile; 1-4 rows over up to 8 panels): the same
@@ -39,7 +43,7 @@
 #define MR 6
 #define NR 16
 #define KC_MAX 288 /* a 288 x 16 slice of a W panel is 18 KB: inside a 32 KB L1 */
-#define MC 144     /* a 144 x 288 block of packed x is 162 KB: inside a 512 KB L2 */
+#define MC 144     /* a 144 x 288 block of x is 162 KB: inside a 512 KB L2 */
 
 int64_t gemm_packed_size(int N, int K, int gate_up) {
     const int np = gate_up ? (N / 2 + 7) / 8 : (N + NR - 1) / NR;
@@ -136,32 +140,30 @@ static inline void split_zmm(__m512 v, __m256 halves[2]) {
 
 #define TILE_FMAS512()                                                       \
     do {                                                                     \
-        z0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), b, z0);                   \
-        z1 = _mm512_fmadd_ps(_mm512_set1_ps(a[1]), b, z1);                   \
-        z2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), b, z2);                   \
-        z3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), b, z3);                   \
-        z4 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), b, z4);                   \
-        z5 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), b, z5);                   \
-        a += MR;                                                             \
+        z0 = _mm512_fmadd_ps(_mm512_set1_ps(a0[k]), b, z0);                  \
+        z1 = _mm512_fmadd_ps(_mm512_set1_ps(a1[k]), b, z1);                  \
+        z2 = _mm512_fmadd_ps(_mm512_set1_ps(a2[k]), b, z2);                  \
+        z3 = _mm512_fmadd_ps(_mm512_set1_ps(a3[k]), b, z3);                  \
+        z4 = _mm512_fmadd_ps(_mm512_set1_ps(a4[k]), b, z4);                  \
+        z5 = _mm512_fmadd_ps(_mm512_set1_ps(a5[k]), b, z5);                  \
     } while (0)
 #endif
 
 /* The twelve FMAs of one K step, b0/b1 the panel row's two halves. */
 #define TILE_FMAS()                                                          \
     do {                                                                     \
-        __m256 x = _mm256_broadcast_ss(a);                                   \
+        __m256 x = _mm256_broadcast_ss(a0 + k);                              \
         c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01); \
-        x = _mm256_broadcast_ss(a + 1);                                      \
+        x = _mm256_broadcast_ss(a1 + k);                                     \
         c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11); \
-        x = _mm256_broadcast_ss(a + 2);                                      \
+        x = _mm256_broadcast_ss(a2 + k);                                     \
         c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21); \
-        x = _mm256_broadcast_ss(a + 3);                                      \
+        x = _mm256_broadcast_ss(a3 + k);                                     \
         c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31); \
-        x = _mm256_broadcast_ss(a + 4);                                      \
+        x = _mm256_broadcast_ss(a4 + k);                                     \
         c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41); \
-        x = _mm256_broadcast_ss(a + 5);                                      \
+        x = _mm256_broadcast_ss(a5 + k);                                     \
         c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51); \
-        a += MR;                                                             \
     } while (0)
 
 /* Prefetch line i of pf into L2 (not L1: the slice being computed on fills most of it).
@@ -220,13 +222,21 @@ static inline __attribute__((always_inline)) void tile_store(
     }
 }
 
-/* wbf16: wp holds uint16 bf16 weights (else floats); the branch is per tile, outside the
- * K loop, and both loops run the same FMAs in the same order. pf, npf: the lines of the
- * next weight slice this tile prefetches (npf <= 0: none). */
-static inline void tile_6x16(int kc, const float* restrict a, const void* restrict wp,
+/* a: the sliver's first row of x at this K block's first column, rows lda apart (rows
+ * past mr read row 0 again: their sums are never stored). wbf16: wp holds uint16 bf16
+ * weights (else floats); the branch is per tile, outside the K loop, and both loops run
+ * the same FMAs in the same order. pf, npf: the lines of the next weight slice this tile
+ * prefetches (npf <= 0: none). */
+static inline void tile_6x16(int kc, const float* a, int lda, const void* restrict wp,
                              int wbf16, float* part, int ldp, int accumulate, int last,
                              int mr, int nr, const float* bias, int gate_up, float* out,
                              int ldo, const char* pf, int npf) {
+    const float* restrict a0 = a;
+    const float* restrict a1 = mr > 1 ? a + (int64_t)lda : a;
+    const float* restrict a2 = mr > 2 ? a + 2 * (int64_t)lda : a;
+    const float* restrict a3 = mr > 3 ? a + 3 * (int64_t)lda : a;
+    const float* restrict a4 = mr > 4 ? a + 4 * (int64_t)lda : a;
+    const float* restrict a5 = mr > 5 ? a + 5 * (int64_t)lda : a;
 #if defined(__AVX512F__)
     __m512 z0 = _mm512_setzero_ps(), z1 = z0, z2 = z0, z3 = z0, z4 = z0, z5 = z0;
     if (wbf16) {
@@ -280,7 +290,8 @@ static inline void tile_6x16(int kc, const float* restrict a, const void* restri
  * one FMA each), so a row's result does not depend on how many rows share its sliver.
  */
 static inline __attribute__((always_inline)) void tile_few(
-        const int ROWS, const int P, int kc, const float* restrict a, const void* restrict wp,
+        const int ROWS, const int P, int kc, const float* restrict a, int lda,
+        const void* restrict wp,
         int64_t panel_stride, int wbf16, float* part, int ldp, int part_step, int accumulate,
         int last, int mr, const int* nrs, const float* bias, int gate_up, float* out,
         int ldo, int cols) {
@@ -290,19 +301,21 @@ static inline __attribute__((always_inline)) void tile_few(
         for (int q = 0; q < P; q++) z[r][q] = _mm512_setzero_ps();
     if (wbf16) {
         const uint16_t* restrict b = (const uint16_t*)wp;
-        for (int k = 0; k < kc; k++, b += NR, a += MR)
+        for (int k = 0; k < kc; k++, b += NR)
             for (int q = 0; q < P; q++) {
                 const __m512 bq = load_bf16x16(b + q * panel_stride);
                 for (int r = 0; r < ROWS; r++)
-                    z[r][q] = _mm512_fmadd_ps(_mm512_set1_ps(a[r]), bq, z[r][q]);
+                    z[r][q] = _mm512_fmadd_ps(_mm512_set1_ps(a[(int64_t)r * lda + k]), bq,
+                                              z[r][q]);
             }
     } else {
         const float* restrict b = (const float*)wp;
-        for (int k = 0; k < kc; k++, b += NR, a += MR)
+        for (int k = 0; k < kc; k++, b += NR)
             for (int q = 0; q < P; q++) {
                 const __m512 bq = _mm512_load_ps(b + q * panel_stride);
                 for (int r = 0; r < ROWS; r++)
-                    z[r][q] = _mm512_fmadd_ps(_mm512_set1_ps(a[r]), bq, z[r][q]);
+                    z[r][q] = _mm512_fmadd_ps(_mm512_set1_ps(a[(int64_t)r * lda + k]), bq,
+                                              z[r][q]);
             }
     }
     __m256 c[4][8][2];
@@ -314,24 +327,24 @@ static inline __attribute__((always_inline)) void tile_few(
         for (int q = 0; q < P; q++) c[r][q][0] = c[r][q][1] = _mm256_setzero_ps();
     if (wbf16) {
         const uint16_t* restrict b = (const uint16_t*)wp;
-        for (int k = 0; k < kc; k++, b += NR, a += MR)
+        for (int k = 0; k < kc; k++, b += NR)
             for (int q = 0; q < P; q++) {
                 const __m256 b0 = load_bf16x8(b + q * panel_stride);
                 const __m256 b1 = load_bf16x8(b + q * panel_stride + 8);
                 for (int r = 0; r < ROWS; r++) {
-                    const __m256 x = _mm256_broadcast_ss(a + r);
+                    const __m256 x = _mm256_broadcast_ss(a + (int64_t)r * lda + k);
                     c[r][q][0] = _mm256_fmadd_ps(x, b0, c[r][q][0]);
                     c[r][q][1] = _mm256_fmadd_ps(x, b1, c[r][q][1]);
                 }
             }
     } else {
         const float* restrict b = (const float*)wp;
-        for (int k = 0; k < kc; k++, b += NR, a += MR)
+        for (int k = 0; k < kc; k++, b += NR)
             for (int q = 0; q < P; q++) {
                 const __m256 b0 = _mm256_load_ps(b + q * panel_stride);
                 const __m256 b1 = _mm256_load_ps(b + q * panel_stride + 8);
                 for (int r = 0; r < ROWS; r++) {
-                    const __m256 x = _mm256_broadcast_ss(a + r);
+                    const __m256 x = _mm256_broadcast_ss(a + (int64_t)r * lda + k);
                     c[r][q][0] = _mm256_fmadd_ps(x, b0, c[r][q][0]);
                     c[r][q][1] = _mm256_fmadd_ps(x, b1, c[r][q][1]);
                 }
@@ -351,13 +364,14 @@ static inline __attribute__((always_inline)) void tile_few(
 
 /* tile_few for mr = 1..4 rows over np panels: 4 at a time at one row, 2 at two or three
  * (2 x 2 x ROWS accumulators), 1 at four. */
-static void tiles_few(int np, int kc, const float* a, const void* wp, int64_t panel_stride,
+static void tiles_few(int np, int kc, const float* a, int lda, const void* wp,
+                      int64_t panel_stride,
                       int wbf16, float* part, int ldp, int part_step, int accumulate,
                       int last, int mr, const int* nrs, const float* bias, int gate_up,
                       float* out, int ldo, int cols) {
     const size_t wsize = wbf16 ? sizeof(uint16_t) : sizeof(float);
     while (np > 0) {
-#define FEW(R, P) tile_few(R, P, kc, a, wp, panel_stride, wbf16, part, ldp, part_step, \
+#define FEW(R, P) tile_few(R, P, kc, a, lda, wp, panel_stride, wbf16, part, ldp, part_step, \
                            accumulate, last, mr, nrs, bias, gate_up, out, ldo, cols)
 #if defined(__AVX512F__)
         /* one zmm a row and panel: up to 8 accumulators (8 FMA chains) */
@@ -396,22 +410,6 @@ static void tiles_few(int np, int kc, const float* a, const void* wp, int64_t pa
     }
 }
 
-/* The calling thread's buffer for packed x, kept between calls and grown as needed: a
- * fresh multi-megabyte allocation per call comes back from the kernel as new pages, and
- * faulting them in cost more than packing (a 2,048 x 1,536 block is 12.6 MB). */
-static __thread float* pack_buf = NULL;
-static __thread size_t pack_cap = 0;
-
-static float* pack_buffer(size_t floats) {
-    if (floats > pack_cap) {
-        free(pack_buf);
-        const size_t cap = floats + floats / 4;
-        pack_buf = (float*)aligned_alloc(64, (sizeof(float) * cap + 63) / 64 * 64);
-        pack_cap = pack_buf == NULL ? 0 : cap;
-    }
-    return pack_buf;
-}
-
 /* The calling thread's float32 copy of one bf16 panel slice (KC_MAX x 16: 18 KB, stays in
  * L1), for tiles that would otherwise widen the same weights once per 6-row sliver. */
 static __thread float* wide_buf = NULL;
@@ -440,7 +438,7 @@ static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const fl
     const int cols = gate_up ? 8 : NR; /* output columns per panel */
     const int np = (nout + cols - 1) / cols;
     const int nkb = (K + KC_MAX - 1) / KC_MAX, kcb = (K + nkb - 1) / nkb;
-    const int ns = (M + MR - 1) / MR, Mp = ns * MR, mcs = MC / MR;
+    const int ns = (M + MR - 1) / MR, mcs = MC / MR;
     const int nmb = (ns + mcs - 1) / mcs;
     /* Enough tiles that two threads stay busy at decode sizes (one M block). */
     int ncp = np * nmb / 16;
@@ -450,8 +448,6 @@ static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const fl
     const int few = M <= 4;
     if (few && ncp < 4) ncp = np < 4 ? np : 4;
     const int nnb = (np + ncp - 1) / ncp;
-    float* xp = pack_buffer((size_t)Mp * K);
-    if (xp == NULL) return -1;
     int failed = 0;
     #pragma omp parallel
     {
@@ -464,19 +460,6 @@ static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const fl
                 failed = 1;
             }
         }
-        /* Pack x: K block kb, sliver s at xp + k0 * Mp + s * MR * kc, k-major, zero rows
-         * past M. */
-        #pragma omp for schedule(static) collapse(2)
-        for (int kb = 0; kb < nkb; kb++)
-            for (int s = 0; s < ns; s++) {
-                const int k0 = kb * kcb, kc = K - k0 < kcb ? K - k0 : kcb;
-                const int mr = M - s * MR < MR ? M - s * MR : MR;
-                float* dst = xp + (int64_t)k0 * Mp + (int64_t)s * MR * kc;
-                const float* src = x + (int64_t)s * MR * lda + k0;
-                for (int k = 0; k < kc; k++)
-                    for (int r = 0; r < MR; r++)
-                        dst[k * MR + r] = r < mr ? src[(int64_t)r * lda + k] : 0.f;
-            }
         #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int mb = 0; mb < nmb; mb++)
             for (int nb = 0; nb < nnb; nb++) {
@@ -488,7 +471,7 @@ static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const fl
                 const int p0 = nb * ncp, p1 = p0 + ncp < np ? p0 + ncp : np;
                 for (int kb = 0; kb < nkb; kb++) {
                     const int k0 = kb * kcb, kc = K - k0 < kcb ? K - k0 : kcb;
-                    const float* xb = xp + (int64_t)k0 * Mp;
+                    const float* xb = x + k0; /* this K block's columns of x */
                     /* A last sliver of 1-4 rows (all of M when few; M = 8: 6 + 2) runs in
                      * few-row tiles over the task's panels after the full ones, not as a
                      * 6-row tile. */
@@ -530,8 +513,9 @@ static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const fl
                                      + (int64_t)(p - p0) * NR;
                                 ldp = ncp * NR;
                             }
-                            tile_6x16(kc, xb + (int64_t)s * MR * kc, bp, tile_bf16, pp, ldp, kb > 0,
-                                      kb == nkb - 1, mr, nr, bias_p, gate_up, o, ldo,
+                            tile_6x16(kc, xb + (int64_t)s * MR * lda, lda, bp, tile_bf16, pp,
+                                      ldp, kb > 0, kb == nkb - 1, mr, nr, bias_p, gate_up, o,
+                                      ldo,
                                       pf == NULL ? NULL : pf + (int64_t)(s - s0) * chunk * 64,
                                       lines - (s - s0) * chunk < chunk
                                           ? lines - (s - s0) * chunk : chunk);
@@ -543,7 +527,7 @@ static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const fl
                         for (int p = p0; p < p1; p++)
                             nrs[p - p0] = nout - p * cols < cols ? nout - p * cols : cols;
                         float* o = out + (int64_t)s * MR * ldo + (int64_t)p0 * cols;
-                        tiles_few(p1 - p0, kc, xb + (int64_t)s * MR * kc,
+                        tiles_few(p1 - p0, kc, xb + (int64_t)s * MR * lda, lda,
                                   (const char*)wp + ((int64_t)p0 * K + k0) * NR * wsize,
                                   (int64_t)K * NR, wbf16,
                                   part != NULL ? part + (int64_t)(s - s0) * MR * ncp * NR : o,

@@ -408,7 +408,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.shape[1], rows,
             out_features, in_features, int(gate_up))
         if rc != 0:
-            raise MemoryError("native GEMM: out of memory for its packing buffers")
+            raise MemoryError("native GEMM: out of memory for its work buffers")
     return out
 
 
@@ -467,7 +467,7 @@ class PackedGemm:
                 bias.data_ptr() if bias is not None else None, out.data_ptr(), self.width,
                 rows, self.out_features, self.in_features, int(self.gate_up))
             if rc != 0:
-                raise MemoryError("native GEMM: out of memory for its packing buffers")
+                raise MemoryError("native GEMM: out of memory for its work buffers")
         return out
 
 
