@@ -44,6 +44,13 @@
 static inline void start_task_##SUF(const T* restrict q, float* restrict qs, float* m,      \
                                     float* l, float* acc, int nq, int nq4, int r0, int G,   \
                                     int h, int q_stride, int dim, float scale) {            \
+    /* Every line of the task's queries requested first, then copied: row by row, the copy \
+     * waited on each row's lines in turn (7% of a mix's attention on a Zen 4). */          \
+    for (int i = 0; i < nq; i++) {                                                          \
+        const char* src = (const char*)(q + (int64_t)(r0 + i / G) * q_stride                \
+                                        + (int64_t)(h * G + i % G) * dim);                  \
+        for (int b = 0; b < dim * (int)sizeof(T); b += 64) __builtin_prefetch(src + b);     \
+    }                                                                                       \
     for (int i = 0; i < nq4; i++) {                                                         \
         float* dst = qs == NULL ? NULL : qs + (int64_t)i * dim;                             \
         if (dst != NULL && i < nq) {                                                        \
