@@ -43,6 +43,35 @@ static inline __m512 max4(const __m512 s[4]) {
     x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
     return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
 }
+
+/* A chunk's keys as columns: dst[c * KC + jj] = rows[jj][col0 + c] for 16 columns c of
+ * 32-bit lanes (a float32 dim, or a bf16 pair of dims), the 16 x 16 block transposed in
+ * registers. As a scalar loop it was ~5% of the kernel's time under perf on a Zen 4 (fp32),
+ * and GCC built the bf16 pairs' from scatters. */
+static inline void keys_to_columns(const uint32_t* const rows[KC], int col0, uint32_t* dst) {
+    __m512i r[KC], t[KC];
+    for (int jj = 0; jj < KC; jj++) r[jj] = _mm512_loadu_si512(rows[jj] + col0);
+    for (int i = 0; i < 8; i++) { /* per 128-bit lane: rows 2i, 2i + 1 */
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + e]: rows 4i..4i+3 of column 4L + e, lane L */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; e++) { /* lane L of the four row groups, for L = 0..3 */
+        const __m512i a = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x88);
+        const __m512i b = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xDD);
+        const __m512i x = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x88);
+        const __m512i y = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xDD);
+        _mm512_store_si512(dst + e * KC, _mm512_shuffle_i32x4(a, x, 0x88));
+        _mm512_store_si512(dst + (8 + e) * KC, _mm512_shuffle_i32x4(a, x, 0xDD));
+        _mm512_store_si512(dst + (4 + e) * KC, _mm512_shuffle_i32x4(b, y, 0x88));
+        _mm512_store_si512(dst + (12 + e) * KC, _mm512_shuffle_i32x4(b, y, 0xDD));
+    }
+}
 #endif
 static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restrict v,
                  TIN* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
@@ -70,37 +99,12 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
          * instead of the float tiles. */
         uint32_t* kp = kps + (int64_t)c * D * KC;
         uint32_t* vp = (uint32_t*)vt;
-        if (D % 32 == 0) {
-            /* The chunk's 16 keys x 16 pairs at a time, transposed in registers (a pair of
-             * dims is one 32-bit lane of the row as it is): as a loop of shifts and ors
-             * GCC built it from scatters, ~5% of the kernel under perf on a Zen 4. */
-            for (int g = 0; g < D / 32; g++) {
-                __m512i r[KC], t[KC];
-                for (int jj = 0; jj < KC; jj++)
-                    r[jj] = _mm512_loadu_si512(k + (int64_t)(j0 + (jj < kn ? jj : kn - 1))
-                                                   * kv_stride + (int64_t)h * D + 32 * g);
-                for (int i = 0; i < 8; i++) { /* per 128-bit lane: rows 2i, 2i + 1 */
-                    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-                    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-                }
-                for (int i = 0; i < 4; i++) { /* r[4i + e]: rows 4i..4i+3, pair 4L + e */
-                    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-                    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-                    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-                    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-                }
-                uint32_t* dst = kp + (int64_t)16 * g * KC;
-                for (int e = 0; e < 4; e++) { /* gather lane L of the four row groups */
-                    const __m512i a = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x88);
-                    const __m512i b = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xDD);
-                    const __m512i x = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x88);
-                    const __m512i y = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xDD);
-                    _mm512_store_si512(dst + e * KC, _mm512_shuffle_i32x4(a, x, 0x88));
-                    _mm512_store_si512(dst + (8 + e) * KC, _mm512_shuffle_i32x4(a, x, 0xDD));
-                    _mm512_store_si512(dst + (4 + e) * KC, _mm512_shuffle_i32x4(b, y, 0x88));
-                    _mm512_store_si512(dst + (12 + e) * KC, _mm512_shuffle_i32x4(b, y, 0xDD));
-                }
-            }
+        if (D % 32 == 0) { /* 16 pairs of dims a step */
+            const uint32_t* rows[KC];
+            for (int jj = 0; jj < KC; jj++)
+                rows[jj] = (const uint32_t*)(k + (int64_t)(j0 + (jj < kn ? jj : kn - 1))
+                                                 * kv_stride + (int64_t)h * D);
+            for (int g = 0; g < D / 32; g++) keys_to_columns(rows, 16 * g, kp + 16 * g * KC);
         } else {
             for (int jj = 0; jj < KC; jj++) {
                 const int64_t off = (int64_t)(j0 + (jj < kn ? jj : kn - 1)) * kv_stride
@@ -118,7 +122,17 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
             }
         }
 #else
-        TILE_CHUNK(k, v, kts + (int64_t)c * D * KC, vt, j0, kn, h, kv_stride, D);
+        float* kt = kts + (int64_t)c * D * KC;
+        if (sizeof(TIN) == sizeof(float)) { /* float32 K: 16 dims a step */
+            const uint32_t* rows[KC];
+            for (int jj = 0; jj < KC; jj++)
+                rows[jj] = (const uint32_t*)(k + (int64_t)(j0 + (jj < kn ? jj : kn - 1))
+                                                 * kv_stride + (int64_t)h * D);
+            for (int g = 0; g < D / 16; g++)
+                keys_to_columns(rows, 16 * g, (uint32_t*)kt + 16 * g * KC);
+            kt = NULL; /* (V only, below) */
+        }
+        TILE_CHUNK(k, v, kt, vt, j0, kn, h, kv_stride, D);
 #endif
     }
     const int nq_max = (QB * G + 3) / 4 * 4;
