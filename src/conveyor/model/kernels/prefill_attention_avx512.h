@@ -48,9 +48,10 @@ static inline __m512 max4(const __m512 s[4]) {
  * 32-bit lanes (a float32 dim, or a bf16 pair of dims), the 16 x 16 block transposed in
  * registers. As a scalar loop it was ~5% of the kernel's time under perf on a Zen 4 (fp32),
  * and GCC built the bf16 pairs' from scatters. */
-static inline void keys_to_columns(const uint32_t* const rows[KC], int col0, uint32_t* dst) {
+static inline void keys_to_columns(const void* const rows[KC], int col0, uint32_t* dst) {
     __m512i r[KC], t[KC];
-    for (int jj = 0; jj < KC; jj++) r[jj] = _mm512_loadu_si512(rows[jj] + col0);
+    for (int jj = 0; jj < KC; jj++)
+        r[jj] = _mm512_loadu_si512((const uint32_t*)rows[jj] + col0);
     for (int i = 0; i < 8; i++) { /* per 128-bit lane: rows 2i, 2i + 1 */
         t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
         t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
@@ -93,6 +94,9 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
         const int h = c / nchunks, j0 = (c % nchunks) * KC;
         const int kn = L - j0 < KC ? L - j0 : KC;
         float* vt = vts + (int64_t)c * KC * D;
+        const void* krow[KC]; /* the chunk's key rows (past its end, its last one again) */
+        for (int jj = 0; jj < KC; jj++)
+            krow[jj] = k + (int64_t)(j0 + (jj < kn ? jj : kn - 1)) * kv_stride + (int64_t)h * D;
 #if DOT_BF16_
         /* K as bf16 pairs of dims (2p, 2p + 1 of a key per lane), V as bf16 pairs of keys
          * ([KC / 2][D]: keys 2p and 2p + 1 of a dim per lane, zeros past the chunk's end)
@@ -100,17 +104,12 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
         uint32_t* kp = kps + (int64_t)c * D * KC;
         uint32_t* vp = (uint32_t*)vt;
         if (D % 32 == 0) { /* 16 pairs of dims a step */
-            const uint32_t* rows[KC];
-            for (int jj = 0; jj < KC; jj++)
-                rows[jj] = (const uint32_t*)(k + (int64_t)(j0 + (jj < kn ? jj : kn - 1))
-                                                 * kv_stride + (int64_t)h * D);
-            for (int g = 0; g < D / 32; g++) keys_to_columns(rows, 16 * g, kp + 16 * g * KC);
+            for (int g = 0; g < D / 32; g++) keys_to_columns(krow, 16 * g, kp + 16 * g * KC);
         } else {
             for (int jj = 0; jj < KC; jj++) {
-                const int64_t off = (int64_t)(j0 + (jj < kn ? jj : kn - 1)) * kv_stride
-                                  + (int64_t)h * D;
+                const TIN* kr = (const TIN*)krow[jj];
                 for (int d = 0; d < D; d += 2)
-                    kp[d / 2 * KC + jj] = (uint32_t)k[off + d] | (uint32_t)k[off + d + 1] << 16;
+                    kp[d / 2 * KC + jj] = (uint32_t)kr[d] | (uint32_t)kr[d + 1] << 16;
             }
         }
         for (int jp = 0; jp < KC / 2; jp++) {
@@ -124,12 +123,8 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
 #else
         float* kt = kts + (int64_t)c * D * KC;
         if (sizeof(TIN) == sizeof(float)) { /* float32 K: 16 dims a step */
-            const uint32_t* rows[KC];
-            for (int jj = 0; jj < KC; jj++)
-                rows[jj] = (const uint32_t*)(k + (int64_t)(j0 + (jj < kn ? jj : kn - 1))
-                                                 * kv_stride + (int64_t)h * D);
             for (int g = 0; g < D / 16; g++)
-                keys_to_columns(rows, 16 * g, (uint32_t*)kt + 16 * g * KC);
+                keys_to_columns(krow, 16 * g, (uint32_t*)kt + 16 * g * KC);
             kt = NULL; /* (V only, below) */
         }
         TILE_CHUNK(k, v, kt, vt, j0, kn, h, kv_stride, D);
