@@ -130,8 +130,8 @@ def main() -> None:
     faults: list[int] = []
     system: list[float] = []
 
-    def one_step(tag: str, record: bool = True) -> float:
-        for i, ids in enumerate(prompts(args.prompt, rng)):
+    def one_step(tag: str, batch: list[list[int]], record: bool = True) -> float:
+        for i, ids in enumerate(batch):
             engine.add_request({"prompt_token_ids": ids},
                                SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0),
                                request_id=f"{tag}-{i}")
@@ -148,7 +148,7 @@ def main() -> None:
             engine.step()
         return wall
 
-    one_step("warmup")
+    one_step("warmup", prompts(args.prompt, rng))
     gemms = None
     if args.gemm_against:
         from kernel_at import gemm_at
@@ -156,22 +156,27 @@ def main() -> None:
         from conveyor.model.kernels import ops
 
         gemms = (ops._lib or ops._native(), gemm_at(args.gemm_against))
+
+    def step_against(tag: str, batch: list[list[int]]) -> float:
+        """One step with REV's GEMM (not recorded), this tree's restored after."""
         ops._lib = gemms[1]
-        one_step("warmup-against", record=False)
-        ops._lib = gemms[0]
+        try:
+            return one_step(tag, batch, record=False)
+        finally:
+            ops._lib = gemms[0]
+
+    if gemms is not None:
+        step_against("warmup-against", prompts(args.prompt, rng))
     install(model, timers)
     walls, parts, against = [], [], []
     for r in range(args.rounds):
+        batch = prompts(args.prompt, rng)  # both GEMMs' steps of a round take the same
         if gemms is not None and r % 2 == 0:  # REV's first in even rounds, after in odd
-            ops._lib = gemms[1]
-            other = one_step(f"a{r}", record=False)
-            ops._lib = gemms[0]
-        walls.append(one_step(f"r{r}"))
+            other = step_against(f"a{r}", batch)
+        walls.append(one_step(f"r{r}", batch))
         parts.append(dict(timers.acc))
         if gemms is not None and r % 2 == 1:
-            ops._lib = gemms[1]
-            other = one_step(f"a{r}", record=False)
-            ops._lib = gemms[0]
+            other = step_against(f"a{r}", batch)
         if gemms is not None:
             against.append(other / walls[-1])
             print(f"round {r}: step {walls[-1] * 1e3:.0f} ms, with {args.gemm_against}'s "
