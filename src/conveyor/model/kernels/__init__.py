@@ -144,6 +144,18 @@ def _build(compiler: str, out_path: str, flags: list[str]) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def build_for(march: str, isa: str, out_path: str) -> None:
+    """Build the library as a CPU of ``-march=march`` would (capped at ``isa``), without
+    loading it: tests compile the bodies of CPUs the session does not have (AMX on an
+    AMD machine), so a change that breaks another CPU's build fails here, not there.
+    Raises CalledProcessError (its ``stderr``: the compiler's) if it does not build."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise FileNotFoundError("no C compiler")
+    flags = [f"-march={march}" if f == "-march=native" else f for f in _FLAGS]
+    _build(compiler, out_path, [*flags, *ISA_FLAGS[isa]])
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, building it if needed; None if it cannot be built."""
     global _lib, _tried
