@@ -35,7 +35,7 @@ _SOURCES = [os.path.join(os.path.dirname(__file__), name)
 _HEADERS = [os.path.join(os.path.dirname(__file__), name)
             for name in ("prefill_attention_body.h", "prefill_attention_avx2.h",
                          "prefill_attention_avx512.h", "prefill_attention_dims.h", "simd_math.h",
-                         "simd_exp.h", "bf16.h")]
+                         "simd_exp.h", "bf16.h", "amx_emulation.h")]
 # -ffast-math only while compiling: linking with it would add crtfastmath, whose
 # constructor turns on flush-to-zero for the whole process (torch included).
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -48,7 +48,10 @@ _LIBS = ["-lmvec", "-lm"]
 _NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16"]
 ISA_FLAGS = {"native": [], "avx512bf16": _NO_AMX, "avx512": ["-mno-avx512bf16", *_NO_AMX],
              "avx2": ["-mno-avx512f", *_NO_AMX],
-             "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", *_NO_AMX]}
+             "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", *_NO_AMX],
+             # tests only: the AMX body on scalar tiles (amx_emulation.h), where the CPU
+             # has AVX-512 BF16 and no AMX; orders of magnitude slower than the real thing
+             "amx-emulated": ["-DCONVEYOR_EMULATE_AMX", *_NO_AMX]}
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -72,7 +75,8 @@ def why_unavailable() -> str:
 
 def kernel_isa() -> str:
     """The instruction-set cap of ``CONVEYOR_KERNEL_ISA`` (native, avx512bf16: native
-    less AMX, avx512: less AVX-512 BF16 too, avx2, portable)."""
+    less AMX, avx512: less AVX-512 BF16 too, avx2, portable; amx-emulated: the native
+    build with the AMX body on scalar tiles, for tests)."""
     isa = os.environ.get("CONVEYOR_KERNEL_ISA", "native").strip().lower() or "native"
     if isa not in ISA_FLAGS:
         raise ValueError(f"CONVEYOR_KERNEL_ISA={isa!r}: expected one of {sorted(ISA_FLAGS)}")
@@ -81,9 +85,11 @@ def kernel_isa() -> str:
 
 def isa_builds() -> list[str]:
     """The builds this CPU runs (``ISA_FLAGS`` keys): its own, and each cap below what it
-    has, so that one machine can check the bodies another CPU would run."""
+    has, so that one machine can check the bodies another CPU would run; with AVX-512
+    BF16 and no AMX, the AMX body on emulated tiles too."""
     flags = cpu_flags() or frozenset()
     return ["native"] + (["avx512bf16"] if "amx_bf16" in flags else []) + (
+        ["amx-emulated"] if "avx512_bf16" in flags and "amx_bf16" not in flags else []) + (
         ["avx512"] if "avx512_bf16" in flags else []) + (
         ["avx2"] if {"avx512f", "avx2"} <= flags else []) + (
         ["portable"] if "avx2" in flags else [])
@@ -94,7 +100,7 @@ def bf16_prefill_rounds_probabilities(isa: str | None = None) -> bool:
     for P @ V (as torch's CPU flash attention does in bf16): the AVX-512 BF16 body and the
     AMX body, which a native build (or one capped below AMX) gets where the CPU has the
     instructions. Its error bound is wider."""
-    return (isa or kernel_isa()) in ("native", "avx512bf16") and "avx512_bf16" in (
+    return (isa or kernel_isa()) in ("native", "avx512bf16", "amx-emulated") and "avx512_bf16" in (
         cpu_flags() or ())
 
 

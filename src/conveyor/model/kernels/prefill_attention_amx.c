@@ -26,7 +26,9 @@
  * shared by every task. Tiles are per-thread state: each thread configures its own and
  * releases them. Linux hands out AMX tile state only on request (arch_prctl
  * ARCH_REQ_XCOMP_PERM, once per process); where it refuses, or the build has no AMX,
- * prefill_attention_bf16_amx returns -1 and the caller runs the AVX-512 body.
+ * prefill_attention_bf16_amx returns -1 and the caller runs the AVX-512 body. Built with
+ * CONVEYOR_EMULATE_AMX on a CPU with AVX-512 BF16 and no AMX, the tile instructions are
+ * amx_emulation.h's scalar C: the tests run this body there too.
  */
 #include <math.h>
 #include <omp.h>
@@ -34,23 +36,30 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && \
-    defined(__AVX512BF16__) && defined(__linux__)
+#if ((defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(CONVEYOR_EMULATE_AMX)) && \
+    defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include "simd_math.h"
+#if !defined(__AMX_TILE__) /* CONVEYOR_EMULATE_AMX: the tiles in scalar C (tests) */
+#include "amx_emulation.h"
+#endif
 
 #define NEG (-1e30f)
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
 int amx_tiles_available(void) {
+#if defined(__AMX_TILE__)
     static volatile int state = 0; /* 0: not asked yet, 1: granted, -1: refused */
     if (state == 0) /* idempotent, so a race only asks twice */
         state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
     return state == 1;
+#else
+    return 1; /* emulated: no tile state to ask the OS for */
+#endif
 }
 
 typedef struct {
