@@ -35,7 +35,8 @@ _SOURCES = [os.path.join(os.path.dirname(__file__), name)
 _HEADERS = [os.path.join(os.path.dirname(__file__), name)
             for name in ("prefill_attention_body.h", "prefill_attention_avx2.h",
                          "prefill_attention_avx512.h", "prefill_attention_dims.h", "simd_math.h",
-                         "simd_exp.h", "bf16.h", "amx_emulation.h")]
+                         "simd_exp.h", "bf16.h", "amx_emulation.h",
+                         "transpose16.h")]
 # -ffast-math only while compiling: linking with it would add crtfastmath, whose
 # constructor turns on flush-to-zero for the whole process (torch included).
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]

@@ -43,6 +43,7 @@
 #include <unistd.h>
 
 #include "simd_math.h"
+#include "transpose16.h"
 #if !defined(__AMX_TILE__) /* CONVEYOR_EMULATE_AMX: the tiles in scalar C (tests) */
 #include "amx_emulation.h"
 #endif
@@ -81,26 +82,36 @@ static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* A row of zeros for keys past L (D <= 256). */
+static const uint16_t zero_row[256] __attribute__((aligned(64)));
+
 /* KV head h's keys j0 .. j0 + 31 (zeros past L) into B tiles, each 16 rows of 16 pairs:
  *   kb (S):  [2 key halves][D / 32 dim slices][16 dim pairs r][16 keys n] = K[n][2r, 2r + 1]
- *   vb (PV): [D / 16 dim slices][16 key pairs r][16 dims n]             = V[2r, 2r + 1][n] */
+ *   vb (PV): [D / 16 dim slices][16 key pairs r][16 dims n]             = V[2r, 2r + 1][n]
+ * K's slices are 16 x 16 transposes of bf16 pairs (keys_to_columns, in registers: as
+ * scalar stores GCC built them from scatters); V's rows are two keys' dims interleaved,
+ * 16 at a time. */
 static void pack_block(const uint16_t* k, const uint16_t* v, uint32_t* kb, uint32_t* vb, int j0,
                        int L, int h, int D, int kv_stride) {
-    const int dp = D / 2;
-    for (int half = 0; half < 2; half++)
+    const void* rows[16];
+    for (int half = 0; half < 2; half++) {
         for (int n = 0; n < 16; n++) {
             const int j = j0 + 16 * half + n;
-            const uint32_t* row = (const uint32_t*)(k + (int64_t)j * kv_stride + (int64_t)h * D);
-            for (int r = 0; r < dp; r++) /* dim pair r of slice r / 16 */
-                kb[((half * (D / 32) + r / 16) * 16 + r % 16) * 16 + n] = j < L ? row[r] : 0u;
+            rows[n] = j < L ? (const void*)(k + (int64_t)j * kv_stride + (int64_t)h * D)
+                            : (const void*)zero_row;
         }
+        for (int s = 0; s < D / 32; s++)
+            keys_to_columns(rows, 16 * s, kb + (int64_t)(half * (D / 32) + s) * 256);
+    }
     for (int r = 0; r < 16; r++) {
         const int j = j0 + 2 * r;
-        const uint16_t* v0 = v + (int64_t)j * kv_stride + (int64_t)h * D;
-        for (int d = 0; d < D; d++) {
-            const uint32_t lo = j < L ? v0[d] : 0u;
-            const uint32_t hi = j + 1 < L ? v0[kv_stride + d] : 0u;
-            vb[((d / 16) * 16 + r) * 16 + d % 16] = lo | hi << 16;
+        const uint16_t* v0 = j < L ? v + (int64_t)j * kv_stride + (int64_t)h * D : zero_row;
+        const uint16_t* v1 = j + 1 < L ? v0 + kv_stride : zero_row;
+        for (int s = 0; s < D / 16; s++) {
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v0 + 16 * s)));
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v1 + 16 * s)));
+            _mm512_store_si512(vb + (int64_t)(s * 16 + r) * 16,
+                               _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
     }
 }

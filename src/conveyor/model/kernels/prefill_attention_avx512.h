@@ -30,6 +30,8 @@
 #endif
 #ifndef CONVEYOR_MAX4_
 #define CONVEYOR_MAX4_
+#include "transpose16.h" /* keys_to_columns (16 x 16: KC is 16) */
+_Static_assert(KC == 16, "keys_to_columns transposes chunks of 16 keys");
 /* The maxima of four registers, the maximum of s[a] in every lane of 128-bit lane a: two
  * folds across 128-bit lanes (shuffle_f32x4) take the four registers into one, two
  * in-lane permutes finish each lane (8 shuffles and 6 maxes for four queries, where four
@@ -44,35 +46,6 @@ static inline __m512 max4(const __m512 s[4]) {
     return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
 }
 
-/* A chunk's keys as columns: dst[c * KC + jj] = rows[jj][col0 + c] for 16 columns c of
- * 32-bit lanes (a float32 dim, or a bf16 pair of dims), the 16 x 16 block transposed in
- * registers. As a scalar loop it was ~5% of the kernel's time under perf on a Zen 4 (fp32),
- * and GCC built the bf16 pairs' from scatters. */
-static inline void keys_to_columns(const void* const rows[KC], int col0, uint32_t* dst) {
-    __m512i r[KC], t[KC];
-    for (int jj = 0; jj < KC; jj++)
-        r[jj] = _mm512_loadu_si512((const uint32_t*)rows[jj] + col0);
-    for (int i = 0; i < 8; i++) { /* per 128-bit lane: rows 2i, 2i + 1 */
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* r[4i + e]: rows 4i..4i+3 of column 4L + e, lane L */
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int e = 0; e < 4; e++) { /* lane L of the four row groups, for L = 0..3 */
-        const __m512i a = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x88);
-        const __m512i b = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xDD);
-        const __m512i x = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x88);
-        const __m512i y = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xDD);
-        _mm512_store_si512(dst + e * KC, _mm512_shuffle_i32x4(a, x, 0x88));
-        _mm512_store_si512(dst + (8 + e) * KC, _mm512_shuffle_i32x4(a, x, 0xDD));
-        _mm512_store_si512(dst + (4 + e) * KC, _mm512_shuffle_i32x4(b, y, 0x88));
-        _mm512_store_si512(dst + (12 + e) * KC, _mm512_shuffle_i32x4(b, y, 0xDD));
-    }
-}
 #endif
 static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restrict v,
                  TIN* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
