@@ -33,6 +33,10 @@
 #define QB 16
 #define KC 16
 #define NEG (-1e30f)
+/* How far a score may pass its query's reference max before the max moves (the AVX-512
+ * and AVX2 bodies; the AMX body has its own): the softmax weights stay within e^8, and
+ * a chunk that moves no max skips the max, the rescale factors and the rescale. */
+#define SLACK 8.f
 
 /* A task's queries i = (row r0 + i / G, head h * G + i % G) copied pre-scaled into qs
  * (padded with zeros to nq4, a multiple of 4; not when qs is NULL: a body that reads them

@@ -108,48 +108,65 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
                                                  nv, _mm256_add_epi32(lane, _mm256_set1_epi32(8)))));
                     mx[a] = _mm256_max_ps(lo[a], hi[a]);
                 }
-                /* The four maxima by one fold (max4_avx2): query 0 in lane 0, 1 in lane 4,
-                 * 2 in lane 2, 3 in lane 6. */
-                float qmax[8] __attribute__((aligned(32)));
-                _mm256_store_ps(qmax, max4_avx2(mx));
-                float alpha[4], new_m[4];
+                /* Each query's reference max moves only when a score passes it by more
+                 * than SLACK (on its first chunk, from NEG, it always does): then the
+                 * four maxima by one fold (max4_avx2: query 0 in lane 0, 1 in lane 4, 2 in
+                 * lane 2, 3 in lane 6) and the rescales alpha = e^(old max - new), as
+                 * online softmax has them. Else the weights stay within e^SLACK and the
+                 * chunk needs no max, no alpha and no rescale of the accumulators. */
+                __m256 xlo[4], xhi[4];
+                int moved = 0;
                 for (int a = 0; a < 4; a++) {
-                    const int i = i0 + a;
-                    const float cm = fmaxf(m[i], qmax[(a & 1) * 4 + (a >> 1) * 2]);
+                    const __m256 ref = _mm256_set1_ps(m[i0 + a]);
+                    xlo[a] = _mm256_sub_ps(lo[a], ref);
+                    xhi[a] = _mm256_sub_ps(hi[a], ref);
+                    moved |= _mm256_movemask_ps(_mm256_or_ps(
+                        _mm256_cmp_ps(xlo[a], _mm256_set1_ps(SLACK), _CMP_GT_OQ),
+                        _mm256_cmp_ps(xhi[a], _mm256_set1_ps(SLACK), _CMP_GT_OQ)));
+                }
+                float alpha[4] = {1.f, 1.f, 1.f, 1.f};
+                if (moved) {
+                    float qmax[8] __attribute__((aligned(32)));
+                    _mm256_store_ps(qmax, max4_avx2(mx));
+                    float al[8] __attribute__((aligned(32))) = {0.f};
+                    for (int a = 0; a < 4; a++) {
+                        const float cm = fmaxf(m[i0 + a], qmax[(a & 1) * 4 + (a >> 1) * 2]);
+                        al[a] = m[i0 + a] - cm; /* exponentiated below, the four at once */
+                        m[i0 + a] = cm;
+                        xlo[a] = _mm256_sub_ps(lo[a], _mm256_set1_ps(cm));
+                        xhi[a] = _mm256_sub_ps(hi[a], _mm256_set1_ps(cm));
+                    }
+                    _mm256_store_ps(al, exp256(_mm256_load_ps(al)));
+                    for (int a = 0; a < 4; a++) alpha[a] = al[a];
+                }
+                for (int a = 0; a < 4; a++) {
                     /* Masked lanes: exp256 of -1e30 is exactly 0. */
-                    const __m256 elo = exp256(_mm256_sub_ps(lo[a], _mm256_set1_ps(cm)));
-                    const __m256 ehi = exp256(_mm256_sub_ps(hi[a], _mm256_set1_ps(cm)));
+                    const __m256 elo = exp256(xlo[a]), ehi = exp256(xhi[a]);
                     _mm256_store_ps(p[a], elo);
                     _mm256_store_ps(p[a] + 8, ehi);
                     e_sum[a] = _mm256_add_ps(elo, ehi);
-                    alpha[a] = m[i] - cm; /* exponentiated below, the four at once */
-                    new_m[a] = cm;
-                }
-                {
-                    float al[8] __attribute__((aligned(32))) = {alpha[0], alpha[1], alpha[2],
-                                                                alpha[3], 0.f, 0.f, 0.f, 0.f};
-                    _mm256_store_ps(al, exp256(_mm256_load_ps(al)));
-                    for (int a = 0; a < 4; a++) alpha[a] = al[a];
                 }
                 /* The denominators by lanes, summed once when the task ends. */
                 for (int a = 0; a < 4; a++) {
                     float* la = lv + (int64_t)(i0 + a) * 8;
-                    _mm256_store_ps(la, _mm256_fmadd_ps(_mm256_load_ps(la),
-                                                        _mm256_set1_ps(alpha[a]), e_sum[a]));
-                    m[i0 + a] = new_m[a];
+                    _mm256_store_ps(la, moved ? _mm256_fmadd_ps(_mm256_load_ps(la),
+                                                                _mm256_set1_ps(alpha[a]), e_sum[a])
+                                              : _mm256_add_ps(_mm256_load_ps(la), e_sum[a]));
                 }
                 const __m256 al0 = _mm256_set1_ps(alpha[0]), al1 = _mm256_set1_ps(alpha[1]),
                              al2 = _mm256_set1_ps(alpha[2]), al3 = _mm256_set1_ps(alpha[3]);
                 for (int dc = 0; dc < D; dc += 16) {
                     float* a0 = acc + (int64_t)i0 * D + dc;
-                    __m256 o00 = _mm256_mul_ps(_mm256_load_ps(a0), al0);
-                    __m256 o01 = _mm256_mul_ps(_mm256_load_ps(a0 + 8), al0);
-                    __m256 o10 = _mm256_mul_ps(_mm256_load_ps(a0 + D), al1);
-                    __m256 o11 = _mm256_mul_ps(_mm256_load_ps(a0 + D + 8), al1);
-                    __m256 o20 = _mm256_mul_ps(_mm256_load_ps(a0 + 2 * D), al2);
-                    __m256 o21 = _mm256_mul_ps(_mm256_load_ps(a0 + 2 * D + 8), al2);
-                    __m256 o30 = _mm256_mul_ps(_mm256_load_ps(a0 + 3 * D), al3);
-                    __m256 o31 = _mm256_mul_ps(_mm256_load_ps(a0 + 3 * D + 8), al3);
+                    __m256 o00 = _mm256_load_ps(a0), o01 = _mm256_load_ps(a0 + 8);
+                    __m256 o10 = _mm256_load_ps(a0 + D), o11 = _mm256_load_ps(a0 + D + 8);
+                    __m256 o20 = _mm256_load_ps(a0 + 2 * D), o21 = _mm256_load_ps(a0 + 2 * D + 8);
+                    __m256 o30 = _mm256_load_ps(a0 + 3 * D), o31 = _mm256_load_ps(a0 + 3 * D + 8);
+                    if (moved) {
+                        o00 = _mm256_mul_ps(o00, al0); o01 = _mm256_mul_ps(o01, al0);
+                        o10 = _mm256_mul_ps(o10, al1); o11 = _mm256_mul_ps(o11, al1);
+                        o20 = _mm256_mul_ps(o20, al2); o21 = _mm256_mul_ps(o21, al2);
+                        o30 = _mm256_mul_ps(o30, al3); o31 = _mm256_mul_ps(o31, al3);
+                    }
                     for (int jj = 0; jj < kv; jj++) {
                         const __m256 v0 = _mm256_load_ps(vt + jj * D + dc);
                         const __m256 v1 = _mm256_load_ps(vt + jj * D + dc + 8);

@@ -119,7 +119,7 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
     uint32_t* qp = (uint32_t*)aligned_alloc(64, sizeof(uint32_t) * (size_t)nq_max * D / 2);
     const __m512 scale_v = _mm512_set1_ps(scale);
 #endif
-    const __m512 neg = _mm512_set1_ps(NEG);
+    const __m512 neg = _mm512_set1_ps(NEG), slack = _mm512_set1_ps(SLACK);
     /* Largest blocks first (their work grows with the row index). */
     #pragma omp for schedule(dynamic, 1)
     for (int task = 0; task < ntasks; task++) {
@@ -208,20 +208,35 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
                     const int valid = i >= nq || t < j0 ? 0 : (t - j0 + 1 < kn ? t - j0 + 1 : kn);
                     s4[a] = _mm512_mask_blend_ps((__mmask16)((1u << valid) - 1u), neg, sc[a]);
                 }
-                /* The running maxima of the four queries at once, query a in 128-bit lane
-                 * a (max4's fold), and each query's rescale alpha = e^(old max - new). */
-                const __m512 m_old = _mm512_permutexvar_ps(
+                /* Each query's reference max (query a in 128-bit lane a) moves only when
+                 * a score passes it by more than SLACK (on its first chunk, from NEG, it
+                 * always does): then the four queries' running maxima (max4's fold) and
+                 * rescales alpha = e^(old max - new) as online softmax has them. Else the
+                 * weights e^(score - reference) stay within e^SLACK and the chunk needs no
+                 * max, no alpha and no rescale of the accumulators. */
+                __m512 m_ref = _mm512_permutexvar_ps(
                     lane_of_query, _mm512_castps128_ps512(_mm_loadu_ps(m + i0)));
-                const __m512 m_new = _mm512_max_ps(m_old, max4(s4));
-                const __m512 alpha = exp512(_mm512_sub_ps(m_old, m_new));
-                _mm_storeu_ps(m + i0, _mm512_castps512_ps128(
-                    _mm512_permutexvar_ps(first_of_lane, m_new)));
-                __m512 al[4];
+                __m512 x[4];
+                __mmask16 passed = 0;
                 for (int a = 0; a < 4; a++) {
-                    al[a] = _mm512_shuffle_f32x4(alpha, alpha, 0x55 * a);
+                    x[a] = _mm512_sub_ps(s4[a], _mm512_shuffle_f32x4(m_ref, m_ref, 0x55 * a));
+                    passed |= _mm512_cmp_ps_mask(x[a], slack, _CMP_GT_OQ);
+                }
+                const int moved = passed != 0;
+                __m512 al[4];
+                if (moved) {
+                    const __m512 m_new = _mm512_max_ps(m_ref, max4(s4));
+                    const __m512 alpha = exp512(_mm512_sub_ps(m_ref, m_new));
+                    _mm_storeu_ps(m + i0, _mm512_castps512_ps128(
+                        _mm512_permutexvar_ps(first_of_lane, m_new)));
+                    for (int a = 0; a < 4; a++) {
+                        al[a] = _mm512_shuffle_f32x4(alpha, alpha, 0x55 * a);
+                        x[a] = _mm512_sub_ps(s4[a], _mm512_shuffle_f32x4(m_new, m_new, 0x55 * a));
+                    }
+                }
+                for (int a = 0; a < 4; a++) {
                     /* Masked lanes: exp512 of -1e30 is exactly 0. */
-                    const __m512 e = exp512(_mm512_sub_ps(
-                        s4[a], _mm512_shuffle_f32x4(m_new, m_new, 0x55 * a)));
+                    const __m512 e = exp512(x[a]);
 #if DOT_BF16_
                     /* P rounded to bf16 for P @ V, as torch's CPU flash attention does in
                      * bf16; the denominator sums the unrounded exponentials (as there). */
@@ -231,16 +246,18 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
 #endif
                     /* The denominator by lanes, summed once when the task ends. */
                     float* la = lv + (int64_t)(i0 + a) * 16;
-                    _mm512_store_ps(la, _mm512_fmadd_ps(_mm512_load_ps(la), al[a], e));
+                    _mm512_store_ps(la, moved ? _mm512_fmadd_ps(_mm512_load_ps(la), al[a], e)
+                                              : _mm512_add_ps(_mm512_load_ps(la), e));
                 }
                 for (int dc = 0; dc < D; dc += 16 * NV_) {
                     __m512 o[4][NV_];
                     #pragma GCC unroll 4
                     for (int a = 0; a < 4; a++) {
                         #pragma GCC unroll 4
-                        for (int c = 0; c < NV_; c++)
-                            o[a][c] = _mm512_mul_ps(
-                                _mm512_load_ps(acc + (int64_t)(i0 + a) * D + dc + 16 * c), al[a]);
+                        for (int c = 0; c < NV_; c++) {
+                            o[a][c] = _mm512_load_ps(acc + (int64_t)(i0 + a) * D + dc + 16 * c);
+                            if (moved) o[a][c] = _mm512_mul_ps(o[a][c], al[a]);
+                        }
                     }
 #if DOT_BF16_
                     /* Two keys per vdpbf16ps: lane d gets p[2p] v[2p][d] + p[2p+1] v[2p+1][d]. */
