@@ -152,6 +152,7 @@ static inline void scores(task_buffers* b, const uint32_t* kb, int D) {
 #define SLACK 8.f
 static inline int softmax_block(task_buffers* b, int r0, int j0, float scale, float* alpha) {
     const __m512 scale_v = _mm512_set1_ps(scale), neg = _mm512_set1_ps(NEG);
+    const __m512 slack = _mm512_set1_ps(SLACK);
     const int diagonal = j0 + 31 > r0; /* some keys of the block lie past some row */
     int moved = 0;
     for (int i = 0; i < 16; i++) {
@@ -162,17 +163,23 @@ static inline int softmax_block(task_buffers* b, int r0, int j0, float scale, fl
             s0 = _mm512_mask_blend_ps((__mmask16)bits, neg, s0);
             s1 = _mm512_mask_blend_ps((__mmask16)(bits >> 16), neg, s1);
         }
-        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)) * scale;
+        __m512 mv = _mm512_set1_ps(b->m[i]);
+        __m512 x0 = _mm512_fmsub_ps(s0, scale_v, mv), x1 = _mm512_fmsub_ps(s1, scale_v, mv);
         alpha[i] = 1.f;
-        if (mx > b->m[i] + SLACK) {
+        /* The row's max only where a score passed the reference by more than SLACK (on
+         * the first block, from NEG, always): a compare, where the max is a reduction. */
+        if ((_mm512_cmp_ps_mask(x0, slack, _CMP_GT_OQ) |
+             _mm512_cmp_ps_mask(x1, slack, _CMP_GT_OQ)) != 0) {
+            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)) * scale;
             alpha[i] = expf(b->m[i] - mx); /* 0 on the first block: nothing to rescale */
             b->lv[i] = _mm512_mul_ps(b->lv[i], _mm512_set1_ps(alpha[i]));
             b->m[i] = mx;
             moved = 1;
+            mv = _mm512_set1_ps(mx);
+            x0 = _mm512_fmsub_ps(s0, scale_v, mv);
+            x1 = _mm512_fmsub_ps(s1, scale_v, mv);
         }
-        const __m512 mv = _mm512_set1_ps(b->m[i]);
-        const __m512 e0 = exp512(_mm512_fmsub_ps(s0, scale_v, mv));
-        const __m512 e1 = exp512(_mm512_fmsub_ps(s1, scale_v, mv));
+        const __m512 e0 = exp512(x0), e1 = exp512(x1);
         b->lv[i] = _mm512_add_ps(b->lv[i], _mm512_add_ps(e0, e1));
         _mm512_store_si512((__m512i*)b->p[i], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
     }

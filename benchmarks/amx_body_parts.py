@@ -1,11 +1,12 @@
-"""The AMX prefill body's K/V packing (``pack_block`` of ``kernels/prefill_attention_amx.c``)
-alone, this tree's against git revision REV's, in alternation: one prompt's K and V of
-9/3 heads x 64 into B tiles, microseconds a call on one thread (best of the rounds), and
-whether the two pack the same bytes. The packing is AVX-512 code, so it runs on any
-CPU with AVX-512 BF16; without AMX the file is built with ``CONVEYOR_EMULATE_AMX`` (its
-tiles are not used here).
+"""The AMX prefill body's AVX-512 parts alone (``kernels/prefill_attention_amx.c``), this
+tree's against git revision REV's, in alternation, on one thread (best of the rounds):
+``pack_block`` (one prompt's K and V of 9/3 heads x 64 into B tiles, microseconds a
+prompt) and ``softmax_block`` (a 16-row task's blocks of 32 keys at the prompt's last
+row, microseconds a block), and whether the two produce the same bytes. Neither uses
+the tiles, so they run on any CPU with AVX-512 BF16; without AMX the file is built with
+``CONVEYOR_EMULATE_AMX``.
 
-    python benchmarks/amx_pack_block.py --against HEAD~1
+    python benchmarks/amx_body_parts.py --against HEAD~1
 """
 
 from __future__ import annotations
@@ -45,7 +46,26 @@ int main(int argc, char** argv) {
     }
     unsigned long long sum = 0;
     for (size_t i = 0; i < n; i++) sum = sum * 1000003u + kb[i] + 7u * vb[i];
-    printf("%.3f %llx\n", best * 1e6, sum);
+    /* softmax_block over a 16-row task's blocks at row L (scores growing along the keys,
+     * so some reference maxima move), the time of a block */
+    task_buffers* b = aligned_alloc(64, sizeof(task_buffers));
+    const int r0 = L / 16 * 16, nblocks = r0 / 32 + 1;
+    float alpha[16];
+    double best_sm = 1e9;
+    for (int r = 0; r < reps; r++) {
+        for (int i = 0; i < 16; i++) { b->m[i] = NEG; b->lv[i] = _mm512_setzero_ps(); }
+        const double t = now();
+        for (int blk = 0; blk < nblocks; blk++) {
+            for (int i = 0; i < 16; i++)
+                for (int c = 0; c < 32; c++)
+                    b->s[i][c] = (float)((i * 37 + c * 11 + blk * 5) % 64) * 0.25f + 0.02f * blk;
+            softmax_block(b, r0, blk * 32, 0.125f, alpha);
+        }
+        if ((now() - t) / nblocks < best_sm) best_sm = (now() - t) / nblocks;
+    }
+    for (int i = 0; i < 16; i++)
+        for (int c = 0; c < 32; c++) sum = sum * 31u + b->p[i][c];
+    printf("%.3f %.4f %llx\n", best * 1e6, best_sm * 1e6, sum);
     return 0;
 }
 """
@@ -83,7 +103,7 @@ def main() -> None:
         os.makedirs(os.path.join(tmp, "rev"))
         exes = {"this tree": build(here, os.path.join(tmp, "tree")),
                 args.against: build(os.path.join(tmp, rel), os.path.join(tmp, "rev"))}
-        print(f"CPU: {cpu_model_name()}; pack_block over one prompt's blocks, 9/3 heads x 64, "
+        print(f"CPU: {cpu_model_name()}; the AMX body's parts, 9/3 heads x 64, "
               f"1 thread, best of {args.rounds} rounds")
         for tokens in (int(t) for t in args.tokens.split(",")):
             best, sums = {}, {}
@@ -91,12 +111,15 @@ def main() -> None:
                 for name, exe in exes.items():
                     out = subprocess.run([exe, str(tokens), "20"], check=True,
                                          capture_output=True, text=True).stdout.split()
-                    best[name] = min(best.get(name, 1e9), float(out[0]))
-                    sums[name] = out[1]
-            mine, theirs = best["this tree"], best[args.against]
-            same = "same bytes" if len(set(sums.values())) == 1 else "DIFFERENT bytes"
-            print(f"{tokens:5d} tokens: this tree {mine:8.1f} us, {args.against} "
-                  f"{theirs:8.1f} us ({theirs / mine:.2f}x), {same}")
+                    pack, soft = best.get(name, (1e9, 1e9))
+                    best[name] = (min(pack, float(out[0])), min(soft, float(out[1])))
+                    sums[name] = out[2]
+            (mine, mine_sm), (theirs, theirs_sm) = best["this tree"], best[args.against]
+            same = "same bytes" if len(set(sums.values())) == 1 else "different bytes"
+            print(f"{tokens:5d} tokens: pack_block this tree {mine:7.1f} us, {args.against} "
+                  f"{theirs:7.1f} us ({theirs / mine:.2f}x); softmax_block a block "
+                  f"{mine_sm:6.3f} us against {theirs_sm:6.3f} ({theirs_sm / mine_sm:.2f}x); "
+                  f"{same}")
 
 
 if __name__ == "__main__":
