@@ -16,6 +16,8 @@ import os
 import subprocess
 import tempfile
 
+from kernel_at import extract_at
+
 from conveyor.model import kernels
 from conveyor.model.dtypes import cpu_flags, cpu_model_name
 
@@ -78,8 +80,8 @@ def build(source_dir: str, out_dir: str) -> str:
         f.write(HARNESS.replace("SOURCE", f'"{source_dir}/prefill_attention_amx.c"'))
     emulate = [] if "amx_bf16" in (cpu_flags() or ()) else ["-DCONVEYOR_EMULATE_AMX"]
     exe = os.path.join(out_dir, "harness")
-    compiler = os.environ.get("CC") or "cc"
-    subprocess.run([compiler, *kernels._FLAGS, *emulate, src, "-o", exe, "-lm"], check=True)
+    subprocess.run([kernels.find_compiler() or "cc", *kernels._FLAGS, *emulate, src, "-o", exe,
+                    "-lm"], check=True)
     return exe
 
 
@@ -93,16 +95,11 @@ def main() -> None:
         raise SystemExit("the AMX body's packing needs AVX-512 BF16")
     here = os.path.dirname(os.path.abspath(kernels.__file__))
     with tempfile.TemporaryDirectory() as tmp:
-        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, check=True,
-                             capture_output=True, text=True).stdout.strip()
-        rel = os.path.relpath(here, top)
-        archive = subprocess.run(["git", "archive", args.against, rel], cwd=top, check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        rev_dir = extract_at(args.against, tmp)
         os.makedirs(os.path.join(tmp, "tree"))
         os.makedirs(os.path.join(tmp, "rev"))
         exes = {"this tree": build(here, os.path.join(tmp, "tree")),
-                args.against: build(os.path.join(tmp, rel), os.path.join(tmp, "rev"))}
+                args.against: build(rev_dir, os.path.join(tmp, "rev"))}
         print(f"CPU: {cpu_model_name()}; the AMX body's parts, 9/3 heads x 64, "
               f"1 thread, best of {args.rounds} rounds")
         for tokens in (int(t) for t in args.tokens.split(",")):

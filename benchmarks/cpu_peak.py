@@ -13,6 +13,7 @@ import os
 import subprocess
 import tempfile
 
+from conveyor.model import kernels
 from conveyor.model.dtypes import cpu_flags, cpu_model_name
 
 SOURCE = r"""
@@ -83,9 +84,8 @@ def main() -> None:
         src, exe = os.path.join(d, "peak.c"), os.path.join(d, "peak")
         with open(src, "w") as f:
             f.write(SOURCE)
-        cc = os.environ.get("CC") or "cc"
-        subprocess.run([cc, "-O2", "-march=native", "-funroll-loops", src, "-o", exe],
-                       check=True)
+        subprocess.run([kernels.find_compiler() or "cc", "-O2", "-march=native",
+                        "-funroll-loops", src, "-o", exe], check=True)
         flags = cpu_flags() or frozenset()
         print(f"CPU: {cpu_model_name()}; one thread, the peak of one core"
               + ("; AMX tiles present, not measured" if "amx_tile" in flags else ""))

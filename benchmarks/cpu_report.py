@@ -36,22 +36,14 @@ KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_til
 
 
 def describe_cpu() -> str:
-    fields: dict[str, str] = {}
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "cpu family", "model", "CPU part") and key not in fields:
-                    fields[key] = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-    except OSError:
-        return "CPU: unknown (no /proc/cpuinfo)"
+    from conveyor.model.dtypes import cpu_flags, cpu_model_name, cpuinfo_field
+
+    flags = cpu_flags()
+    if flags is None:
+        return f"CPU: {cpu_model_name()} (no /proc/cpuinfo)"
     have = [f for f in KERNEL_FLAGS if f in flags]
-    return (f"CPU: {fields.get('model name', '?')}, family {fields.get('cpu family', '?')} "
-            f"model {fields.get('model', '?')}; {os.cpu_count()} CPUs; kernel flags: "
+    return (f"CPU: {cpu_model_name()}, family {cpuinfo_field('cpu family') or '?'} model "
+            f"{cpuinfo_field('model') or '?'}; {os.cpu_count()} CPUs; kernel flags: "
             f"{', '.join(have) or 'none'}")
 
 

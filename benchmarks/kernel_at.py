@@ -11,11 +11,9 @@ import subprocess
 from conveyor.model import kernels
 
 
-def build_at(rev: str, source: str, out_dir: str, *also: str) -> ctypes.CDLL:
-    """``source`` (a file of ``conveyor/model/kernels``, e.g. ``elementwise.c``) with the
-    kernel headers of git revision ``rev``, built alone (with the sources ``also`` it
-    calls into, e.g. ``prefill_attention_amx.c``) into a library whose functions get their
-    C types (``kernels.SIGNATURES``)."""
+def extract_at(rev: str, out_dir: str) -> str:
+    """The ``conveyor/model/kernels`` folder of git revision ``rev``, extracted under
+    ``out_dir``; returns its path."""
     here = os.path.dirname(os.path.abspath(kernels.__file__))
     top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, check=True,
                          capture_output=True, text=True).stdout.strip()
@@ -23,12 +21,20 @@ def build_at(rev: str, source: str, out_dir: str, *also: str) -> ctypes.CDLL:
     archive = subprocess.run(["git", "archive", rev, rel], cwd=top, check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", out_dir], input=archive, check=True)
+    return os.path.join(out_dir, rel)
+
+
+def build_at(rev: str, source: str, out_dir: str, *also: str) -> ctypes.CDLL:
+    """``source`` (a file of ``conveyor/model/kernels``, e.g. ``elementwise.c``) with the
+    kernel headers of git revision ``rev``, built alone (with the sources ``also`` it
+    calls into, e.g. ``prefill_attention_amx.c``) into a library whose functions get their
+    C types (``kernels.SIGNATURES``)."""
+    src_dir = extract_at(rev, out_dir)
     so = os.path.join(out_dir, source.replace(".c", ".so"))
     flags = [*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())]
-    compiler = os.environ.get("CC") or "cc"  # ($CC first, as kernels.load_variant)
-    sources = [os.path.join(out_dir, rel, name) for name in (source, *also)]
-    subprocess.run([compiler, *flags, "-shared", *sources, "-o", so, *kernels._LIBS],
-                   check=True)
+    sources = [os.path.join(src_dir, name) for name in (source, *also)]
+    subprocess.run([kernels.find_compiler() or "cc", *flags, "-shared", *sources, "-o", so,
+                    *kernels._LIBS], check=True)
     lib = ctypes.CDLL(so)
     kernels.bind(lib, only_present=True)
     return lib

@@ -33,7 +33,7 @@ TARGETS = {
 # its CPU lacks them
 MVEC = {"haswell": ("_ZGVe",), "x86-64": ("_ZGVd", "_ZGVe")}
 
-COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+COMPILER = kernels.find_compiler()
 pytestmark = [
     pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
                        reason="x86-64 Linux builds only"),

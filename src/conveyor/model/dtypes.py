@@ -31,16 +31,23 @@ def cpu_flags() -> frozenset[str] | None:
         return None
 
 
-def cpu_model_name() -> str:
-    """/proc/cpuinfo's model name (what every measured figure is labelled with)."""
+def cpuinfo_field(name: str) -> str | None:
+    """The first value of /proc/cpuinfo's field ``name`` (exactly: ``model`` is not
+    ``model name``), or None."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == name:
+                    return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model_name() -> str:
+    """/proc/cpuinfo's model name (what every measured figure is labelled with)."""
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 @functools.cache

@@ -151,12 +151,17 @@ def _build(compiler: str, out_path: str, flags: list[str]) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def find_compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc, else gcc; None if none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def build_for(march: str, isa: str, out_path: str) -> None:
     """Build the library as a CPU of ``-march=march`` would (capped at ``isa``), without
     loading it: tests compile the bodies of CPUs the session does not have (AMX on an
     AMD machine), so a change that breaks another CPU's build fails here, not there.
     Raises CalledProcessError (its ``stderr``: the compiler's) if it does not build."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         raise FileNotFoundError("no C compiler")
     flags = [f"-march={march}" if f == "-march=native" else f for f in _FLAGS]
@@ -182,7 +187,7 @@ def load_variant(isa: str) -> ctypes.CDLL | None:
     cannot be built."""
     if platform.system() != "Linux":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         logger.warning("no C compiler found: native CPU kernels disabled")
         return None

@@ -45,7 +45,6 @@ static inline __m512 max4(const __m512 s[4]) {
     x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
     return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
 }
-
 #endif
 static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restrict v,
                  TIN* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
@@ -214,7 +213,7 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
                  * rescales alpha = e^(old max - new) as online softmax has them. Else the
                  * weights e^(score - reference) stay within e^SLACK and the chunk needs no
                  * max, no alpha and no rescale of the accumulators. */
-                __m512 m_ref = _mm512_permutexvar_ps(
+                const __m512 m_ref = _mm512_permutexvar_ps(
                     lane_of_query, _mm512_castps128_ps512(_mm_loadu_ps(m + i0)));
                 __m512 x[4];
                 __mmask16 passed = 0;
