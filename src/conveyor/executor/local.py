@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import time
 from collections.abc import Callable
 
 import torch
 
+from conveyor import envs
 from conveyor.config import (
     CacheConfig,
     EngineArgs,
@@ -143,7 +143,7 @@ def freeze_startup_heap() -> None:
     objects later (the suffix proposer's trees) set off full collections over that whole
     heap: on the trained spec pair at batch 64, 5.2 us per tree node created against 0.4
     with it frozen. ``CONVEYOR_GC_FREEZE=0`` leaves the collector alone."""
-    if os.environ.get("CONVEYOR_GC_FREEZE", "1") == "0":
+    if not envs.switched_on(envs.GC_FREEZE):
         return
     gc.collect(1)  # the young garbage of start-up (older cycles are rare and stay)
     gc.freeze()

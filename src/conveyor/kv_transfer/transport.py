@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from typing import Protocol
 import msgspec
 import zmq
 
+from conveyor import envs
 from conveyor.kv_transfer.messages import (
     DoneAck,
     DoneNotice,
@@ -39,7 +39,7 @@ from conveyor.kv_transfer.messages import (
 
 logger = logging.getLogger(__name__)
 
-FAULT_ENV = "CONVEYOR_KV_FAULT"
+FAULT_ENV = envs.KV_FAULT
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(WireMessage).decode
 
@@ -56,7 +56,7 @@ class FaultInjection:
 
     @classmethod
     def from_env(cls) -> FaultInjection:
-        spec = os.environ.get(FAULT_ENV, "").strip()
+        spec = envs.kv_fault()
         delay, drop, per = 0.0, False, False
         for part in filter(None, (p.strip() for p in spec.split(","))):
             if part == "drop":

@@ -23,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from conveyor import envs
 from conveyor.model import choice_cache
 from conveyor.model.attention import AttentionMetadata
 from conveyor.model.dtypes import cpu_model_name
@@ -35,7 +36,7 @@ _BLOCK = 16
 
 
 def measuring_enabled() -> bool:
-    return choice_cache.switched_on("CONVEYOR_MEASURE_ATTENTION")
+    return choice_cache.switched_on(envs.MEASURE_ATTENTION)
 
 
 @torch.inference_mode()

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from conveyor import envs
 from conveyor.model.dtypes import cpu_flags, cpu_model_name
 from conveyor.model.presets import cache_root
 
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def switched_on(env_var: str) -> bool:
     """Measuring is on unless ``env_var`` says 0, false, off or no."""
-    return os.environ.get(env_var, "1").strip().lower() not in ("0", "false", "off", "no")
+    return envs.switched_on(env_var)
 
 
 def best_of(fn: Callable[[], object], repeats: int = 3) -> float:

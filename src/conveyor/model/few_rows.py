@@ -25,12 +25,12 @@ a split at N rows (0: none).
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 from torch import nn
 
+from conveyor import envs
 from conveyor.model import choice_cache
 from conveyor.model.dtypes import cpu_model_name
 from conveyor.model.linear_choice import (
@@ -105,8 +105,7 @@ def split_rows(times: dict[int, tuple[float, float]]) -> int:
 
 
 def forced_rows() -> int | None:
-    value = os.environ.get("CONVEYOR_FEW_ROWS", "").strip()
-    return int(value) if value else None
+    return envs.few_rows()
 
 
 def extra_bytes(counts: dict[LinearShape, int], itemsize: int = 2) -> int:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor import envs
 from conveyor.model import choice_cache
 from conveyor.model.dtypes import cpu_model_name
 
@@ -60,7 +61,7 @@ class LinearShape:
 
 
 def measuring_enabled() -> bool:
-    return choice_cache.switched_on("CONVEYOR_MEASURE_LINEARS")
+    return choice_cache.switched_on(envs.MEASURE_LINEARS)
 
 
 def model_shape_counts(model: nn.Module, lm_head: torch.Tensor) -> dict[LinearShape, int]:

@@ -13,6 +13,8 @@ import itertools
 import json
 import os
 
+from conveyor import envs
+
 _COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "torch_dtype": "float32",
            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
@@ -69,8 +71,7 @@ def preset_config(name: str) -> dict:
 
 
 def cache_root() -> str:
-    return os.environ.get("CONVEYOR_CACHE", os.path.join(os.path.expanduser("~"), ".cache",
-                                                         "conveyor"))
+    return envs.cache_root()
 
 
 def resolve_model_path(model: str, load_format: str) -> str:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Sequence
+
+from conveyor import envs
 
 logger = logging.getLogger("conveyor.router")
 
@@ -72,7 +73,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         config = RouterConfig(urls, routing=args.routing, replica_api_key=(
-            args.api_key or os.environ.get("CONVEYOR_API_KEY") or None))
+            args.api_key or envs.api_key()))
     except ValueError as e:
         raise SystemExit(f"conveyor serve: {e}") from None
     base = [sys.executable, "-m", "conveyor.serve", *replica_argv(argv), "--host", "127.0.0.1"]

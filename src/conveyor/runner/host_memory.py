@@ -19,7 +19,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
+
+from conveyor import envs
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,7 @@ _applied: bool | None = None
 
 
 def enabled() -> bool:
-    value = os.environ.get("CONVEYOR_KEEP_HOST_MEMORY", "1").strip().lower()
-    return value not in ("0", "false", "off", "no")
+    return envs.switched_on(envs.KEEP_HOST_MEMORY)
 
 
 def keep_freed_host_memory() -> bool:

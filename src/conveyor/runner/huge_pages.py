@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
 
 import torch
+
+from conveyor import envs
 
 MADV_HUGEPAGE = 14  # linux/mman.h
 HUGE_PAGE = 2 << 20
@@ -26,8 +27,7 @@ MIN_BYTES = 4 * HUGE_PAGE  # below this a pool gains little and wastes its paddi
 
 
 def enabled() -> bool:
-    value = os.environ.get("CONVEYOR_HUGE_PAGES", "1").strip().lower()
-    return value not in ("0", "false", "off", "no")
+    return envs.switched_on(envs.HUGE_PAGES)
 
 
 def _madvise():

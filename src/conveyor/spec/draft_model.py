@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from conveyor import envs
 from conveyor.config import CacheConfig, ModelConfig, load_model_config
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.model.attention import AttentionMetadata
@@ -349,8 +350,7 @@ def native_draft_possible(cfg: ModelConfig, device: torch.device) -> bool:
     """Whether a draft's greedy proposals may run as one native loop: a float32 model on
     a CPU where the native GEMM builds (the tables are checked when built; a model that
     does not fit stays on PyTorch), unless ``CONVEYOR_NATIVE_DRAFT=0``."""
-    if os.environ.get("CONVEYOR_NATIVE_DRAFT", "1").strip().lower() in ("0", "false", "off",
-                                                                       "no"):
+    if not envs.switched_on(envs.NATIVE_DRAFT):
         return False
     if device.type != "cpu" or cfg.math_dtype != "float32" or cfg.dtype != "float32":
         return False

@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import hmac
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request
@@ -32,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from conveyor import __version__
+from conveyor import __version__, envs
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core import KV_SUMMARY_DEFAULT_BLOCKS, KV_SUMMARY_MAX_BLOCKS
 from conveyor.engine.messages import UtilityMethod
@@ -55,7 +54,7 @@ from conveyor.metrics import CONTENT_TYPE, EngineMetrics
 
 logger = logging.getLogger("conveyor.server")
 
-API_KEY_ENV = "CONVEYOR_API_KEY"
+API_KEY_ENV = envs.API_KEY
 _OPEN_PATHS = frozenset({"/health"})
 
 
@@ -311,7 +310,7 @@ def run_server(args: argparse.Namespace) -> int:
     # (finish_listeners) instead of piling up in the engine's finished_metrics.
     engine = AsyncEngine.from_engine_args(engine_args, process=args.engine_core == "process",
                                           keep_metrics=False)
-    state = make_state(engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+    state = make_state(engine, api_key=args.api_key or envs.api_key(),
                        request_timeout_s=args.request_timeout, chat_template=args.chat_template,
                        max_body_bytes=args.max_request_body_bytes)
     cfg = engine.info.config

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 
+from conveyor import envs
 from conveyor.model.dtypes import cpu_flags
 from conveyor.model.presets import cache_root
 
@@ -63,8 +64,7 @@ def _cpu_key() -> str:
 
 def native_kernels_enabled() -> bool:
     """False when ``CONVEYOR_NATIVE_KERNELS`` says no (0, false, off, no)."""
-    value = os.environ.get("CONVEYOR_NATIVE_KERNELS", "1").strip().lower()
-    return value not in ("0", "false", "off", "no")
+    return envs.switched_on(envs.NATIVE_KERNELS)
 
 
 def why_unavailable() -> str:
@@ -78,7 +78,7 @@ def kernel_isa() -> str:
     """The instruction-set cap of ``CONVEYOR_KERNEL_ISA`` (native, avx512bf16: native
     less AMX, avx512: less AVX-512 BF16 too, avx2, portable; amx-emulated: the native
     build with the AMX body on scalar tiles, for tests)."""
-    isa = os.environ.get("CONVEYOR_KERNEL_ISA", "native").strip().lower() or "native"
+    isa = envs.kernel_isa()
     if isa not in ISA_FLAGS:
         raise ValueError(f"CONVEYOR_KERNEL_ISA={isa!r}: expected one of {sorted(ISA_FLAGS)}")
     return isa
