@@ -18,18 +18,15 @@ reported losses and ``code_prompts`` come from them.
   256-token windows only: quality falls off past ~256 positions.
 - training: AdamW, linear warmup then cosine decay to 10%, batches of 8 random 256-token
   windows of the concatenated train files (``<s>`` file ``</s>`` ...), 2 threads, seed 0,
-  bfloat16 autocast where the CPU has bf16 instructions (weights stay float32; 2.5x faster
-  than float32 on the Zen 5, the same loss in a 250-step test). The target first; then
-  the draft, **distilled from it**: its loss is 0.1 x the corpus token's cross entropy +
-  0.9 x KL(target || draft) over the whole next-token distribution (the target run on
-  the same windows, no gradient), as drafts are trained to agree with their target
-  (DistillSpec; EAGLE and Medusa train on the target's outputs too). A fixed number of
-  steps (1500 target, 800 draft) keeps the result reproducible (the target's held-out
-  loss came out 4.0623 on a Zen 5 and on a Zen 4). On the 2-core Zen 5 a target step
-  took 0.26 s; on the 2-core Zen 4, 0.47 s, and a distilled draft step 0.37 s: 12 and
-  5 minutes; on a 2-core Zen 3 (AVX2, no bf16: float32) a target step took 1.0 s.
-  ``--minutes-target`` / ``--minutes-draft`` instead size the step count
-  from a 3-step timing run (not reproducible). A run that spends over 3x its planned
+  bfloat16 autocast where the CPU has bf16 instructions (weights stay float32; faster,
+  at the same loss). The target first; then the draft, **distilled from it**: its loss
+  is 0.1 x the corpus token's cross entropy + 0.9 x KL(target || draft) over the whole
+  next-token distribution (the target run on the same windows, no gradient), as drafts
+  are trained to agree with their target (DistillSpec; EAGLE and Medusa train on the
+  target's outputs too). A fixed number of steps (1500 target, 800 draft) keeps the
+  result reproducible (the same held-out loss on different CPUs). ``--minutes-target`` /
+  ``--minutes-draft`` instead size the step count from a 3-step timing run (not
+  reproducible). A run that spends over 3x its planned
   time in CPU time (2.5x more planned without bf16; not wall time, so a busy machine
   does not cut it short) stops early and is marked ``truncated`` in the manifest.
 - held-out loss (nats/token, float32, 128 fixed windows): target 4.06; draft 4.18
@@ -82,9 +79,8 @@ MODELS: dict[str, dict[str, Any]] = {
                             num_key_value_heads=2, intermediate_size=1024),
                "steps": 1500, "lr": 3e-3, "minutes": 4.5},
     # The draft learns the target's next-token distribution (KL, weight 0.9) besides the
-    # corpus token: on the 2-core Zen 4 it then agreed with the target's argmax on 73% of
-    # the target's greedy continuations against 64% trained on the corpus alone, and its
-    # own held-out loss fell too (4.24 against 4.44 nats, 592 steps).
+    # corpus token: it then agrees with the target's argmax more often than a draft
+    # trained on the corpus alone, and its own held-out loss is lower too.
     "draft": {"arch": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, intermediate_size=384),
               "steps": 800, "lr": 3e-3, "minutes": 5.5, "distill": 0.9},
@@ -285,9 +281,8 @@ def train_model(name: str, data: Any, minutes: float | None, autocast: bool,
         model, spec["lr"], data, minutes, autocast)
     planned_s = 60 * (minutes if minutes is not None else spec["minutes"])
     if not autocast and minutes is None:
-        # The minutes were planned with bf16 autocast (2.5x faster than float32 on the
-        # Zen 5); without bf16 instructions the same steps take that much longer. (With 3x
-        # alone, a 2-core Zen 3 stopped the target at step 822 of 1500: 4.48 nats.)
+        # The minutes were planned with bf16 autocast; without bf16 instructions the same
+        # steps take FP32_SLOWDOWN times longer, so the cap that stops a run grows alike.
         planned_s *= FP32_SLOWDOWN
     opt = make_optimizer(model, spec["lr"])
     gen = torch.Generator().manual_seed(SEED + (1 if name == "target" else 2))
