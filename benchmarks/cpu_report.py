@@ -6,17 +6,18 @@ another, each writing its own output to ``<out>/<name>.txt`` as well as the term
 
 - ``pytest`` of the kernel tests (every body this CPU builds, the AMX one included where
   the CPU has AMX);
-- ``prefill_attention.py`` (bf16 and fp32: SDPA against each kernel body);
-- ``prefill_step.py`` in both dtypes (a 2,048-token step against its GEMM floor: on AMX
+- ``kernels/prefill_attention.py`` (bf16 and fp32: SDPA against each kernel body);
+- ``steps/prefill_step.py`` in both dtypes (a 2,048-token step against its GEMM floor: on AMX
   the issue's target is bf16 within 1.5x);
-- ``decode_step.py`` in both dtypes at batch 32 (the step against the floor of every
+- ``steps/decode_step.py`` in both dtypes at batch 32 (the step against the floor of every
   linear backend, and where the rest goes);
 - ``peers/run.py --peers conveyor,vllm --interleave`` (both dtypes), unless
   ``--no-peers`` (it installs vLLM's CPU wheel on first use: minutes).
 
-    python benchmarks/cpu_report.py                # ~11 minutes on 2 cores
-    python benchmarks/cpu_report.py --no-peers     # ~4 minutes
+    python -m benchmarks.cpu_report                # ~11 minutes on 2 cores
+    python -m benchmarks.cpu_report --no-peers     # ~4 minutes
 
+Each benchmark runs as a module (``python -m benchmarks...``) from the repository root.
 A step that fails is reported and the rest still run; the exit status says whether all
 passed.
 """
@@ -53,17 +54,17 @@ def steps(peers: bool) -> list[tuple[str, list[str]]]:
         ("kernel-tests", [py, "-m", "pytest", "-q", "tests/test_prefill_attention.py",
                           "tests/test_decode_attention.py", "tests/test_elementwise_builds.py",
                           "tests/test_packed_linear.py", "tests/test_kernel_cross_builds.py"]),
-        ("prefill-attention", [py, "benchmarks/prefill_attention.py",
+        ("prefill-attention", [py, "-m", "benchmarks.kernels.prefill_attention",
                                "--tokens", "32,146,256,1024"]),
     ]
     for dtype in ("bfloat16", "float32"):
-        out.append((f"prefill-step-{dtype}", [py, "benchmarks/prefill_step.py", "--dtype",
-                                               dtype, "--rounds", "5"]))
+        out.append((f"prefill-step-{dtype}", [py, "-m", "benchmarks.steps.prefill_step",
+                                               "--dtype", dtype, "--rounds", "5"]))
     for dtype in ("bfloat16", "float32"):
-        out.append((f"decode-step-{dtype}", [py, "benchmarks/decode_step.py", "--dtype",
-                                              dtype, "--batch", "32"]))
+        out.append((f"decode-step-{dtype}", [py, "-m", "benchmarks.steps.decode_step",
+                                              "--dtype", dtype, "--batch", "32"]))
     if peers:
-        out.append(("peers", [py, "benchmarks/peers/run.py", "--peers", "conveyor,vllm",
+        out.append(("peers", [py, "-m", "benchmarks.peers.run", "--peers", "conveyor,vllm",
                               "--interleave"]))
     return out
 

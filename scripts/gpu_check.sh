@@ -9,7 +9,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(), torch.__version__)"
 python -m pytest -q -m gpu tests/test_gpu.py
 for model in qwen3-0.6b llama3-8b; do
-    timeout 240 python benchmarks/gpu_decode.py --model "$model" --batches 1,8,64,256 --steps 10
+    timeout 240 python -m benchmarks.steps.gpu_decode --model "$model" --batches 1,8,64,256 --steps 10
     timeout 120 python -m conveyor.entrypoints.cli bench --model "$model" --load-format dummy \
         --device cuda --dtype bfloat16 --num-requests 64 --input-len fixed:512 --output-len fixed:128 \
         --max-num-seqs 64

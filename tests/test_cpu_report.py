@@ -6,6 +6,7 @@ flags that pick kernels."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +26,11 @@ def test_every_step_names_files_that_exist() -> None:
     assert [name for name, _ in steps][-1] == "peers"
     assert "peers" not in [name for name, _ in report.steps(peers=False)]
     for _, cmd in steps:
-        paths = [a for a in cmd[1:] if a.endswith(".py")]
+        args = cmd[1:]
+        # A file named outright (a test) or a benchmark run as a module (``-m benchmarks.x``).
+        paths = [a for a in args if a.endswith(".py")]
+        paths += [module.replace(".", "/") + ".py" for flag, module in itertools.pairwise(args)
+                  if flag == "-m" and module.startswith("benchmarks.")]
         assert paths, cmd
         for path in paths:
             assert os.path.isfile(os.path.join(ROOT, path)), path

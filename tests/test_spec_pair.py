@@ -1,4 +1,4 @@
-"""benchmarks/spec_pair.py's training step: a draft distilled from its target learns the
+"""benchmarks/spec/spec_pair.py's training step: a draft distilled from its target learns the
 target's next-token distribution, not only the corpus token."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import sys
 
 import torch
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "spec_pair.py")
+_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "spec",
+                     "spec_pair.py")
 
 
 def _spec_pair():

@@ -130,7 +130,8 @@ def ensure_gguf(checkpoint: str, outtype: str, convert_python: str, llama_src: s
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "convert_gguf.py")
     cmd = [convert_python, script, llama_src, checkpoint, out, outtype]
     print(f"converting the checkpoint to GGUF ({outtype}): {out}", flush=True)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # The converter's own folder is its import path (it imports ``conversion`` from there).
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": llama_src}
     with open(log_path, "a") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()

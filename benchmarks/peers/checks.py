@@ -55,7 +55,7 @@ def record_mismatches(records_path: str, rows: list[TraceRow]) -> Mismatches:
 def text_prompt_failures(checkpoint: str, prompts: list[list[int]]) -> list[int]:
     """Indices of prompts whose text (as `conveyor bench --prompt-format text` sends it)
     would not tokenize back to the same ids."""
+    from benchmarks.peers.checkpoint import round_trip_failures
     from conveyor.engine.detokenizer import load_tokenizer
-    from peers.checkpoint import round_trip_failures
 
     return round_trip_failures(load_tokenizer(checkpoint), prompts)

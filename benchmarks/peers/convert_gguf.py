@@ -2,7 +2,10 @@
 
 Runs inside the llamacpp venv (never the project's):
 
-    python convert_gguf.py LLAMA_CPP_SRC CHECKPOINT OUTFILE OUTTYPE
+    PYTHONPATH=LLAMA_CPP_SRC python convert_gguf.py LLAMA_CPP_SRC CHECKPOINT OUTFILE OUTTYPE
+
+(``LLAMA_CPP_SRC`` on the path, as when llama.cpp's converter runs as a script of its
+folder: it imports its ``conversion`` package from there.)
 
 The converter names a BPE tokenizer's pre-tokenizer by hashing how it encodes a
 probe text, and refuses tokenizers it has never seen. The checkpoint's tokenizer is
@@ -25,7 +28,6 @@ def main(argv: list[str]) -> None:
     if len(argv) != 4:
         sys.exit(__doc__)
     src, checkpoint, outfile, outtype = argv
-    sys.path.insert(0, src)
     from conversion import base
 
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: PRE_TOKENIZER

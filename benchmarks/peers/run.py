@@ -1,11 +1,11 @@
 """Peers, side by side on this machine: conveyor, vLLM (CPU), HF generate, transformers
 serve and llama.cpp on the same checkpoint, the same workload file and the same client.
 
-    python benchmarks/peers/run.py                      # the full table (bf16 and fp32)
-    python benchmarks/peers/run.py --setup              # only install the peers, then exit
-    python benchmarks/peers/run.py --smoke              # 4 short requests, 1 run: a pipeline check
-    python benchmarks/peers/run.py --peers conveyor,vllm --dtypes bf16 --runs 1
-    python benchmarks/peers/run.py --peers conveyor,vllm --trace AZURE_CSV   # the trace sample
+    python -m benchmarks.peers.run  # the full table (bf16 and fp32)
+    python -m benchmarks.peers.run --setup  # only install the peers, then exit
+    python -m benchmarks.peers.run --smoke  # 4 short requests, 1 run: a pipeline check
+    python -m benchmarks.peers.run --peers conveyor,vllm --dtypes bf16 --runs 1
+    python -m benchmarks.peers.run --peers conveyor,vllm --trace AZURE_CSV  # the trace sample
 
 Every server is started once per dtype on a free loopback port, waited for, warmed up
 with a few short requests, driven --runs times by `conveyor bench --backend openai`
@@ -30,18 +30,14 @@ import sys
 import time
 from datetime import datetime
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(REPO, "src"))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from peers import install  # noqa: E402
-from peers.checkpoint import ensure_checkpoint, ensure_gguf  # noqa: E402
-from peers.checks import record_mismatches, text_prompt_failures  # noqa: E402
-from peers.servers import Server, ServerError, tail  # noqa: E402
-from peers.systems import GGUF_TYPE, SERVED_NAME, SYSTEMS, Context, System  # noqa: E402
-from peers.table import RunFigures, SystemResult, format_table  # noqa: E402
-from peers.workload_file import (  # noqa: E402
+from benchmarks.common import REPO
+from benchmarks.peers import install
+from benchmarks.peers.checkpoint import ensure_checkpoint, ensure_gguf
+from benchmarks.peers.checks import record_mismatches, text_prompt_failures
+from benchmarks.peers.servers import Server, ServerError, tail
+from benchmarks.peers.systems import GGUF_TYPE, SERVED_NAME, SYSTEMS, Context, System
+from benchmarks.peers.table import RunFigures, SystemResult, format_table
+from benchmarks.peers.workload_file import (
     TraceSpec,
     WorkloadSpec,
     bench_workload_argv,
@@ -49,6 +45,8 @@ from peers.workload_file import (  # noqa: E402
     write_requests_json,
     write_workload,
 )
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # The issue's figures on this machine (tokens/s bf16, fp32; startup s), for the wall-time
 # estimate only; conveyor's own is a guess.
@@ -257,7 +255,7 @@ def run_server(system: System, dtype: str, ctx: Context, args: argparse.Namespac
                workload: str, warmup: str, spec: WorkloadSpec | TraceSpec, rows: list,
                out_dir: str
                ) -> SystemResult:
-    from peers.servers import free_port
+    from benchmarks.peers.servers import free_port
 
     res = SystemResult(system.name, dtype, note=system.note)
     if "text" in system.bench_args:
@@ -299,7 +297,7 @@ def run_interleaved(systems: list[System], dtype: str, ctx: Context, args: argpa
     slow minutes to whichever ran then; in turns, every system gets every minute.
     Idle servers wait on their sockets; each run starts once the machine is quiet
     (``wait_until_quiet``: the run before it may leave threads spinning down)."""
-    from peers.servers import free_port, wait_until_quiet
+    from benchmarks.peers.servers import free_port, wait_until_quiet
 
     results = {s.name: SystemResult(s.name, dtype, note=s.note) for s in systems}
     with contextlib.ExitStack() as stack:
@@ -421,7 +419,7 @@ def save(out_dir: str, results: dict[str, list[SystemResult]], args: argparse.Na
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(doc, f, indent=1, default=str)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
-        f.write(f"`python benchmarks/peers/run.py {shlex.join(sys.argv[1:])}`: "
+        f.write(f"`python -m benchmarks.peers.run {shlex.join(sys.argv[1:])}`: "
                 f"{spec.describe()}, median of {args.runs} run(s), {args.threads} threads, "
                 f"wall time {wall_s / 60:.1f} min\n\n")
         for dtype, res in results.items():

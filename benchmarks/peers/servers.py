@@ -170,9 +170,8 @@ def wait_until_quiet(threshold: float = 0.10, window_s: float = 0.25,
                      timeout_s: float = 10.0, read=cpu_counters, sleep=time.sleep) -> float:
     """Wait until the machine's CPUs were at most ``threshold`` busy over one window
     (every core counted): what the last run left spinning has stopped. vLLM's CPU worker
-    keeps a core busy for ~1 s after its last step (its OpenMP threads spin down); a run
-    started in that second shares the cores with it (on a 2-core Zen 5, conveyor's
-    first 2,048-token prefill step ran 1.0-1.2 s against 0.6-0.7 s). Returns the
+    keeps a core busy for about a second after its last step (its OpenMP threads spin
+    down); a run started in that second shares the cores with it. Returns the
     seconds waited (windows x ``window_s``), ``timeout_s`` at most; 0 where the counters
     cannot be read."""
     before = read()

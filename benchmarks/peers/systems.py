@@ -16,8 +16,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from peers.install import PeerPaths
-from peers.servers import HOST, ServerSpec
+from benchmarks.peers.install import PeerPaths
+from benchmarks.peers.servers import HOST, ServerSpec
 
 SERVED_NAME = "peer-model"
 TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}

@@ -1,0 +1,1 @@
+"""One-off experiments: a question asked once, kept to be asked again."""

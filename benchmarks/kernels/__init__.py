@@ -1,0 +1,1 @@
+"""The native CPU kernels alone: attention, elementwise, GEMM, and the core's peak."""

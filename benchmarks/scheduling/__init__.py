@@ -1,0 +1,1 @@
+"""Batching modes, scheduling policies and the prefix cache, on the real engine."""

@@ -1,0 +1,1 @@
+"""The engine behind HTTP: serving overhead, disaggregation and the router, live."""

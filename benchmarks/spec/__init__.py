@@ -1,0 +1,1 @@
+"""Speculative decoding: the trained target/draft pair and the method grids."""

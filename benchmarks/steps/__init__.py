@@ -1,0 +1,1 @@
+"""One engine step (decode, prefill, tensor parallel, GPU) against its floor."""
