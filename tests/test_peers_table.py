@@ -16,10 +16,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-# The repository root, where the ``benchmarks`` package is (``python -m pytest`` from the
-# root has it already; a bare ``pytest`` does not).
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from benchmarks.peers.checkpoint import (
     SPECIAL_TOKENS,
     bpe_vocab,
