@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.config import SchedulerConfig
 from conveyor.core.batch_shape import prefill_and_decode_rows
-from conveyor.core.budget import BudgetController, StepCostModel, budget_mode
+from conveyor.core.budget import BudgetController, budget_mode
 from conveyor.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from conveyor.core.policies import PolicyContext, SchedulingPolicy, make_policy
 from conveyor.core.scheduler_output import (
@@ -48,6 +48,7 @@ from conveyor.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from conveyor.costs.protocol import StepCostModel
 from conveyor.kv_transfer.connector import KV_TRANSFER_FAILED
 from conveyor.request import Request, RequestStatus
 from conveyor.spec.controller import BatchStepCost, DraftLengthController, DraftRow, StepCost

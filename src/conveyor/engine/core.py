@@ -21,10 +21,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from conveyor.config import EngineConfig, kv_hash_key
-from conveyor.core.budget import StepCostModel
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import RequestUpdate, Scheduler
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from conveyor.costs.protocol import StepCostModel
 from conveyor.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,

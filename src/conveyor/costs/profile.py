@@ -73,7 +73,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from conveyor.config import ModelConfig
-from conveyor.sim.batch import BatchShape
+from conveyor.costs.shape import BatchShape
 
 FEATURES = ("step", "matrix", "rows", "tokens", "tokens_over_knee", "prefill_attention",
             "decode_attention", "sampled", "tokens_under_small_knee", "prefill_rows",
