@@ -35,12 +35,12 @@ import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from conveyor.config import SchedulerConfig
 from conveyor.core.batch_shape import prefill_and_decode_rows
 from conveyor.core.budget import BudgetController, budget_mode
 from conveyor.core.kv_cache_manager import ComputedBlocks, KVCacheManager
+from conveyor.core.kv_connector import KV_TRANSFER_FAILED, SchedulerKVConnector
 from conveyor.core.policies import PolicyContext, SchedulingPolicy, make_policy
 from conveyor.core.scheduler_output import (
     CachedRequestData,
@@ -49,12 +49,8 @@ from conveyor.core.scheduler_output import (
     SchedulerOutput,
 )
 from conveyor.costs.protocol import StepCostModel
-from conveyor.kv_transfer.connector import KV_TRANSFER_FAILED
 from conveyor.request import Request, RequestStatus
 from conveyor.spec.controller import BatchStepCost, DraftLengthController, DraftRow, StepCost
-
-if TYPE_CHECKING:
-    from conveyor.kv_transfer.connector import KVConnectorScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +105,7 @@ class Scheduler:
                  policy: SchedulingPolicy | None = None,
                  step_cost: StepCostModel | None = None,
                  spec_cost: StepCost | None = None,
-                 connector: KVConnectorScheduler | None = None) -> None:
+                 connector: SchedulerKVConnector | None = None) -> None:
         """``connector``: the KV connector's scheduler half (prefill/decode disaggregation;
         None: every prompt is computed here). ``step_cost``: the SLO token budget's
         step-cost model (``core/budget.py``).

@@ -26,11 +26,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from conveyor.config import EngineArgs, ModelConfig, resolve_engine_config
+from conveyor.core.kv_connector import KVWorkerReport
 from conveyor.core.scheduler_output import ModelRunnerOutput
 from conveyor.costs.protocol import MachineCostModel
 from conveyor.engine.messages import EngineCoreRequest
 from conveyor.executor.cost_model import CostModelExecutor
-from conveyor.kv_transfer.messages import KVTransferParams, KVWorkerReport
+from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.outputs import RequestMetrics
 from conveyor.sampling_params import SamplingParams
 from conveyor.sim.model import resolve_sim_model
