@@ -20,10 +20,7 @@ GLOBAL_DECAY = 0.995
 # the text (a loop the drafts follow, then code they cannot guess), and what failed a
 # stretch ago says less about the text now. Without it a request whose estimate fell in
 # one bad stretch stays below the rule's bar (nothing verified, nothing moves it) until
-# a probe. Measured with the trained draft at batch 1 (drafts 1.00 a token with it
-# against 0.36, 1.17x off against 1.04x, one in-process A/B), where it is then kept off;
-# n-gram on the trained pair, with it and without: 1.095x / 1.102x at batch 16, 0.973x /
-# 0.948x at batch 64 (neutral within this VM's noise).
+# a probe.
 
 
 def own_counts(req: Request, fade: bool = True,
@@ -52,13 +49,11 @@ class PriorWeight:
     Requests that differ (an n-gram on code that repeats itself against code that does
     not) make ``w`` small: a request's own record decides. Requests that are alike (a
     draft model's, on one kind of text) make it large: one rejection does not stop a
-    request's drafts for good. (With a fixed ``w`` of 2, one rejection at draft 1 took
-    the trained draft model's estimate from 0.74 to 0.49 and its drafts off; nothing
-    verified, nothing moved it back: 141 of 3,698 decode steps at batch 1 verified
-    drafts.) ``LOW`` until ``MIN_REQUESTS`` requests of ``MIN_TRIES`` tries finished.
-    (A weight of 8 there instead drafted less in three in-process A/Bs with the trained
-    draft at batch 1 on a 2-core Zen 3: 0.20, 0.62, 0.35 drafts a token against 0.48,
-    0.77, 0.50; it pulls a request in a good stretch down to the proposer's mean.)"""
+    request's drafts for good. (With a small fixed ``w``, one early rejection takes a
+    good draft model's estimate below the rule's bar, and with nothing verified nothing
+    moves it back.) ``LOW`` until ``MIN_REQUESTS`` requests of ``MIN_TRIES`` tries
+    finished (a larger weight there pulls a request in a good stretch down to the
+    proposer's mean)."""
 
     LOW, HIGH = 2.0, 64.0
     MIN_REQUESTS = 8

@@ -31,8 +31,8 @@ class OutcomeGuard:
     MAX_NEED_ON = 256  # ... and at most this many between verdicts while drafts pay
     DECAY_ON = 0.95  # per drafted step: a verdict weighs the last ~20 of them
     TRIAL = 3  # clean off steps a verdict compares with
-    # ... taken at most this many steps (of any size) before the verdict: this VM's speed
-    # drifts 5-10% between minutes, so off steps from another phase of the run (the
+    # ... taken at most this many steps (of any size) before the verdict: a shared
+    # machine's speed drifts between minutes, so off steps from another phase of the run (the
     # first steps at a size, the rule's own pause long ago) judged drafts against a
     # different machine; a verdict without fresh ones runs its trial first.
     FRESH_OFF = 64
@@ -41,9 +41,9 @@ class OutcomeGuard:
     MAX_UNSURE = 2  # ... or after this many verdicts put off (then the estimate decides)
     # A verdict without fresh off steps skips its trial when the drafted steps beat the
     # off steps of the last trial that found drafts paying by this factor, that trial at
-    # most WON_AGE steps old: the VM's drift (5-10% between minutes) cannot make such a
-    # win, and each trial's off steps cost most where drafts pay most (at batch 1 and
-    # 0.9 acceptance, 3 steps of 1 token where a drafted step makes 4).
+    # most WON_AGE steps old: a machine's drift cannot make such a win, and each
+    # trial's off steps cost most where drafts pay most (a step of one token each where
+    # a drafted step makes several).
     WIN_MARGIN = 0.6
     WON_AGE = 1024
     MAX_COOL_OFF = 4096

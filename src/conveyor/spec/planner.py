@@ -58,22 +58,19 @@ class DraftLengthController:
     EXPLORE_EVERY = 16
     # After a plan that drafts nothing (adaptive), the next steps at the same batch size
     # reuse it, this many in all before planning afresh: nothing was verified, so no
-    # acceptance moved, and the step-cost fit moves slowly. On a model whose step is
-    # ~1 ms the full plan is 1-2% of a step (benchmarks/spec_decode.py's small target).
-    # Each further plan in a row at that size that drafts nothing doubles the reuse, up
-    # to MAX_DORMANT_DOUBLINGS times (the rule's probes wait for a plan: at most
-    # DORMANT_STEPS << MAX_DORMANT_DOUBLINGS steps late).
+    # acceptance moved, and the step-cost fit moves slowly (on a small model a full
+    # plan is a visible share of a step). Each further plan in a row at that size that
+    # drafts nothing doubles the reuse, up to MAX_DORMANT_DOUBLINGS times (the rule's
+    # probes wait for a plan: at most DORMANT_STEPS << MAX_DORMANT_DOUBLINGS steps late).
     DORMANT_STEPS = 8
     MAX_DORMANT_DOUBLINGS = 3
     # A slot is taken only if it is worth this many times its cost: one that barely pays
     # gains next to nothing, and what the cost model leaves out (a drafted step's verify
-    # work, the fit's noise) makes it lose. Synthetic acceptance 0.6 at batch 32 priced a
-    # first draft at 0.071 ms of value against 0.068 of cost; drafting there ran 0.86x
-    # off (k = 4: 0.84x) until the outcome guard switched it off, again after each
-    # cool-off.
+    # work, the fit's noise) makes it lose, and the outcome guard then switches it off
+    # again after every cool-off.
     BENEFIT_MARGIN = 1.2
     # Whether a plan prices drafts against the whole step, prefill chunks included (the
-    # rule before 76e406a; kept for in-process A/Bs): see ``_plan_by_benefit``.
+    # earlier rule, kept for in-process A/Bs): see ``_plan_by_benefit``.
     PRICE_PREFILL = False
 
     def __init__(self, config: SpeculativeConfig, cost: StepCostModel | None) -> None:
@@ -103,10 +100,7 @@ class DraftLengthController:
         self.metrics = SpecMetrics(config.method, k)
         # Whether a request's own record fades while it does not draft (REQUEST_DECAY's
         # note). Not for a draft model: a request that resumes drafting pays a catch-up
-        # on the text since, which no fit prices (at batch 16, 0.92x and 0.95x off with
-        # the fade against 1.00x and 0.99x without in two in-process A/Bs, drafting
-        # 0.08 a token; the engines were built in one order, so part of it may be where
-        # they landed).
+        # on the text since, which no fit prices.
         self.fade_idle = not config.writes_draft_kv
         # The largest draft length chosen in the last step at each batch size (power-of-two
         # bucket of decoding requests): what a request that starts decoding next step is
@@ -118,9 +112,8 @@ class DraftLengthController:
         """The proposer-wide estimate per position (every request's, decayed). A position
         tried rarely leans on the one before it (one pseudo-try at its estimate), not on
         1 in 2: positions are tried only where the ones before them were accepted, so a
-        later one starts unmeasured, and priced at 1 in 2 it stayed untried (the trained
-        draft at batch 1 on a 2-core Zen 3: draft 4 sat at 0.50 for whole runs while
-        drafts 1-3 read 0.80-0.95, and the plan stopped at k = 3)."""
+        later one starts unmeasured, and priced at 1 in 2 it would stay untried (the plan
+        stopping short of it while the positions before it are accepted)."""
         out, before = [], 0.5
         for acc, tried in zip(self._glob_acc, self._glob_try):
             before = (acc + before) / (tried + 1.0) if out else acc / tried
@@ -241,9 +234,9 @@ class DraftLengthController:
         """Drafts to propose for a request whose prompt ends this step, so that its first
         decode verifies some, in a step of ``batch`` decoding requests: what the last
         plan at that batch size chose. A size not planned yet takes the nearest smaller
-        one's (drafts that do not pay at a size pay at no larger one; at batch 4 a draft
-        model's catch-up on four whole prompts for drafts the next plan refused was 2.5%
-        of the run), and ``num_speculative_tokens`` before any plan."""
+        one's (drafts that do not pay at a size pay at no larger one, and a draft model's
+        catch-up on whole prompts for drafts the next plan refuses is pure loss), and
+        ``num_speculative_tokens`` before any plan."""
         key = batch.bit_length()
         for b in range(key, 0, -1):
             k = self._k_want_at.get(b)
@@ -281,10 +274,8 @@ class DraftLengthController:
         if not any(r.cap for r in rows):
             # Every request is on its last token: no draft could be verified, whatever
             # it cost, so this step says nothing about whether drafts pay at this size.
-            # Recorded as "none" (k_want_for, dormancy), it made the next request start
-            # without drafts: at batch 1 on the trained pair, every request that ended on
-            # a step of its own sent the next into a run of dormant plans, 1.03x off
-            # where k = 4 ran 1.71x.
+            # Recorded as "none" (k_want_for, dormancy), it would make the next request
+            # start without drafts, in a run of dormant plans.
             self.metrics.last_num_draft_tokens = 0
             self._explored = set()
             return False
@@ -338,16 +329,11 @@ class DraftLengthController:
         return True
 
     # Drafts a probe verifies, at most: the slope of a decode row comes from the probe's
-    # step against the draft-free ones, whose time varies by ~0.5 ms on this VM at batch
-    # 4 (1.4 ms). One request's 4 drafts priced a row at 0.25 ms where it cost 0.07, the
-    # rule refused, the probes backed off and suffix drafting (1.2x there) stayed off
-    # for the run; 16 rows put such noise at 0.03 ms a row. Every probed request of a
-    # draft model pays a catch-up: at most PROBE_DRAFT_MODEL_ROWS of them, each to its
-    # cap. (They proposed one draft each while a further draft cost a forward in Python:
-    # 4 rows over a step that varies by ~0.5 ms priced a verify row at 0.17-0.47 ms
-    # where one cost ~0.05, at batch 4 on a 2-core Zen 5, and the draft model drafted
-    # 0.2-0.6 a token, 0.96-1.01x off where k = 4 ran 1.23-1.29x. A further draft now
-    # costs ~0.07 ms: draft_forward.c.)
+    # step against the draft-free ones, whose time is noisy; a few drafts spread that
+    # noise over few rows, price a row far above its cost, and the rule then refuses
+    # for good. Every probed request of a draft model pays a catch-up: at most
+    # PROBE_DRAFT_MODEL_ROWS of them, each to its cap (a probe of one draft each is too
+    # few rows to read the slope from).
     PROBE_DRAFTS = 16
     PROBE_DRAFT_MODEL_ROWS = 4
 
@@ -390,9 +376,7 @@ class DraftLengthController:
     # A catch-up is paid once and serves every later step's drafts (each proposal after
     # it is steady): its price is spread over the steps the request then verifies
     # drafts for, up to this many. Charged whole to one step's drafts, a catch-up over a
-    # 128-token prompt (2.9 ms on a 2-core Zen 5) against a 1.3 ms step never paid,
-    # grew while the request waited, and the trained draft at batch 1 drafted 0.12 a
-    # token (0.99x off) where k = 4 ran 1.42x.
+    # prompt costs more than a step and never pays, and grows while the request waits.
     CATCH_UP_HORIZON = 8
 
     def _catch_up_steps(self, row: DraftRow, prior: list[float]) -> float:
@@ -413,10 +397,9 @@ class DraftLengthController:
         self._priced = False
         # Drafts are priced against the step's decode part alone: a prefill chunk's time
         # buys prompt tokens, not sampled ones, and counted in T0 it made drafts look
-        # cheap (a step of 8 decodes and 1,024 prefill tokens yields 8 tokens in ~100
-        # ms), so such a step drafted for requests that then caught up on whole prompts,
-        # for drafts verified in the decode-only steps after it, where they did not pay
-        # (batch 16 on the trained pair: 20 ms of catch-ups a round, 1.3% of it).
+        # cheap (a long prefill chunk yields a token per decode in a long step), so such
+        # a step drafted for requests that then caught up on whole prompts, for drafts
+        # verified in the decode-only steps after it, where they did not pay.
         if not self.PRICE_PREFILL:
             num_prefill = 0
         coefficients = getattr(cost, "coefficients", None)
@@ -451,10 +434,8 @@ class DraftLengthController:
         slots = sum(r.cap for r in rows)
         # (A draft model's request that starts drafting catches up first, on the text
         # since it last proposed: a forward's worth that the fit of steady proposals does
-        # not see. Its first draft is bounded by a round of its own, as before the
-        # per-call term: amortized, single drafts got through at batch 64 and paid
-        # catch-ups, 0.13 drafts a token and 0.91x off in one grid; a round each: none,
-        # 0.99x.)
+        # not see. Its first draft is bounded by a round of its own: amortized over
+        # every slot, single drafts get through at large batches and pay catch-ups.)
         share = per_round if self.config.writes_draft_kv else (per_call + per_round) / max(
             slots, 1)
         if slots <= 0 or t0 <= 0.0 or best * t0 < margin * expected * (

@@ -16,11 +16,11 @@ class ProposalCost:
     drafts asked for over all requests. The runner measures the time (an executor may
     read a clock) and reports it as data.
 
-    On the 2-core Zen 4 a trained draft's proposal at batch 1 cost about as much for one
-    draft as the next three together: priced per draft, k stopped at 1-2 where k = 4
-    ran 1.36x off against 1.07x. ``c`` is known once proposals of two lengths were seen
-    (the controller's exploration makes them); until then, or where the fit does not
-    hold (a negative term), fewer terms: rounds and tokens, then tokens alone.
+    A draft model's first draft can cost as much as the next few together: priced per
+    draft, the plan stops short of the length that pays. ``c`` is known once proposals
+    of two lengths were seen (the controller's exploration makes them); until then, or
+    where the fit does not hold (a negative term), fewer terms: rounds and tokens, then
+    tokens alone.
 
     A request's first proposal pays one-time work (a draft model's prefill of its
     prompt, a suffix tree's build) that later ones do not: the fit waits for a few
@@ -76,9 +76,7 @@ class ProposalCost:
             elif self._shape is not None:
                 # One length in the window: priced per draft alone, a proposal's fixed
                 # part makes every longer one look dearer than it is, k stays where it
-                # is and the window never sees another length (the trained draft at
-                # batch 1 on a 2-core Zen 3: 1.7 ms a draft where a steady four-draft
-                # proposal cost 0.4 + 1.3 ms a draft; no drafts where k = 4 ran 1.2x).
+                # is and the window never sees another length.
                 c, a, b = self._shape
                 scale = sum(ys) / sum(c + a * r + b * t for _, r, t in xs)
                 return c * scale, a * scale, b * scale

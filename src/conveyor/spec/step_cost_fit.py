@@ -54,8 +54,7 @@ class OnlineStepCost:
     own clock. ``e`` is what a proposal costs the next forward (a draft model's forwards
     leave its own weights in the caches, not the target's): without it, at batch 1 the
     steps with drafts, all right after a proposal, against the steps without, mostly not,
-    put that cost on the decode rows (the trained draft on a 2-core Zen 3: 0.5-1.1 ms a
-    row fitted where a row cost ~0.2 ms and a step after a proposal ~0.5 ms more), and a
+    put that cost on the decode rows (fitted several times what a row costs), and a
     long draft looked as dear as that many short ones. Fitted only while both kinds of
     step are seen (``MIN_SHARE``); else 0, and the intercept holds it."""
 
@@ -113,7 +112,7 @@ class OnlineStepCost:
         g = (1.0 - dn) / (1.0 - d) if d != 1.0 else float(n)
         m, v = self._m, self._v
         # Written out, the symmetric half only: this runs at every change of shape, and
-        # loops over the 4 x 4 took twice as long.
+        # loops over the 4 x 4 cost more.
         v[0] = v[0] * dn + t
         v[1] = v[1] * dn + p * t
         v[2] = v[2] * dn + r * t
@@ -142,7 +141,7 @@ class OnlineStepCost:
             if det <= 1e-9 * w * nn:
                 return None
             return max((w * ny - n * v[0]) / det, 0.0)
-        # 3 x 3 by Cramer's rule (as the 2 x 2 above: a general solve here took 4x as long)
+        # 3 x 3 by Cramer's rule (as the 2 x 2 above: cheaper than a general solve)
         nq, wq, qq, v0, vq = m[1][3] + m[2][3], m[0][3], m[3][3], v[0], v[3]
         det = w * (nn * qq - nq * nq) - n * (n * qq - nq * wq) + wq * (n * nq - nn * wq)
         if det <= 1e-9 * w * nn * qq:
