@@ -25,6 +25,10 @@ targets and a step-cost model, ``max_num_batched_tokens`` the ceiling).
 In ``static`` batching mode waiting requests are only admitted when nothing is
 running: the classic baseline that holds a batch until its longest member ends.
 
+Speculative decoding sits beside it (``core/speculation.py``): given a speculation
+object, the scheduler asks it for drafts once running and waiting requests have their
+tokens, and tells it what each step did; the drafts' KV slots and budget stay here.
+
 The scheduler never imports torch and never reads a clock: ``now`` comes in.
 """
 
