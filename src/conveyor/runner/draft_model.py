@@ -98,9 +98,9 @@ class DraftModelProposer(Proposer):
         check_shared_tokenizer(target, draft)
         self.config = draft
         # Its linears are chosen at one row: a draft runs decode rows of the few requests
-        # it pays for (at 32 rows oneDNN won and took 27 us a call at one row, 3x
-        # torch's). Where its whole proposal can run natively (draft_forward.c), they are
-        # the native GEMM's, which that loop reads.
+        # it pays for (a backend timed at 32 rows can be slow at one). Where its whole
+        # proposal can run natively (draft_forward.c), they are the native GEMM's, which
+        # that loop reads.
         native = native_draft_possible(draft, device)
         self.runner = make_runner(draft, cache, device, attention_backend,
                                   linear_backend="native" if native else "auto",
