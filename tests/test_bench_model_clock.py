@@ -9,21 +9,22 @@ import random
 import pytest
 
 from conveyor.bench.engine_backend import run_engine
-from conveyor.bench.model_clock import ModelClock, StepCostModel
+from conveyor.bench.model_clock import ModelClock
 from conveyor.bench.workload import BenchRequest
 from conveyor.config import EngineArgs
+from conveyor.costs.linear import LinearStepCost
+from conveyor.costs.shape import BatchShape
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.sim.batch import BatchShape
 
 
 def test_fit_recovers_a_noiseless_model():
     rng = random.Random(0)
-    true = StepCostModel(0.004, 2e-5, 3e-4)
+    true = LinearStepCost(0.004, 2e-5, 3e-4)
     trace = []
     for _ in range(50):
         seqs, tokens = rng.randint(1, 16), rng.randint(1, 1024)
         trace.append((seqs, tokens, true.cost(seqs, tokens)))
-    fitted = StepCostModel.fit(trace)
+    fitted = LinearStepCost.fit(trace)
     assert fitted.base_s == pytest.approx(true.base_s, rel=1e-6)
     assert fitted.per_token_s == pytest.approx(true.per_token_s, rel=1e-6)
     assert fitted.per_seq_s == pytest.approx(true.per_seq_s, rel=1e-6)
@@ -33,22 +34,22 @@ def test_fit_drops_a_negative_coefficient():
     # Steps get cheaper with more requests in this (made-up) trace: the per-request term
     # would be negative, so it is dropped and the others refitted without it.
     trace = [(1, 10, 0.010), (2, 10, 0.009), (4, 10, 0.008), (8, 20, 0.007)]
-    fitted = StepCostModel.fit(trace)
+    fitted = LinearStepCost.fit(trace)
     assert fitted.per_seq_s == 0.0
     assert fitted.base_s >= 0 and fitted.per_token_s >= 0
     with pytest.raises(ValueError, match="at least 3 steps"):
-        StepCostModel.fit(trace[:2])
+        LinearStepCost.fit(trace[:2])
 
 
 def test_parse_round_trips_and_rejects_bad_text():
-    m = StepCostModel(0.00337333, 3.20515e-05, 0.000475568)
-    assert StepCostModel.parse(m.describe()) == m
+    m = LinearStepCost(0.00337333, 3.20515e-05, 0.000475568)
+    assert LinearStepCost.parse(m.describe()) == m
     with pytest.raises(ValueError, match="BASE,PER_TOKEN,PER_SEQ"):
-        StepCostModel.parse("0.1,0.2")
+        LinearStepCost.parse("0.1,0.2")
     with pytest.raises(ValueError, match="per_seq_s must be >= 0"):
-        StepCostModel.parse("0.1,0,-1")
+        LinearStepCost.parse("0.1,0,-1")
     with pytest.raises(ValueError, match="charge something"):
-        StepCostModel(0.0, 0.0, 0.0)
+        LinearStepCost(0.0, 0.0, 0.0)
 
 
 def test_model_clock_moves_forward_only():
@@ -73,7 +74,7 @@ def test_virtual_replay_timestamps_by_hand():
     # clock jumps there) with 2 tokens: steps end at 11.01, 12.02.
     reqs = [BenchRequest("a", 0.0, list(range(16, 24)), 3),
             BenchRequest("b", 10.0, list(range(30, 35)), 2)]
-    model = StepCostModel(1.0, 0.0, 0.01)
+    model = LinearStepCost(1.0, 0.0, 0.01)
     wall_clock, runner = engine.clock, engine.runner
     result = run_engine(reqs, engine=engine, progress=False, cost_model=model)
     a, b = result.records
@@ -91,7 +92,7 @@ def test_virtual_replay_is_deterministic_under_load():
     # A fresh engine per run: the second would otherwise find the prompts in its cache.
     reqs = [BenchRequest(str(i), 0.005 * i, list(range(16, 16 + 5 + 7 * (i % 5))),
                          1 + (3 * i) % 7) for i in range(12)]
-    model = StepCostModel(0.01, 1e-4, 1e-3)
+    model = LinearStepCost(0.01, 1e-4, 1e-3)
     first = run_engine(reqs, engine=tiny_engine(), progress=False, cost_model=model)
     second = run_engine(reqs, engine=tiny_engine(), progress=False, cost_model=model)
     assert [(r.ttft_s, r.e2e_s, r.itls_s) for r in first.records] == \
@@ -139,4 +140,4 @@ def test_virtual_replay_takes_a_simulator_cost_model():
     assert a.ttft_s == pytest.approx(0.8) and a.itls_s == pytest.approx([1.0, 1.0])
     # The linear model speaks the same interface: 11 tokens in 4 rows.
     shape = BatchShape(num_prefill_tokens=8, num_prefills=1, num_decodes=3)
-    assert StepCostModel(1.0, 0.5, 0.25).step_time(shape) == pytest.approx(1 + 5.5 + 1)
+    assert LinearStepCost(1.0, 0.5, 0.25).step_time(shape) == pytest.approx(1 + 5.5 + 1)

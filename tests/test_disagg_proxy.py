@@ -119,7 +119,7 @@ def test_router_modes_exclude_each_other():
 def test_simulator_pd_mode_moves_the_prompt_bytes():
     from conveyor.bench.workload import BenchRequest
     from conveyor.config import EngineArgs
-    from conveyor.sim.cost_model import make_cost_model
+    from conveyor.costs.factory import make_cost_model
     from conveyor.sim.disagg import DisaggSimulator
     from conveyor.sim.model import resolve_sim_model
 

@@ -17,15 +17,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.config import KVTransferConfig
-from conveyor.core.scheduler_output import ModelRunnerOutput
-from conveyor.kv_transfer.connector import KV_TRANSFER_FAILED, KVConnectorScheduler
-from conveyor.kv_transfer.messages import (
+from conveyor.core.kv_connector import (
+    KV_TRANSFER_FAILED,
     KVConnectorMeta,
-    KVTransferParams,
     KVWorkerReport,
     LoadSpec,
     SaveSpec,
 )
+from conveyor.core.scheduler_output import ModelRunnerOutput
+from conveyor.kv_transfer.connector import KVConnectorScheduler
+from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.kv_transfer.state import InvalidTransition, Transfer, TransferState
 from conveyor.kv_transfer.worker import KVConnectorWorker
 from conveyor.request import RequestStatus

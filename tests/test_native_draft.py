@@ -16,8 +16,9 @@ from test_spec_decode import perturbed_draft, repetitive_batch
 from conveyor import LLM
 from conveyor.config import CacheConfig, load_model_config
 from conveyor.model import kernels
+from conveyor.runner.draft_model import DraftModelProposer
+from conveyor.runner.model_runner import ModelRunner
 from conveyor.spec.config import SpeculativeConfig
-from conveyor.spec.draft_model import DraftModelProposer
 from conveyor.spec.proposers import ProposeItem
 
 from helpers import make_checkpoint
@@ -33,7 +34,7 @@ def proposer(arch: str, native: bool) -> DraftModelProposer:
     target = load_model_config(make_checkpoint(arch), dtype="float32")
     cfg = SpeculativeConfig("draft_model", model=perturbed_draft(seed=1, arch=arch))
     p = DraftModelProposer(cfg, target, CacheConfig(block_size=BLOCK), torch.device("cpu"),
-                           "native")
+                           "native", make_runner=ModelRunner)
     p.allocate_kv_cache(3 * 8)
     if not native:
         p.native = None  # the PyTorch path, on the same native linears and kernels

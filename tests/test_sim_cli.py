@@ -11,19 +11,12 @@ from sim_helpers import make_workload
 from conveyor.bench.report import load_summaries
 from conveyor.bench.workload import load_workload
 from conveyor.config import EngineArgs
+from conveyor.costs.factory import make_cost_model
+from conveyor.costs.profile import ProfileCostModel, fit_step_times
+from conveyor.costs.shape import BatchShape
 from conveyor.entrypoints.cli import main
-from conveyor.sim import (
-    SLO,
-    BatchShape,
-    ProfileCostModel,
-    Simulator,
-    find_max_rate,
-    find_min_replicas,
-    make_cost_model,
-    resolve_sim_model,
-)
+from conveyor.sim import SLO, Simulator, find_max_rate, find_min_replicas, resolve_sim_model
 from conveyor.sim.cli import parse_sim_args
-from conveyor.sim.profile_model import fit_step_times
 
 WORKLOAD = ["--workload", "conversation", "--num-requests", "40", "--request-rate", "20",
             "--input-scale", "0.25", "--output-scale", "0.25", "--seed", "3"]

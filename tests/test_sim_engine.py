@@ -136,13 +136,13 @@ def test_runs_are_repeatable_and_independent():
 
 
 def test_batch_shape_by_hand():
+    from conveyor.core.batch_shape import batch_shape
     from conveyor.core.scheduler_output import (
         CachedRequestData,
         NewRequestData,
         SchedulerOutput,
     )
     from conveyor.sampling_params import SamplingParams
-    from conveyor.sim import batch_shape
 
     sp = SamplingParams()
     out = SchedulerOutput(
@@ -164,14 +164,13 @@ def test_batch_shape_by_hand():
 def test_the_step_cost_fits_split_is_batch_shapes():
     """The scheduler's per-step split (prefill tokens, decode rows) is ``batch_shape``'s,
     a verifying row (1 + its drafts) counted as decode rows, not as a prefill chunk."""
-    from conveyor.core.batch_shape import prefill_and_decode_rows
+    from conveyor.core.batch_shape import batch_shape, prefill_and_decode_rows
     from conveyor.core.scheduler_output import (
         CachedRequestData,
         NewRequestData,
         SchedulerOutput,
     )
     from conveyor.sampling_params import SamplingParams
-    from conveyor.sim import batch_shape
 
     sp = SamplingParams()
     out = SchedulerOutput(

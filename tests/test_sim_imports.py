@@ -14,9 +14,10 @@ SCRIPT = textwrap.dedent("""
     import conveyor.sim
     import conveyor.sim.profile_cli  # the `conveyor profile` parser, before it runs
     from conveyor.config import EngineArgs
-    from conveyor.sim import (SLO, BatchShape, ProfileCostModel, Simulator, find_min_replicas,
-                              make_cost_model, resolve_sim_model)
-    from conveyor.sim.profile_model import fit_step_times
+    from conveyor.costs.factory import make_cost_model
+    from conveyor.costs.profile import ProfileCostModel, fit_step_times
+    from conveyor.costs.shape import BatchShape
+    from conveyor.sim import SLO, Simulator, find_min_replicas, resolve_sim_model
 
     @dataclass
     class Item:
@@ -60,8 +61,9 @@ CLI_SCRIPT = textwrap.dedent("""
 
     from conveyor.config import EngineArgs
     from conveyor.entrypoints.cli import main
-    from conveyor.sim import BatchShape, ProfileCostModel, resolve_sim_model
-    from conveyor.sim.profile_model import fit_step_times
+    from conveyor.costs.profile import ProfileCostModel, fit_step_times
+    from conveyor.costs.shape import BatchShape
+    from conveyor.sim import resolve_sim_model
 
     out = sys.argv[1]
     work = ["--workload", "conversation", "--num-requests", "30", "--request-rate", "20",

@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 from sim_helpers import make_workload, tiny_args
 
 from conveyor.config import EngineArgs
-from conveyor.sim import BatchShape, ProfileCostModel, Simulator, make_cost_model
+from conveyor.costs.factory import make_cost_model
+from conveyor.costs.profile import FEATURES, ProfileCostModel, StepFit, fit_step_times, nnls
+from conveyor.costs.shape import BatchShape
+from conveyor.sim import Simulator
 from conveyor.sim.model import resolve_sim_model
-from conveyor.sim.profile_model import FEATURES, StepFit, fit_step_times, nnls
 
 TRUE = dict(step=2e-3, matrix=1e-3, rows=5e-5, tokens=1e-5, tokens_over_knee=3e-5,
             prefill_attention=2e-8, decode_attention=4e-8, sampled=1e-4,

@@ -8,16 +8,11 @@ import json
 import pytest
 
 from conveyor.config import CacheConfig, EngineArgs, kv_blocks_for, model_config_from_hf
-from conveyor.sim import (
-    HARDWARE_PRESETS,
-    BatchShape,
-    HardwareSpec,
-    ModelShape,
-    RooflineCostModel,
-    load_hardware,
-    make_cost_model,
-    resolve_sim_model,
-)
+from conveyor.costs.factory import make_cost_model
+from conveyor.costs.hardware import HARDWARE_PRESETS, HardwareSpec, load_hardware
+from conveyor.costs.roofline import ModelShape, RooflineCostModel
+from conveyor.costs.shape import BatchShape
+from conveyor.sim import resolve_sim_model
 
 # A toy model whose costs are easy to count by hand (bf16: 2 bytes per value):
 #   per layer: q 8x8 + k,v 8x4 each + o 8x8 + gate,up,down 3 x 8x16 = 576 matmul weights,

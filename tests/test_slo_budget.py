@@ -13,21 +13,22 @@ from hypothesis import strategies as st
 from policy_harness import Sim, make_req
 from test_policies_properties import assert_exact_outputs
 
-from conveyor.bench.model_clock import StepCostModel
 from conveyor.config import EngineArgs, SchedulerConfig
-from conveyor.core.batch_shape import BatchShape, batch_shape
+from conveyor.core.batch_shape import batch_shape
 from conveyor.core.budget import BudgetController, budget_mode
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.policies import PolicyConfig
 from conveyor.core.scheduler import SLO_REJECTED, Scheduler
+from conveyor.costs.linear import LinearStepCost
+from conveyor.costs.shape import BatchShape
 from conveyor.request import RequestStatus
 
 SETTINGS = settings(max_examples=40, deadline=None)
 # 2 ms a step + 0.1 ms a token.
-COST = StepCostModel(0.002, 1e-4, 0.0)
+COST = LinearStepCost(0.002, 1e-4, 0.0)
 # GPU-like: 10 ms a step whatever it holds (weights streamed) + 20 us a token, so that
 # small chunks waste steps: a 1,900-token prefill step takes ~48 ms, a 128-token one 12.6.
-FLAT = StepCostModel(0.010, 2e-5, 0.0)
+FLAT = LinearStepCost(0.010, 2e-5, 0.0)
 
 
 def make_sched(policy: str = "slo", cost=COST, ceiling: int = 2048, max_num_seqs: int = 16,
@@ -195,7 +196,7 @@ def test_controller_keeps_ceiling_decodes_and_deadlines_and_everything_finishes(
     scheduled unless preempted, and a step that took any prefill chunk ends by every
     protected decode's deadline (prediction = step time here). Every request finishes,
     or never ran and was rejected past its latest start (reject mode only)."""
-    cost = StepCostModel(0.001, 1e-4, 5e-5)
+    cost = LinearStepCost(0.001, 1e-4, 5e-5)
     sched = make_sched(cost=cost, ceiling=ceiling, max_num_seqs=max_seqs,
                        num_blocks=num_blocks, block_size=4, enable_prefix_caching=caching,
                        policy_config=PolicyConfig(slo_late_action=late, slo_tie_break=tie,

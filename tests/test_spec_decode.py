@@ -348,8 +348,9 @@ def test_draft_model_proposals_do_not_depend_on_the_batch_or_the_catch_up_path(
     import torch
 
     from conveyor.config import CacheConfig, load_model_config
+    from conveyor.runner.draft_model import DraftModelProposer
+    from conveyor.runner.model_runner import ModelRunner
     from conveyor.spec.config import SpeculativeConfig
-    from conveyor.spec.draft_model import DraftModelProposer
     from conveyor.spec.proposers import ProposeItem
 
     path = make_checkpoint("llama")
@@ -361,7 +362,7 @@ def test_draft_model_proposals_do_not_depend_on_the_batch_or_the_catch_up_path(
 
     def proposer(catch_up_rows: int) -> DraftModelProposer:
         p = DraftModelProposer(cfg, target, CacheConfig(block_size=8), torch.device("cpu"),
-                               attention)
+                               attention, make_runner=ModelRunner)
         p.DECODE_ROWS_CATCH_UP = catch_up_rows
         p.allocate_kv_cache(3 * 8)
         return p
@@ -389,14 +390,16 @@ def test_a_draft_proposal_is_steady_only_when_it_caught_up_on_the_last_step() ->
     import torch
 
     from conveyor.config import CacheConfig, load_model_config
+    from conveyor.runner.draft_model import DraftModelProposer
+    from conveyor.runner.model_runner import ModelRunner
     from conveyor.spec.config import SpeculativeConfig
-    from conveyor.spec.draft_model import DraftModelProposer
     from conveyor.spec.proposers import ProposeItem
 
     path = make_checkpoint("llama")
     p = DraftModelProposer(SpeculativeConfig("draft_model", model=perturbed_draft()),
                            load_model_config(path, dtype="float32"),
-                           CacheConfig(block_size=8), torch.device("cpu"))
+                           CacheConfig(block_size=8), torch.device("cpu"),
+                           make_runner=ModelRunner)
     p.allocate_kv_cache(8)
     ctx = [5, 9, 14, 3, 77, 120, 40]
 

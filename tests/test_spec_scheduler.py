@@ -14,6 +14,7 @@ from sim_helpers import LinearCost, tiny_args
 from conveyor.bench.workload import BenchRequest
 from conveyor.config import resolve_engine_config
 from conveyor.core.scheduler import Scheduler
+from conveyor.costs.shape import BatchShape
 from conveyor.engine.core import EngineCore
 from conveyor.engine.messages import EngineCoreRequest
 from conveyor.executor.cost_model import CostModelExecutor
@@ -21,8 +22,10 @@ from conveyor.request import Request
 from conveyor.sampling_params import SamplingParams
 from conveyor.sim import Simulator
 from conveyor.sim.model import resolve_sim_model
+from conveyor.spec.acceptance import PriorWeight
 from conveyor.spec.config import SpeculativeConfig
-from conveyor.spec.controller import DraftLengthController, DraftRow, OnlineStepCost, PriorWeight
+from conveyor.spec.planner import DraftLengthController, DraftRow
+from conveyor.spec.step_cost_fit import OnlineStepCost
 
 
 def spec(rate: float, k: int = 4, adaptive: bool = True, method: str = "synthetic") -> dict:
@@ -93,8 +96,8 @@ class FixedCost:
     def __init__(self, a: float, b: float) -> None:
         self.a, self.b = a, b
 
-    def step_s(self, p: int, d: int, batch: int = 0) -> float:
-        return self.a + self.b * (p + d)
+    def step_time(self, shape: BatchShape) -> float:  # a StepCostModel
+        return self.a + self.b * shape.num_tokens
 
 
 def _rows(n: int, drafts: int = 4, cap: int = 4) -> list[DraftRow]:
@@ -215,7 +218,7 @@ def test_finished_requests_feed_the_prior_weight():
         out = core.schedule()
         core.update(out, core.executor.execute_model(out))
         now[0] += 0.01
-    weight = core.scheduler.spec.prior_weight
+    weight = core.scheduler.speculation.controller.prior_weight
     assert weight._count == PriorWeight.MIN_REQUESTS and weight.weight > PriorWeight.LOW
 
 def test_acceptance_is_counted_up_to_the_first_rejection():
@@ -234,7 +237,7 @@ def test_acceptance_is_counted_up_to_the_first_rejection():
 def test_draft_cost_is_priced_at_the_batch_size_it_runs_at():
     """A roofline-shaped step (flat until 8 rows, linear after): a fit over every size
     would price a batch-32 draft at batch 1's slope; the per-size fit does not."""
-    from conveyor.spec.controller import BatchStepCost
+    from conveyor.spec.step_cost_fit import BatchStepCost
 
     def step(d):
         return 0.02 + 0.002 * max(d - 8, 0)
@@ -409,7 +412,7 @@ def test_a_guard_switch_off_voids_the_drafts_on_hand():
     held = [r for r in core.scheduler.running if r.spec_token_ids]
     assert held, "the harness should leave proposals on hand"
     # Now adaptive, with the guard's verdict against drafts at every size.
-    spec_ctl = core.scheduler.spec
+    spec_ctl = core.scheduler.speculation.controller
     spec_ctl.config = SpeculativeConfig("synthetic", num_speculative_tokens=3,
                                         acceptance_rate=1.0, adaptive=True)
     spec_ctl.guard.allows = lambda batch: False
@@ -432,7 +435,7 @@ def test_a_prompt_that_ends_proposes_what_its_next_batch_size_drafts():
         out = core.schedule()
         core.update(out, core.executor.execute_model(out))
         now[0] += 0.01
-    spec_ctl = core.scheduler.spec
+    spec_ctl = core.scheduler.speculation.controller
     spec_ctl.dormant = lambda batch: True  # the running ones draft nothing this step
     spec_ctl._set_k_want(4, 0)  # batch 4 (bucket 4-7) drafted nothing,
     spec_ctl._set_k_want(1, 3)  # batch 1 drafted 3 last
@@ -454,7 +457,7 @@ def test_a_proposal_that_caught_up_is_left_out_of_the_price_of_a_draft():
         core.add_request(EngineCoreRequest(
             f"r{i}", [5 + i] * 6, SamplingParams(max_tokens=40, ignore_eos=True,
                                                 temperature=0.0), arrival_time=0.0))
-    fit = core.scheduler.spec.proposal_cost
+    fit = core.scheduler.speculation.controller.proposal_cost
     seen = []
     for step in range(8):
         out = core.schedule()
@@ -478,11 +481,12 @@ def _core_watching_the_fit(max_tokens: int):
                                       temperature=0.0), arrival_time=0.0))
     sched = core.scheduler
     fitted, compared = [], []
-    observe_fit = sched._online_cost.observe
-    sched._online_cost.observe = lambda p, d, s, *a: (fitted.append(p + d),
-                                                       observe_fit(p, d, s, *a))
-    observe_step = sched.spec.observe_step
-    sched.spec.observe_step = lambda *a: (compared.append(a[-1]), observe_step(*a))
+    observe_fit = sched.speculation.fit.observe
+    sched.speculation.fit.observe = lambda p, d, s, *a: (fitted.append(p + d),
+                                                         observe_fit(p, d, s, *a))
+    observe_step = sched.speculation.controller.observe_step
+    sched.speculation.controller.observe_step = lambda *a: (compared.append(a[-1]),
+                                                            observe_step(*a))
     return core, now, fitted, compared
 
 
@@ -573,11 +577,11 @@ def test_scheduler_without_speculation_has_no_controller():
     from helpers import make_scheduler
 
     sched: Scheduler = make_scheduler()
-    assert sched.spec is None
+    assert sched.speculation is None
 
 
 def test_proposal_cost_is_fitted_and_weighed():
-    from conveyor.spec.controller import ProposalCost
+    from conveyor.spec.proposal_cost import ProposalCost
 
     fit = ProposalCost()
     assert fit.coefficients() == (0.0, 0.0, 0.0)  # not measured yet: proposing looks free
@@ -610,7 +614,7 @@ def test_proposal_cost_is_fitted_and_weighed():
 def test_one_batch_size_fits_a_cost_per_call_and_per_draft():
     """At batch 1 rounds and tokens move together: the fit is a cost per proposal and
     one per draft (from proposals of two lengths), or all per draft from one length."""
-    from conveyor.spec.controller import ProposalCost
+    from conveyor.spec.proposal_cost import ProposalCost
 
     fit = ProposalCost()
     for k in (2, 2, 3, 2, 2, 3, 2):
@@ -627,7 +631,7 @@ def test_a_window_of_one_length_keeps_the_last_split():
     """Once proposals of several lengths showed a cost per call, a window of one length
     (the plan settled on k = 1) keeps that split at the window's level: a longer proposal
     is priced as the call plus its drafts, not as k times the one-draft proposal."""
-    from conveyor.spec.controller import ProposalCost
+    from conveyor.spec.proposal_cost import ProposalCost
 
     fit = ProposalCost()
     for k in (1, 2, 3, 4) * 2:
@@ -694,7 +698,8 @@ def test_the_plan_is_the_best_prefix_of_slots_by_brute_force():
         ctl.proposal_cost._solved = (per_call, per_round, 0.00001)
         rows = _rows(n, drafts=3, cap=3)
         ctl.plan(rows, 0, n, n, 512)
-        plan_rate = functools.partial(_plan_rate, n, ctl.prior(), ctl.cost.step_s(0, n),
+        t0 = ctl.cost.step_time(BatchShape(num_decodes=n))
+        plan_rate = functools.partial(_plan_rate, n, ctl.prior(), t0,
                                       ctl.cost.b + 0.00001, per_round, per_call)
         got = plan_rate(tuple(r.k_want for r in rows))
         best = max(plan_rate(ks) for ks in itertools.product(range(4), repeat=n))
@@ -711,7 +716,7 @@ def _plan_rate(n: int, prior: list[float], t0: float, per_slot: float, per_round
 
 # ---- the outcome guard -----------------------------------------------------------------
 def test_outcome_guard_switches_a_losing_batch_size_off_and_tries_again():
-    from conveyor.spec.controller import OutcomeGuard as G
+    from conveyor.spec.outcome_guard import OutcomeGuard as G
 
     g = G()
     for i in range(G.MIN_ON):
@@ -742,7 +747,7 @@ def test_outcome_guard_switches_a_losing_batch_size_off_and_tries_again():
 
 
 def test_outcome_guard_keeps_drafts_that_pay_with_ever_fewer_trials():
-    from conveyor.spec.controller import OutcomeGuard as G
+    from conveyor.spec.outcome_guard import OutcomeGuard as G
 
     g = G()
     drafted = 0
@@ -772,7 +777,7 @@ def test_a_win_no_drift_explains_skips_the_trial():
     """Drafted steps at under WIN_MARGIN x the off cost of the last trial drafts won need
     no new trial (one per WON_AGE steps still runs); once the drafts stop paying, the
     next verdict runs its trial again and switches them off."""
-    from conveyor.spec.controller import OutcomeGuard as G
+    from conveyor.spec.outcome_guard import OutcomeGuard as G
 
     g = G()
     steps = 3000
@@ -800,7 +805,7 @@ def test_a_loss_within_the_steps_noise_waits_for_more_drafted_steps():
     """Drafted steps that vary (a request's drafts hit or miss) and lose a little on
     average are not switched off at the first verdict: more drafted steps first, and the
     estimate decides after MAX_UNSURE verdicts put off. A clear loss switches off at once."""
-    from conveyor.spec.controller import OutcomeGuard as G
+    from conveyor.spec.outcome_guard import OutcomeGuard as G
 
     def run(on_costs, steps):
         g = G()
@@ -824,7 +829,7 @@ def test_a_loss_within_the_steps_noise_waits_for_more_drafted_steps():
 def test_a_verdict_compares_with_fresh_off_steps_only():
     """Clean steps from long ago (another phase of the run: the machine's speed drifts)
     are not what drafted steps are judged against now: an off trial first."""
-    from conveyor.spec.controller import OutcomeGuard as G
+    from conveyor.spec.outcome_guard import OutcomeGuard as G
 
     g = G()
     for _ in range(G.TRIAL + 1):
@@ -843,7 +848,7 @@ def test_drafts_that_pay_at_a_batch_size_vouch_for_the_smaller_ones():
     """A win at batch 8 spares batches 1-7 their early off trials (a batch's tail passes
     through every smaller size a few steps each); a loss measured at a smaller size
     stands, and larger sizes are not vouched for."""
-    from conveyor.spec.controller import OutcomeGuard as G
+    from conveyor.spec.outcome_guard import OutcomeGuard as G
 
     g = G()
     for _ in range(G.MIN_ON):  # batch 2 drafts and loses against its trial: cool-off
@@ -907,7 +912,7 @@ def test_a_fit_that_found_drafts_dear_probes_them_again():
     """Fitted on draft-free steps and a few slow early drafted ones, a batch size's fit
     says drafts are dear and nothing would ever re-measure them: every PROBE_EVERY
     draft-free steps it asks for one step with drafts, whatever the rule says."""
-    from conveyor.spec.controller import BatchStepCost
+    from conveyor.spec.step_cost_fit import BatchStepCost
 
     cost = BatchStepCost()
     cost.observe(0, 1, 0.001, batch=1)
@@ -936,7 +941,7 @@ def test_a_probe_verifies_enough_drafts_to_measure_a_row(method):
     """One request's drafts against the step's noise priced a row at 3x its cost and
     kept drafting off: a probe verifies PROBE_DRAFTS drafts, each request to its cap (a
     draft model's from at most PROBE_DRAFT_MODEL_ROWS requests: each catches up)."""
-    from conveyor.spec.controller import BatchStepCost
+    from conveyor.spec.step_cost_fit import BatchStepCost
 
     cost = BatchStepCost()
     cost.observe(0, 8, 0.001, batch=8)
@@ -958,7 +963,7 @@ def test_a_probe_verifies_enough_drafts_to_measure_a_row(method):
     assert ctl.k_want_for(8) == 0  # new requests get the rule's length, not the probe's
 
 def test_probes_back_off_while_the_rule_keeps_refusing():
-    from conveyor.spec.controller import BatchStepCost
+    from conveyor.spec.step_cost_fit import BatchStepCost
 
     cost = BatchStepCost()
     cost.observe(0, 1, 0.001, batch=1)

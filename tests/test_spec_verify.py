@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
+from conveyor.runner import verify as verify_mod
 from conveyor.runner.sampler import Sampler, SamplingRow
+from conveyor.runner.verify import VerifyGroup, verify
 from conveyor.sampling_params import SamplingParams
-from conveyor.spec import verify as verify_mod
-from conveyor.spec.verify import VerifyGroup, verify
 
 V = 6
 # Three distinct target rows (positions 0, 1, 2 of one request).

@@ -43,7 +43,7 @@ def main() -> int:
 
     def on_built(label: str, llm) -> None:
         if label == old:
-            llm.engine.core.scheduler.spec.PRICE_PREFILL = True
+            llm.engine.core.speculation.controller.PRICE_PREFILL = True
 
     print(f"CPU: {spec_pair.cpu_model_name()}; target {target}")
     sd.run_grid("pricing A/B", target, configs, batches, rounds, prompts, 128, args.threads,

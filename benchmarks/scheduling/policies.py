@@ -60,11 +60,11 @@ from conveyor.bench.breakdown import (
 from conveyor.bench.cli import parse_bench_args, vocab_size_of
 from conveyor.bench.engine_backend import run_engine
 from conveyor.bench.metrics import RunResult
-from conveyor.bench.model_clock import StepCostModel
 from conveyor.bench.report import fmt, save_records, table
 from conveyor.bench.workload import BenchRequest, describe, load_workload
 from conveyor.config import EngineArgs
 from conveyor.core.policies import register_predictor
+from conveyor.costs.linear import LinearStepCost
 
 TRACES_DIR = traces_dir()
 
@@ -137,10 +137,10 @@ class TraceStudy:
     urgent_alone: RunResult
     lights_alone: RunResult
     commands: dict[str, str]
-    cost_model: StepCostModel | None = None
+    cost_model: LinearStepCost | None = None
 
 
-def prompt_token_cost(model: StepCostModel) -> float:
+def prompt_token_cost(model: LinearStepCost) -> float:
     """One more prompt token in a step over one more output token (a request's decode
     step: a sequence and a token), under the step cost model."""
     return model.per_token_s / (model.per_token_s + model.per_seq_s)
@@ -182,14 +182,14 @@ def study_trace(name: str, spec: TraceSpec, args: argparse.Namespace) -> TraceSt
         cost_model = args.step_cost
         if cost_model is None:
             calib = run_engine(cap_reqs, engine_args(argv), label="calibration", progress=False)
-            cost_model = StepCostModel.fit(calib.step_trace)
+            cost_model = LinearStepCost.fit(calib.step_trace)
             print(f"step cost fitted to a wall-clock run ({calib.summary.duration_s:.1f} s): "
                   f"{cost_model.describe()} (base, per token, per request; seconds)")
         argv = argv + ["--step-cost", cost_model.describe()]
     capacity = run_engine(cap_reqs, engine_args(argv), label="capacity", progress=False,
                           cost_model=cost_model)
     if cost_model is not None or len(capacity.step_trace) >= 3:
-        fitted = cost_model or StepCostModel.fit(capacity.step_trace)
+        fitted = cost_model or LinearStepCost.fit(capacity.step_trace)
         print(f"a prompt token costs {prompt_token_cost(fitted):.3f} of an output token "
               f"(step cost {fitted.describe()}); sjf runs with --sjf-prompt-weight "
               f"{args.sjf_prompt_weight:g}, sjf-w1 with 1 (prompt and output tokens alike)")
@@ -392,7 +392,7 @@ def main() -> int:
                    help="wall: real time; model: virtual time, each step costing what a "
                         "linear model fitted to a wall-clock run (or --step-cost) says: "
                         "deterministic, for a machine too busy to time policies on")
-    p.add_argument("--step-cost", type=StepCostModel.parse, default=None,
+    p.add_argument("--step-cost", type=LinearStepCost.parse, default=None,
                    metavar="BASE,PER_TOKEN,PER_SEQ",
                    help="--clock model: these constants (seconds) instead of fitting them")
     p.add_argument("--share-bin-s", type=float, default=None,

@@ -226,7 +226,8 @@ def _write_model(workdir: str) -> str:
 
 def _estimate(argvs: dict[str, list[str]], engine_args: EngineArgs) -> float:
     """Simulated duration of every real run, by the cpu roofline preset (no profile yet)."""
-    from conveyor.sim import Simulator, make_cost_model, resolve_sim_model
+    from conveyor.costs.factory import make_cost_model
+    from conveyor.sim import Simulator, resolve_sim_model
 
     model = resolve_sim_model(engine_args)
     cost = make_cost_model("roofline", model, hardware="cpu")
@@ -255,9 +256,10 @@ def _profile(engine_args: EngineArgs, path: str, clock: str) -> str:
 def _compare(name: str, argv: list[str], profile_path: str,
              clock: str) -> tuple[RunResult, RunResult, RunResult, list]:
     from conveyor.bench.engine_backend import run_engine
+    from conveyor.costs.factory import make_cost_model
+    from conveyor.costs.profile import ProfileCostModel, fit_step_times
     from conveyor.engine.llm_engine import LLMEngine
-    from conveyor.sim import ProfileCostModel, Simulator, make_cost_model, resolve_sim_model
-    from conveyor.sim.profile_model import fit_step_times
+    from conveyor.sim import Simulator, resolve_sim_model
     from conveyor.sim.results import run_result
 
     bench_args = parse_bench_args(argv)

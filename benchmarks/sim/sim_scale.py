@@ -20,7 +20,8 @@ import time
 
 from conveyor.bench.workload import BenchRequest
 from conveyor.config import EngineArgs
-from conveyor.sim import Simulator, make_cost_model, resolve_sim_model
+from conveyor.costs.factory import make_cost_model
+from conveyor.sim import Simulator, resolve_sim_model
 
 
 def lognormal_params(mean: float, median: float) -> tuple[float, float]:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from benchmarks.common import SHARED_TRACES
 from conveyor.bench.workload import describe, load_workload
 from conveyor.config import EngineArgs
-from conveyor.sim import SLO, find_max_rate, make_cost_model, resolve_sim_model
+from conveyor.costs.factory import make_cost_model
+from conveyor.sim import SLO, find_max_rate, resolve_sim_model
 from conveyor.sim.cli import parse_sim_args
 
 

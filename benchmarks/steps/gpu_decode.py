@@ -20,7 +20,7 @@ import time
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.sim.hardware import HARDWARE_PRESETS
+from conveyor.costs.hardware import HARDWARE_PRESETS
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -293,10 +293,10 @@ def _config_dict(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _parse_step_cost(text: str):
-    from conveyor.bench.model_clock import StepCostModel
+    from conveyor.costs.linear import LinearStepCost
 
     try:
-        return StepCostModel.parse(text)
+        return LinearStepCost.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

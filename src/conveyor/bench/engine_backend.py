@@ -15,16 +15,13 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from conveyor.bench.metrics import RequestRecord, RunResult, summarize
-from conveyor.bench.model_clock import ModelClock, ModelClockExecutor, StepCostModel
+from conveyor.bench.model_clock import ModelClock, ModelClockExecutor
 from conveyor.bench.workload import BenchRequest
 from conveyor.config import EngineArgs
+from conveyor.costs.protocol import StepCostModel
 from conveyor.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from conveyor.sim.cost_model import CostModel
 
 
 def forced_params(req: BenchRequest) -> SamplingParams:
@@ -39,10 +36,10 @@ FollowUp = Callable[[BenchRequest, list[int], float], "BenchRequest | None"]
 def run_engine(requests: list[BenchRequest], engine_args: EngineArgs | None = None, *,
                engine=None, label: str = "engine", progress: bool = True,
                follow_up: FollowUp | None = None,
-               cost_model: StepCostModel | CostModel | None = None,
+               cost_model: StepCostModel | None = None,
                sleep: Callable[[float], None] = time.sleep) -> RunResult:
     """Run ``requests`` to completion on ``engine`` (built from ``engine_args`` if None);
-    with ``cost_model`` (a ``StepCostModel`` or a simulator cost model), in virtual time
+    with ``cost_model`` (any ``StepCostModel``), in virtual time
     (an engine passed in gets its clock back).
 
     The result's records follow ``requests``, then follow-ups in the order they were made.

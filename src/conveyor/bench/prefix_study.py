@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from conveyor.bench.engine_backend import FollowUp, run_engine
 from conveyor.bench.metrics import Summary
-from conveyor.bench.model_clock import StepCostModel
 from conveyor.bench.workload import BenchRequest
 from conveyor.config import EngineArgs
+from conveyor.costs.linear import LinearStepCost
 
 MakeRequests = Callable[[], tuple[list[BenchRequest], FollowUp | None]]
 
@@ -147,6 +147,6 @@ def fit_step_cost(trace: list[tuple[int, int, float]]) -> tuple[float, float] | 
     fit). The fixed part includes the per-request term at the mean batch size."""
     if len(trace) < 3 or len({tokens for _, tokens, _ in trace}) < 2:
         return None
-    model = StepCostModel.fit(trace)
+    model = LinearStepCost.fit(trace)
     mean_requests = sum(r for r, _, _ in trace) / len(trace)
     return model.base_s + model.per_seq_s * mean_requests, model.per_token_s

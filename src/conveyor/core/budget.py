@@ -35,9 +35,8 @@ requests in. Without a cost model there is no controller: the scheduler keeps th
 fixed budget (``budget_mode`` says why).
 
 The scheduler owns the calls; the controller never reads a clock (``now`` comes in)
-and never imports numpy or torch: the cost model is any object with
-``step_time(BatchShape) -> seconds`` (a ``conveyor profile`` fit, the roofline, a
-linear model).
+and never imports numpy or torch: the cost model is any ``StepCostModel``
+(``conveyor.costs``: a ``conveyor profile`` fit, the roofline, a linear model).
 """
 
 from __future__ import annotations
@@ -47,22 +46,15 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from conveyor.core.batch_shape import BatchShape
+from conveyor.costs.protocol import StepCostModel
+from conveyor.costs.shape import BatchShape
 from conveyor.request import Request
 
 logger = logging.getLogger(__name__)
 
 TOKEN_BUDGET_MODES = ("auto", "fixed", "slo")
-
-
-class StepCostModel(Protocol):
-    """What the controller needs of a cost model (the simulator's ``CostModel`` is one)."""
-
-    def step_time(self, shape: BatchShape) -> float:
-        """Predicted seconds of one step of this shape."""
-        ...
 
 
 def budget_mode(token_budget: str, policy: str, batching: str,

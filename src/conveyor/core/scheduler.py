@@ -25,6 +25,10 @@ targets and a step-cost model, ``max_num_batched_tokens`` the ceiling).
 In ``static`` batching mode waiting requests are only admitted when nothing is
 running: the classic baseline that holds a batch until its longest member ends.
 
+Speculative decoding sits beside it (``core/speculation.py``): given a speculation
+object, the scheduler asks it for drafts once running and waiting requests have their
+tokens, and tells it what each step did; the drafts' KV slots and budget stay here.
+
 The scheduler never imports torch and never reads a clock: ``now`` comes in.
 """
 
@@ -35,12 +39,11 @@ import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from conveyor.config import SchedulerConfig
-from conveyor.core.batch_shape import prefill_and_decode_rows
-from conveyor.core.budget import BudgetController, StepCostModel, budget_mode
+from conveyor.core.budget import BudgetController, budget_mode
 from conveyor.core.kv_cache_manager import ComputedBlocks, KVCacheManager
+from conveyor.core.kv_connector import KV_TRANSFER_FAILED, SchedulerKVConnector
 from conveyor.core.policies import PolicyContext, SchedulingPolicy, make_policy
 from conveyor.core.scheduler_output import (
     CachedRequestData,
@@ -48,12 +51,9 @@ from conveyor.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from conveyor.kv_transfer.connector import KV_TRANSFER_FAILED
+from conveyor.core.speculation import DraftDecision, DraftStep, Speculation, StepOutcome
+from conveyor.costs.protocol import StepCostModel
 from conveyor.request import Request, RequestStatus
-from conveyor.spec.controller import BatchStepCost, DraftLengthController, DraftRow, StepCost
-
-if TYPE_CHECKING:
-    from conveyor.kv_transfer.connector import KVConnectorScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -107,14 +107,14 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  policy: SchedulingPolicy | None = None,
                  step_cost: StepCostModel | None = None,
-                 spec_cost: StepCost | None = None,
-                 connector: KVConnectorScheduler | None = None) -> None:
+                 connector: SchedulerKVConnector | None = None,
+                 speculation: Speculation | None = None) -> None:
         """``connector``: the KV connector's scheduler half (prefill/decode disaggregation;
         None: every prompt is computed here). ``step_cost``: the SLO token budget's
-        step-cost model (``core/budget.py``).
-        ``spec_cost``: the one speculative decoding weighs draft tokens with; by default
-        fitted online to the step times this scheduler sees (the span from
-        ``schedule(now)`` to ``update(..., now)``)."""
+        step-cost model (``core/budget.py``). ``speculation``: speculative decoding
+        (``core/speculation.py``; None: off), asked for drafts each step and told what
+        each step did (its time is the span from ``schedule(now)`` to ``update(...,
+        now)``)."""
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -157,29 +157,9 @@ class Scheduler:
         self._overdue_ids: set[str] = set()
         # Block ids of each request the runner has been told about.
         self._blocks_sent: dict[str, int] = {}
-        # Speculative decoding: the draft-length controller, and this step's decisions
-        # (drafts verified per request, drafts to propose for the next step).
-        self.spec: DraftLengthController | None = None
-        self._online_cost: BatchStepCost | None = None
-        if config.speculative is not None:
-            if spec_cost is None:
-                spec_cost = self._online_cost = BatchStepCost()
-            self.spec = DraftLengthController(config.speculative, spec_cost)
-        self._step_spec: dict[str, list[int]] = {}
-        self._step_want: dict[str, int] = {}
-        self._step_catch_up = 0  # (tokens the step's proposals catch up on: see update)
-        self._schedule_now: float | None = None
-        self._proposed_before = False  # the last step ran the proposer (its next pays)
-        # Row counts (prefill tokens + decode rows) some step has run. The first step of
-        # a row count pays one-time work (oneDNN builds a primitive per row count on its
-        # first call: the first 2-row verify step of the trained spec pair at batch 1
-        # took 3x the next ones); a drafted one is left out of the step-cost fit and the
-        # outcome guard, whose few drafted steps it would tilt against drafts. (Steps
-        # without drafts stay in: a prompt's step is what teaches the fit its second
-        # size.) At most the token budget of them.
-        self._step_rows_seen: set[int] = set()
-        # Whether the last step's proposal, if any, was steady (no catch-up: see update).
-        self._after_steady_proposal = True
+        # Speculative decoding, and the requests that left since it last heard.
+        self.speculation = speculation
+        self._departed: list[Request] = []
         # Prefill/decode disaggregation: requests in WAITING_FOR_REMOTE_KV (their load in
         # flight, or ended and queued for a sequence slot as (id, tokens computed)).
         self.connector = connector
@@ -231,8 +211,8 @@ class Scheduler:
         self._wait_entry.pop(req.request_id, None)
         self._overdue_ids.discard(req.request_id)
         self.policy.on_finished(req)
-        if self.spec is not None:
-            self.spec.request_done(req)
+        if self.speculation is not None:
+            self._departed.append(req)
 
     def _cached_prefix_tokens(self, req: Request) -> int:
         """The policy's one window on the KV cache: prompt tokens it holds for ``req``."""
@@ -264,7 +244,7 @@ class Scheduler:
         self._apply_queue_wait_limit(now)
         for req in self.policy.reject_waiting(now):
             self._reject(req, now, SLO_REJECTED)
-        self._schedule_now = self._now = now
+        self._now = now
         if self.connector is not None:
             for rid, error in self.connector.expire(now):
                 self._load_ended(rid, error, now)
@@ -273,11 +253,12 @@ class Scheduler:
         budget = self._schedule_running(scheduled, preempted, budget, now, decodes)
         if not preempted and admit_allowed:
             budget = self._schedule_waiting(scheduled, preempted, budget, now)
-        if self.spec is not None:
-            # Drafts take what prefill left of the budget: a prompt token is certain work,
-            # a draft only probably saves some.
-            self._schedule_drafts(decodes, scheduled, budget)
-        out = self._build_output(scheduled, preempted, now)
+        drafts = None
+        if self.speculation is not None:  # (within what prefill left of the budget)
+            drafts = self.speculation.plan(DraftStep(
+                now, self.stats.num_steps, decodes, scheduled, budget, self.requests, self.kv,
+                self.budget_ctrl, self.max_model_len, self._take_departed()))
+        out = self._build_output(scheduled, preempted, now, drafts)
         if self.connector is not None:
             out.kv_connector_meta = self.connector.build_connector_meta()
         if ctrl is not None:
@@ -317,66 +298,6 @@ class Scheduler:
                 decodes.append(req)
         return budget
 
-    def _schedule_drafts(self, decodes: list[Request], scheduled: dict[str, int],
-                         budget: int) -> None:
-        """Give decoding requests their draft tokens (the controller picks how many).
-
-        Drafts never preempt anyone: a request whose draft slots do not fit verifies
-        none. With a draft model, ``k_want`` more slots are reserved as lookahead: its
-        proposals for the next step write K/V there.
-        """
-        spec, lookahead = self.spec, self.config.speculative.writes_draft_kv
-        if spec.dormant(len(decodes)):
-            # No drafts this step: the last plan drafted nothing, or the outcome guard
-            # keeps them off (proposals from the step before it switched off are void).
-            for req in decodes:
-                if req.spec_token_ids:
-                    req.spec_token_ids = []
-            return
-        rows = []
-        for req in decodes:
-            if req.status != _RUNNING:  # preempted for an admission
-                req.spec_token_ids = []
-                continue
-            cap = min(spec.config.num_speculative_tokens,
-                      req.max_tokens - len(req.output_token_ids) - 1,
-                      self.max_model_len - req.num_computed_tokens - 1)
-            steady = not lookahead or req.spec_proposed_step == self.stats.num_steps - 1
-            rows.append(DraftRow(req, max(cap, 0), catch_up=(
-                0 if steady else len(req.all_token_ids) - req.spec_proposed_len)))
-        num_decode = sum(1 for n in scheduled.values() if n == 1)
-        if not spec.plan(rows, sum(scheduled.values()) - num_decode, num_decode,
-                         len(scheduled), budget):
-            for row in rows:  # nothing verified, nothing proposed
-                row.request.spec_token_ids = []
-            return
-        for row in rows:
-            req, k = row.request, row.k_now
-            # Under the SLO budget, drafts and prefill chunks are one decision: a draft
-            # goes in only while the step stays within every decode's TPOT limit.
-            while k and self.budget_ctrl is not None and not self.budget_ctrl.admit(req, k):
-                k -= 1
-            extra = k + (row.k_want if lookahead else 0)
-            if extra and self.kv.allocate_slots(req, 1 + extra) is None:
-                k, row.k_want = 0, 0
-            rid = req.request_id
-            if k:
-                scheduled[rid] += k
-                self._step_spec[rid] = req.spec_token_ids[:k]
-            if row.k_want:
-                self._step_want[rid] = row.k_want
-                if row.catch_up > spec.STEADY_CATCH_UP:
-                    self._step_catch_up += row.catch_up
-                self._mark_proposing(req)
-            req.spec_token_ids = []  # consumed: the next proposals replace them
-
-    def _mark_proposing(self, req: Request) -> None:
-        """``req`` proposes after this step: a draft model's K/V for it will be valid up
-        to its tokens now (and the ones this step adds), and a proposal in the next step
-        is steady (``DraftRow.catch_up`` 0)."""
-        req.spec_proposed_len = len(req.all_token_ids)
-        req.spec_proposed_step = self.stats.num_steps
-
     def _pick_victim(self, requester: Request) -> Request:
         victim = self.policy.select_victim(self._preemptible(requester), requester)
         return victim if victim is not None else requester
@@ -387,34 +308,10 @@ class Scheduler:
         return [r for r in self.running
                 if limit is None or r.num_preemptions < limit or r is requester]
 
-    def _want_after_prefill(self, out: SchedulerOutput) -> None:
-        """A request whose prompt ends this step decodes next: ask for its first drafts
-        now (as many as the last plan at the next step's batch size chose), so that its
-        first decode verifies some. A draft model writes K/V for them: only into slots the
-        request already holds."""
-        k = self.spec.k_want_for(len(out.sampling_req_ids))
-        if k <= 0:
-            return
-        want, bs = out.num_spec_wanted, self.kv.block_size
-        for rid in out.sampling_req_ids:
-            if rid in want or rid in out.scheduled_spec_tokens:
-                continue
-            n = k
-            if self.config.speculative.writes_draft_kv:
-                held = len(self.kv.req_blocks.get(rid, ())) * bs
-                n = min(n, held - len(self.requests[rid].all_token_ids))
-            if n > 0:
-                want[rid] = n
-                req = self.requests[rid]
-                out.num_spec_catch_up += len(req.all_token_ids)  # (its whole prompt)
-                self._mark_proposing(req)
-
     def _preempt(self, req: Request, now: float) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.spec_token_ids = []
-        self._step_spec.pop(req.request_id, None)
-        self._step_want.pop(req.request_id, None)
         req.spec_proposed_len, req.spec_proposed_step = 0, -2  # (its draft K/V is gone)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -627,18 +524,17 @@ class Scheduler:
                           stop_reason=reason, request=req))
 
     def _build_output(self, scheduled: dict[str, int], preempted: list[Request],
-                      now: float) -> SchedulerOutput:
+                      now: float, drafts: DraftDecision | None) -> SchedulerOutput:
         out = SchedulerOutput(num_scheduled_tokens=scheduled,
                               total_num_scheduled_tokens=sum(scheduled.values()),
                               finished_req_ids=self._dropped_ids | self._dropped_preempted,
-                              preempted_req_ids={r.request_id for r in preempted},
-                              scheduled_spec_tokens=self._step_spec,
-                              num_spec_wanted=self._step_want,
-                              num_spec_catch_up=self._step_catch_up)
+                              preempted_req_ids={r.request_id for r in preempted})
         self._dropped_ids = set()
         self._dropped_preempted = set()
-        spec_tokens = self._step_spec
-        self._step_spec, self._step_want, self._step_catch_up = {}, {}, 0
+        spec_tokens = None
+        if drafts is not None:
+            spec_tokens = out.scheduled_spec_tokens = drafts.spec_tokens
+            out.num_spec_wanted, out.num_spec_catch_up = drafts.wanted, drafts.catch_up
         # Locals for the per-request loop (it runs for every request of every step).
         requests, known, sent, block_ids_of = (self.requests, self._runner_known,
                                                self._blocks_sent, self.kv.block_ids)
@@ -673,8 +569,6 @@ class Scheduler:
                 out.sampling_req_ids.add(rid)
                 if req.kv_params is not None and self.connector is not None:
                     self.connector.will_save(req)  # a prefill engine's: serve its K/V
-        if self.spec is not None:
-            self._want_after_prefill(out)
         self.stats.num_steps += 1 if scheduled else 0
         self.stats.total_scheduled_tokens += out.total_num_scheduled_tokens
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
@@ -692,60 +586,28 @@ class Scheduler:
                 self._load_ended(rid, error, now)
         updates = self._pending_updates
         self._pending_updates = []
-        if self.spec is not None and self._schedule_now is not None:
-            # The step's time without the proposer's (priced apart, per draft asked for;
-            # a proposal that also caught up is not what a draft costs when drafting).
-            if run.propose_steady and out.num_spec_wanted:
-                self.spec.observe_proposals(out.num_spec_wanted, run.propose_s)
-            elif out.num_spec_wanted:
-                self.spec.observe_catch_up(out.num_spec_wanted, out.num_spec_catch_up,
-                                           run.propose_s)
-            # The runner's split: verify rows are decode rows (core/batch_shape.py).
-            num_prefill, num_decode_rows = prefill_and_decode_rows(out)
-            spec = out.scheduled_spec_tokens
-            num_drafts = sum(map(len, spec.values())) if spec else 0
-            batch = num_decode_rows - num_drafts
-            step_s = now - self._schedule_now - run.propose_s
-            rows = num_prefill + num_decode_rows
-            # Left out of the fit and the guard: a drafted step of a row count never run
-            # before (one-time work: a oneDNN primitive per row count), and one right
-            # after a proposal that caught up (a draft model's prefill of a prompt, or
-            # of the text since a pause, evicted the target's weights from the caches).
-            # Such a step ran 3.40 ms median against 3.11 for a steady one (the trained
-            # draft at batch 1, k = 2, on a 2-core Zen 4); with them in, the fit there
-            # once priced a decode row at 1.6 ms and the draft did not draft for its
-            # first few hundred steps.
-            steady = not num_drafts or (rows in self._step_rows_seen
-                                        and self._after_steady_proposal)
-            self._step_rows_seen.add(rows)
-            self._after_steady_proposal = run.propose_steady or not out.num_spec_wanted
-            # (Dormant steps too: they age the fit's anchors and probes.)
-            if self._online_cost is not None and steady:
-                self._online_cost.observe(num_prefill, num_decode_rows, step_s, batch,
-                                          self._proposed_before)
-            self._proposed_before = run.propose_s > 0.0
-            sampled = run.sampled_token_ids  # (a token each, unless drafts were verified)
-            self.spec.observe_step(batch, num_prefill, num_drafts,
-                                   sum(map(len, sampled.values())) if spec else len(sampled),
-                                   step_s, run.propose_s, steady)
+        speculation = self.speculation
+        verified: list[tuple[Request, int, int, int]] = []
+        num_proposed = 0
         # Locals for the per-request loop (it runs for every request of every step).
         get_request, cache_blocks, sampled = (self.requests.get, self.kv.cache_computed_blocks,
                                               run.sampled_token_ids)
         spec_tokens, proposals = out.scheduled_spec_tokens, run.spec_token_ids
         # Requests holding lookahead slots (a draft model's): they may have some to give back.
-        lookahead = (out.num_spec_wanted if self.spec is not None
-                     and self.config.speculative.writes_draft_kv else ())
+        lookahead = (out.num_spec_wanted if speculation is not None
+                     and speculation.writes_draft_kv else ())
         for rid in out.num_scheduled_tokens:
             req = get_request(rid)
             if req is None or req.status != _RUNNING:
                 continue  # aborted or preempted while the step ran
             new_tokens = sampled.get(rid)
             if spec_tokens and rid in spec_tokens:
-                self._roll_back_rejected(req, len(spec_tokens[rid]), new_tokens)
+                verified.append(self._roll_back_rejected(req, len(spec_tokens[rid]),
+                                                         new_tokens))
             cache_blocks(req)
             if proposals and rid in proposals:
                 req.spec_token_ids = proposals[rid]
-                self.spec.metrics.num_proposed_tokens += len(req.spec_token_ids)
+                num_proposed += len(req.spec_token_ids)
             if not new_tokens:
                 continue  # a prefill chunk that did not reach the end
             accepted: list[int] = []
@@ -773,21 +635,31 @@ class Scheduler:
             elif (spec_tokens and rid in spec_tokens) or rid in lookahead:
                 self._trim_lookahead(req, out.num_spec_wanted.get(rid, 0))
             updates.append(update)
+        if speculation is not None:
+            speculation.observe(StepOutcome(out, run, now, verified, num_proposed,
+                                            self._take_departed()))
         return updates
 
-    def _roll_back_rejected(self, req: Request, num_drafts: int,
-                            new_tokens: list[int] | None) -> None:
+    def _take_departed(self) -> list[Request]:
+        """Requests that left since speculation last heard (it learns from their record)."""
+        departed, self._departed = self._departed, []
+        return departed
+
+    def _roll_back_rejected(self, req: Request, num_drafts: int, new_tokens: list[int] | None
+                            ) -> tuple[Request, int, int, int]:
         """The one place ``num_computed_tokens`` moves back: the rejected drafts' K/V
-        (computed this step) is void. (Their blocks go back in ``_trim_lookahead``.)"""
+        (computed this step) is void. (Their blocks go back in ``_trim_lookahead``.)
+        Returns the verification for speculation: (request, drafts, accepted, output
+        tokens before this step's)."""
         num_accepted = len(new_tokens) - 1 if new_tokens else 0
         assert 0 <= num_accepted <= num_drafts, (req.request_id, num_drafts, new_tokens)
         req.num_computed_tokens -= num_drafts - num_accepted
-        self.spec.observe(req, num_drafts, num_accepted)
+        return req, num_drafts, num_accepted, req.num_output_tokens
 
     def _trim_lookahead(self, req: Request, num_wanted: int) -> None:
         """Give back the blocks beyond what the request's tokens need (a draft model's
         lookahead, ``num_wanted`` slots, stays: its proposals' K/V lives there)."""
-        keep = req.num_tokens + (num_wanted if self.config.speculative.writes_draft_kv else 0)
+        keep = req.num_tokens + (num_wanted if self.speculation.writes_draft_kv else 0)
         if self.kv.trim(req, keep):
             rid = req.request_id
             if rid in self._blocks_sent:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.kv_transfer.messages import KVConnectorMeta, KVWorkerReport
+from conveyor.core.kv_connector import KVConnectorMeta, KVWorkerReport
 from conveyor.sampling_params import SamplingParams
 
 

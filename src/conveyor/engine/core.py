@@ -21,10 +21,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from conveyor.config import EngineConfig, kv_hash_key
-from conveyor.core.budget import StepCostModel
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import RequestUpdate, Scheduler
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from conveyor.costs.protocol import StepCostModel
 from conveyor.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -35,6 +35,7 @@ from conveyor.engine.messages import (
 from conveyor.engine.validation import capped_max_tokens, validate_prompt, validate_scheduling
 from conveyor.kv_transfer.connector import KVConnectorScheduler
 from conveyor.request import Request, RequestStatus
+from conveyor.spec.speculator import Speculator
 from conveyor.timings import PhaseTimings
 
 __all__ = ["EngineCore", "Executor", "QueueFullError"]
@@ -77,8 +78,12 @@ class EngineCore:
         # Prefill/decode disaggregation: the KV connector's scheduler half (None: "both").
         self.kv_connector = (KVConnectorScheduler(config.kv_transfer, self.kv)
                              if config.kv_transfer.enabled else None)
+        # Speculative decoding beside the scheduler (None: off).
+        speculative = config.scheduler.speculative
+        self.speculation = Speculator(speculative) if speculative is not None else None
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len,
-                                   step_cost=step_cost, connector=self.kv_connector)
+                                   step_cost=step_cost, connector=self.kv_connector,
+                                   speculation=self.speculation)
         self.eos_token_ids = frozenset(config.model.eos_token_ids)
         self.num_prompt_tokens = 0  # each admitted prompt once, cache hits included
         self.num_generation_tokens = 0
@@ -285,8 +290,8 @@ class EngineCore:
             "max_model_len": self.max_model_len,
             "policy": self.scheduler.policy.stats(),
             "token_budget": self.token_budget_stats(),
-            "spec_decode": (self.scheduler.spec.metrics.as_dict()
-                            if self.scheduler.spec is not None else None),
+            "spec_decode": (self.speculation.metrics.as_dict()
+                            if self.speculation is not None else None),
         }
 
     def token_budget_stats(self) -> dict[str, Any]:

@@ -9,14 +9,13 @@ the bench's model clock (``clock`` given) moves the clock by the step's cost ins
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from conveyor.config import CacheConfig, EngineConfig, ModelConfig, kv_blocks_for
+from conveyor.core.batch_shape import batch_shape
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from conveyor.costs.protocol import MachineCostModel
 from conveyor.spec.config import SpeculativeConfig
-
-if TYPE_CHECKING:
-    from conveyor.sim.cost_model import CostModel
 
 
 class AdvancingClock(Protocol):
@@ -35,12 +34,9 @@ class CostModelExecutor:
     rate per position: the accepted-length distribution measured on real traffic), drawn
     from a seeded generator; its proposals are always there."""
 
-    def __init__(self, cost: CostModel, model: ModelConfig,
+    def __init__(self, cost: MachineCostModel, model: ModelConfig,
                  clock: AdvancingClock | None = None,
                  speculative: SpeculativeConfig | None = None) -> None:
-        from conveyor.sim.batch import batch_shape  # (conveyor.sim imports this module)
-
-        self._batch_shape = batch_shape
         self.cost = cost
         self.clock = clock
         self._sampled = [fake_token_for(model)]  # shared: the scheduler only reads it
@@ -73,7 +69,7 @@ class CostModelExecutor:
         if out.is_empty:
             self.last_step_s = 0.0
             return ModelRunnerOutput()
-        duration = self.cost.step_time(self._batch_shape(out))
+        duration = self.cost.step_time(batch_shape(out))
         if not duration > 0.0:
             raise ValueError(f"cost model {self.cost.describe()} returned a step time of "
                              f"{duration!r} s; it must be positive")

@@ -128,7 +128,7 @@ def build_local_core(args: EngineArgs, clock: Callable[[], float] = time.monoton
     executor.initialize(config)
     step_cost = None
     if args.slo_cost_model:  # the SLO token budget controller's cost model (torch-free)
-        from conveyor.sim.cost_model import load_step_cost
+        from conveyor.costs.factory import load_step_cost
 
         step_cost = load_step_cost(args.slo_cost_model, config.model)
     core = EngineCore(config, executor, clock, step_cost=step_cost)

@@ -25,21 +25,14 @@ from typing import Any
 
 from conveyor.config import KVTransferConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.kv_transfer.messages import (
-    KVConnectorMeta,
-    KVTransferParams,
-    KVWorkerReport,
-    LoadSpec,
-    SaveSpec,
-)
+from conveyor.core.kv_connector import KVConnectorMeta, KVWorkerReport, LoadSpec, SaveSpec
+from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.kv_transfer.state import Transfer, TransferTable
 from conveyor.request import Request
 
 # Transfer latency buckets (seconds), as Prometheus' default-like 1-2.5-5 steps.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0)
-# stop_reason of a request failed because its KV transfer failed (--kv-transfer-fallback fail)
-KV_TRANSFER_FAILED = "kv_transfer_failed"
 
 
 @dataclass

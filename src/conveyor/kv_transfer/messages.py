@@ -1,10 +1,8 @@
-"""What crosses for a KV transfer: the request's handle, the connector's per-step
-metadata (scheduler half -> worker half), the worker's per-step report (back), and the
-wire messages between a decode worker and a prefill worker. No torch."""
+"""What crosses for a KV transfer: the request's handle and the wire messages between a
+decode worker and a prefill worker. No torch. (The connector's per-step orders and the
+worker's report ride in the scheduler's messages: ``core/kv_connector.py``.)"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import msgspec
 
@@ -34,63 +32,6 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
                                        or self.num_prompt_tokens is None):
             raise ValueError("kv_transfer_params with do_remote_prefill needs remote_host, "
                              "remote_port and num_prompt_tokens (the prefill's handle)")
-
-
-@dataclass
-class LoadSpec:
-    """Decode side: pull ``num_tokens`` tokens' K/V of ``transfer_id`` into ``block_ids``."""
-
-    transfer_id: str
-    host: str
-    port: int
-    block_ids: list[int]
-    num_tokens: int
-
-
-@dataclass
-class SaveSpec:
-    """Prefill side: after this step's forward, serve ``num_tokens`` tokens' K/V from
-    ``block_ids`` as ``transfer_id`` (until revoked)."""
-
-    transfer_id: str
-    block_ids: list[int]
-    num_tokens: int
-
-
-@dataclass
-class KVConnectorMeta:
-    """The scheduler half's orders for one step (vLLM's ``build_connector_meta``).
-
-    The worker applies ``cancels`` and ``revokes`` before anything else in the step: the
-    blocks behind them may already belong to another request of this very step."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-    cancels: list[str] = field(default_factory=list)  # loads to drop (aborted, expired)
-    revokes: list[str] = field(default_factory=list)  # saves to stop serving (lease over)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.cancels or self.revokes)
-
-
-@dataclass
-class KVWorkerReport:
-    """What the worker half saw since the last step (vLLM's ``get_finished``)."""
-
-    recv_done: list[str] = field(default_factory=list)  # loads written into the cache
-    recv_failed: dict[str, str] = field(default_factory=dict)  # transfer id -> why
-    send_started: list[str] = field(default_factory=list)  # a peer began a pull
-    send_done: list[str] = field(default_factory=list)  # a peer confirmed (may repeat)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    blocks_sent: int = 0
-    blocks_received: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.recv_done or self.recv_failed or self.send_started
-                    or self.send_done or self.bytes_sent or self.bytes_received)
 
 
 # ---- wire (decode worker <-> prefill worker, over transport.py) ---------------------------

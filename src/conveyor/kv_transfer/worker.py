@@ -28,13 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.config import KVTransferConfig
-from conveyor.kv_transfer.messages import (
-    KVConnectorMeta,
-    KVWorkerReport,
-    LoadSpec,
-    PullReply,
-    PullRequest,
-)
+from conveyor.core.kv_connector import KVConnectorMeta, KVWorkerReport, LoadSpec
+from conveyor.kv_transfer.messages import PullReply, PullRequest
 from conveyor.kv_transfer.transport import (
     FaultInjection,
     KVClient,

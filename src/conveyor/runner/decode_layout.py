@@ -1,6 +1,6 @@
 """Decode rows' context layout over the paged cache: each row's padded cache slots, its
 window's first position and, for SDPA, the mask. The runner's and the draft model's
-(spec/draft_model.py) decode rows are built from these."""
+(runner/draft_model.py) decode rows are built from these."""
 
 from __future__ import annotations
 

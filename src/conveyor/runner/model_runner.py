@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,56 +35,15 @@ from conveyor.model.packed_linear import pick_linear_backend
 from conveyor.runner import huge_pages
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
 from conveyor.runner.host_memory import keep_freed_host_memory
+from conveyor.runner.request_state import RequestState
 from conveyor.runner.sampler import Sampler, SamplingRow
+from conveyor.runner.verify import VerifyGroup, verify
 from conveyor.sampling_params import SamplingParams
 from conveyor.spec.config import SpeculativeConfig
 from conveyor.spec.proposers import ProposeItem, Proposer, make_proposer
-from conveyor.spec.verify import VerifyGroup, verify
 from conveyor.timings import PhaseTimings
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestState:
-    """A request's row of the persistent batch. Token ids are kept as the sampler needs
-    them (prompt and output apart); ``num_computed_tokens`` is the scheduler's, as of
-    this step's start."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    # prompt + output in one list, for proposers (kept up to date by ``append``).
-    all_token_ids: list[int] | None = None
-    # The last proposal's drafts and their [k, V] probabilities, where the proposer has a
-    # distribution (a draft model for a random request); verified against next step.
-    draft_q: tuple[list[int], torch.Tensor] | None = None
-
-    def append(self, tokens: list[int]) -> None:
-        self.output_token_ids.extend(tokens)
-        if self.all_token_ids is not None:
-            self.all_token_ids.extend(tokens)
-
-    def token_ids(self) -> list[int]:
-        if self.all_token_ids is None:
-            self.all_token_ids = self.prompt_token_ids + self.output_token_ids
-        return self.all_token_ids
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        """Token ids ``[start, end)`` of prompt + output, without joining the two."""
-        p = len(self.prompt_token_ids)
-        if start >= p:
-            return self.output_token_ids[start - p:end - p]
-        if end <= p:
-            return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 def default_kv_cache_memory(device: torch.device, gpu_memory_utilization: float = 0.9,
@@ -192,10 +150,10 @@ class ModelRunner:
         self.proposer: Proposer | None = None
         if speculative is not None:
             if speculative.method == "draft_model":
-                from conveyor.spec.draft_model import DraftModelProposer
+                from conveyor.runner.draft_model import DraftModelProposer
 
                 self.proposer = DraftModelProposer(speculative, model_cfg, cache_cfg, device,
-                                                   attention_backend)
+                                                   attention_backend, make_runner=ModelRunner)
             else:
                 self.proposer = make_proposer(speculative)
         # Tests set this to read each sampling request's float32 logits of the last step.

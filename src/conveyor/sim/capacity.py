@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from conveyor.config import EngineArgs
+from conveyor.costs.protocol import MachineCostModel
 from conveyor.outputs import RequestMetrics
-from conveyor.sim.cost_model import CostModel
 from conveyor.sim.replica import WorkloadRequest
 from conveyor.sim.simulator import SimResult, Simulator
 
@@ -107,7 +107,7 @@ def _keep_best(probes: list[Probe], best: Callable[[Probe, Probe], bool]) -> Non
 
 
 def find_min_replicas(requests: Sequence[WorkloadRequest], engine_args: EngineArgs,
-                      cost: CostModel, slo: SLO, *, router: str = "least_loaded",
+                      cost: MachineCostModel, slo: SLO, *, router: str = "least_loaded",
                       max_replicas: int = 64,
                       log: Callable[[Probe], None] | None = None) -> CapacityResult:
     """The fewest replicas (at most ``max_replicas``) whose attainment meets ``slo``."""
@@ -158,7 +158,7 @@ def at_rate(requests: Sequence[WorkloadRequest], rate: float) -> list[BenchReque
 
 
 def find_max_rate(requests: Sequence[WorkloadRequest], engine_args: EngineArgs,
-                  cost: CostModel, slo: SLO, *, replicas: int = 1,
+                  cost: MachineCostModel, slo: SLO, *, replicas: int = 1,
                   router: str = "least_loaded", rel_tol: float = 0.02, max_probes: int = 24,
                   log: Callable[[Probe], None] | None = None) -> CapacityResult:
     """The highest request rate per replica (req/s) at which ``slo`` is met.

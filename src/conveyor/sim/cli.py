@@ -83,7 +83,7 @@ def sim_inputs(args: argparse.Namespace):
     """(engine args, model, cost model, requests) of ``conveyor sim`` options: what the
     command runs, and what benchmark scripts that drive the simulator start from."""
     from conveyor.bench.workload import load_workload
-    from conveyor.sim.cost_model import make_cost_model
+    from conveyor.costs.factory import make_cost_model
     from conveyor.sim.model import resolve_sim_model
 
     engine_args = EngineArgs.from_cli_args(args)

@@ -26,13 +26,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from conveyor.config import EngineArgs, ModelConfig, resolve_engine_config
+from conveyor.core.kv_connector import KVWorkerReport
 from conveyor.core.scheduler_output import ModelRunnerOutput
+from conveyor.costs.protocol import MachineCostModel
 from conveyor.engine.messages import EngineCoreRequest
 from conveyor.executor.cost_model import CostModelExecutor
-from conveyor.kv_transfer.messages import KVTransferParams, KVWorkerReport
+from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.outputs import RequestMetrics
 from conveyor.sampling_params import SamplingParams
-from conveyor.sim.cost_model import CostModel
 from conveyor.sim.model import resolve_sim_model
 from conveyor.sim.replica import SimReplica, WorkloadRequest, default_params
 
@@ -99,7 +100,7 @@ def _landed(out) -> KVWorkerReport | None:
 
 
 class DisaggSimulator:
-    def __init__(self, engine_args: EngineArgs, cost: CostModel, *, num_prefill: int,
+    def __init__(self, engine_args: EngineArgs, cost: MachineCostModel, *, num_prefill: int,
                  num_decode: int, link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S,
                  link_latency_s: float = DEFAULT_LINK_LATENCY_S,
                  model: ModelConfig | None = None) -> None:

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from conveyor.config import EngineArgs
+from conveyor.costs.profile import ProfileCostModel, fit_step_times
+from conveyor.costs.shape import BatchShape
 from conveyor.sampling_params import SamplingParams
-from conveyor.sim.batch import BatchShape
-from conveyor.sim.profile_model import ProfileCostModel, fit_step_times
 from conveyor.sim.recorder import StepRecorder
 
 

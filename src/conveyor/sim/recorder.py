@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from conveyor.config import ModelConfig
+from conveyor.core.batch_shape import batch_shape
 from conveyor.core.scheduler import RequestUpdate, Scheduler
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from conveyor.sim.batch import BatchShape, batch_shape
+from conveyor.costs.shape import BatchShape
 
 
 @dataclass

@@ -20,12 +20,12 @@ from typing import Protocol
 
 from conveyor.config import EngineConfig
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from conveyor.costs.protocol import MachineCostModel, StepCostModel
 from conveyor.engine.core import EngineCore
 from conveyor.engine.messages import EngineCoreOutputs, EngineCoreRequest, QueueFullError
 from conveyor.executor.cost_model import CostModelExecutor
 from conveyor.outputs import RequestMetrics
 from conveyor.sampling_params import SamplingParams
-from conveyor.sim.cost_model import CostModel
 
 
 class WorkloadRequest(Protocol):
@@ -63,10 +63,10 @@ class VirtualClock:
 
 
 class SimReplica:
-    def __init__(self, index: int, config: EngineConfig, cost: CostModel,
+    def __init__(self, index: int, config: EngineConfig, cost: MachineCostModel,
                  make_params: Callable[[WorkloadRequest], SamplingParams],
                  listeners: list[StepListener], pool_blocks: int | None = None,
-                 step_cost: CostModel | None = None) -> None:
+                 step_cost: StepCostModel | None = None) -> None:
         self.index = index
         self.config = config
         self.make_params = make_params

@@ -24,11 +24,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from conveyor.config import EngineArgs, EngineConfig, ModelConfig, resolve_engine_config
+from conveyor.costs.factory import load_step_cost
+from conveyor.costs.protocol import MachineCostModel
 from conveyor.engine.validation import capped_max_tokens
 from conveyor.executor.cost_model import CostModelExecutor
 from conveyor.outputs import RequestMetrics
 from conveyor.sampling_params import SamplingParams
-from conveyor.sim.cost_model import CostModel, load_step_cost
 from conveyor.sim.model import resolve_sim_model
 from conveyor.sim.replica import (
     SimReplica,
@@ -95,7 +96,7 @@ class Simulator:
     ``engine_args`` does not size it, is what the cost model's machine would hold.
     """
 
-    def __init__(self, engine_args: EngineArgs, cost: CostModel, *, replicas: int = 1,
+    def __init__(self, engine_args: EngineArgs, cost: MachineCostModel, *, replicas: int = 1,
                  router: str = "round_robin",
                  make_params: Callable[[WorkloadRequest], SamplingParams] | None = None,
                  model: ModelConfig | None = None) -> None:
@@ -246,8 +247,9 @@ class Simulator:
             stopped_early=stopped)
 
 
-def simulate(requests: Iterable[WorkloadRequest], engine_args: EngineArgs, cost: CostModel, *,
-             replicas: int = 1, router: str = "round_robin") -> SimResult:
+def simulate(requests: Iterable[WorkloadRequest], engine_args: EngineArgs,
+             cost: MachineCostModel, *, replicas: int = 1,
+             router: str = "round_robin") -> SimResult:
     return Simulator(engine_args, cost, replicas=replicas, router=router).run(requests)
 
 

@@ -5,7 +5,7 @@ once per step for each request that sampled, with the request's whole token list
 (prompt + output), and returns up to ``k`` tokens; they are verified at the request's
 next step. Proposers here need no tensors: ``ngram`` (prompt lookup in the request's
 own context), ``suffix`` (spec/suffix.py) and ``synthetic``; ``draft_model``
-(spec/draft_model.py) runs a small model on the runner's device.
+(runner/draft_model.py) runs a small model on the runner's device.
 """
 
 from __future__ import annotations

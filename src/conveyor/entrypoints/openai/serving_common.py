@@ -19,12 +19,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from conveyor.core.kv_connector import KV_TRANSFER_FAILED
 from conveyor.engine.async_engine import AsyncEngine, RequestStream
 from conveyor.engine.llm_engine import PromptType
 from conveyor.entrypoints.openai.chat_template import ChatTemplate
 from conveyor.entrypoints.openai.errors import OpenAIError, from_engine_error
 from conveyor.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
-from conveyor.kv_transfer.connector import KV_TRANSFER_FAILED
 from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.metrics import EngineMetrics
 from conveyor.outputs import Logprob, RequestOutput

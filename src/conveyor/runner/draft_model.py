@@ -16,7 +16,7 @@ with them (``last_probs``) so that verification accepts with ``min(1, p / q)``: 
 drafts survive than argmax drafts would (a draft equal to the target: all of them), and
 the output still follows the target. A seeded request's drafts are coupled to the
 target's sampling instead: drawn with the noise the target's sampler uses at that
-position, verified by equality (spec/verify.py), so its output is exactly its output
+position, verified by equality (runner/verify.py), so its output is exactly its output
 without speculation.
 """
 
@@ -25,7 +25,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +38,7 @@ from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.model.attention import AttentionMetadata
 from conveyor.model.kernels.ops import DraftForward
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
+from conveyor.runner.request_state import RequestState
 from conveyor.sampling_params import SamplingParams
 from conveyor.spec.config import SpeculativeConfig
 from conveyor.spec.proposers import ProposeItem, Proposer
@@ -86,19 +89,20 @@ class DraftModelProposer(Proposer):
     DECODE_ROWS_CATCH_UP = 8  # the longest catch-up run as decode rows
 
     def __init__(self, config: SpeculativeConfig, target: ModelConfig, cache: CacheConfig,
-                 device: torch.device, attention_backend: str = "auto") -> None:
-        from conveyor.runner.model_runner import ModelRunner  # (it imports this module)
-
+                 device: torch.device, attention_backend: str = "auto", *,
+                 make_runner: Callable[..., Any]) -> None:
+        """``make_runner``: the target's runner class (``ModelRunner``), which runs the
+        draft too; given, not imported, since that runner builds this proposer."""
         draft = load_model_config(config.model, dtype=target.dtype, seed=target.seed)
         draft = _with_compute_dtype(draft, target.math_dtype)
         check_shared_tokenizer(target, draft)
         self.config = draft
         # Its linears are chosen at one row: a draft runs decode rows of the few requests
-        # it pays for (at 32 rows oneDNN won and took 27 us a call at one row, 3x
-        # torch's). Where its whole proposal can run natively (draft_forward.c), they are
-        # the native GEMM's, which that loop reads.
+        # it pays for (a backend timed at 32 rows can be slow at one). Where its whole
+        # proposal can run natively (draft_forward.c), they are the native GEMM's, which
+        # that loop reads.
         native = native_draft_possible(draft, device)
-        self.runner = ModelRunner(draft, cache, device, attention_backend,
+        self.runner = make_runner(draft, cache, device, attention_backend,
                                   linear_backend="native" if native else "auto",
                                   linear_rows=(1, 1))
         self.native: DraftForward | None = None  # built with the KV caches
@@ -246,8 +250,6 @@ class DraftModelProposer(Proposer):
                            ) -> torch.Tensor:
         """The catch-up through the runner's ``_prepare`` (a long one is a prefill
         segment; a short one among them decode rows, as the target verifies drafts)."""
-        from conveyor.runner.model_runner import RequestState
-
         runner = self.runner
         rows = {it.req_id: it.token_ids[len(it.token_ids) - first[it.req_id] + 1:]
                 for it in items if 1 < first[it.req_id] <= self.DECODE_ROWS_CATCH_UP}
@@ -290,7 +292,7 @@ class DraftModelProposer(Proposer):
         draw from ``q``, the draft's distribution under the request's own sampling
         parameters. A seeded request's draw is coupled to the target's: the exponential
         race with the noise the target's sampler uses at that output position
-        (spec/verify.py)."""
+        (runner/verify.py)."""
         sampler = self.runner.sampler
         sel = torch.tensor([i for i, _ in rows], device=logits.device)
         raw = sampler.probs(logits[sel].float(), [it.params for _, it in rows],

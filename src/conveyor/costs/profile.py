@@ -17,26 +17,21 @@ a step, with non-negative coefficients (a cost cannot make a step faster):
 
 The matrix term is a step up between one token and two: a one-token step multiplies
 each weight matrix by a vector (GEMV, which streams the weights once), while two or
-more tokens go through a GEMM kernel that packs the weights first. On one CPU core a
-576x4608 linear takes about 1 ms for one row and 2.6 ms for three; without the term
-the fit splits the difference and errs by ~30% on both sides of it (a median error
-of 10% and p90 of 28% over a 23M-parameter model's grid, against 6% and 13% with it).
+more tokens go through a GEMM kernel that packs the weights first; without the term
+the fit splits the difference and errs on both sides of it.
 
 The last three terms are what a step holding a prefill costs beyond its tokens, and
 without them the fit had prefill steps systematically short. The first tokens of a
-step cost more than the later ones (a GEMM's row blocks fill up: on one CPU core a
-23M-parameter forward costs ~0.75 ms a token from 2 to 16 tokens, ~0.45 ms after): a
-decode step of 16 rows still came out right, its sampled rows soaking up the
-difference, but a 16-token prefill (one sampled row) was predicted 13-18% short, and
-the p50 TTFTs, made of such steps, 7-17% low even with the fit made to the run's own
-steps. The hinge ``min(T, small_knee)`` bends the token cost the other way from
+step cost more than the later ones (a GEMM's row blocks fill up): a decode step of
+many rows still comes out right, its sampled rows soaking up the difference, but a
+prefill of as many tokens (one sampled row) is predicted short, and so are the TTFTs
+made of such steps. The hinge ``min(T, small_knee)`` bends the token cost the other way from
 ``knee`` (concave; both knees are searched), the sampled rows' cost drops to what the
 LM head takes, and those prefills come out right. Each prefill chunk runs its own
-attention call per layer (~1-4 ms a chunk on that CPU), and a chunk that continues a
-prompt (chunked prefill, a prefix-cache hit) gathers its prior context's K/V from
-the cache and masks it: 2 tokens after a cached 752-token prefix took 24.5 ms against
-17.7 ms without it, far more than their 1,500 query-key pairs explain. ``conveyor profile``
-times such continuations (a prompt after its own cached prefix) so the term has data.
+attention call per layer, and a chunk that continues a prompt (chunked prefill, a
+prefix-cache hit) gathers its prior context's K/V from the cache and masks it, far
+more than its query-key pairs explain. ``conveyor profile`` times such continuations
+(a prompt after its own cached prefix) so the term has data.
 
 The decode term follows the runner's decode kernel (``decode_layout``, recorded by
 ``conveyor profile``): ``paged`` (the native CPU kernel, like a paged-attention GPU
@@ -52,12 +47,10 @@ moves. Residuals are relative (each sample weighted by 1/time), so short decode 
 count as much as long prefills. Repeated samples of one shape (``--repeats``)
 count once, at their median: the simulator must predict what a step typically
 costs, since that is what a real run's latencies add up, and the median of three
-ignores one repeat slowed by another process. The fastest repeat (used before) is
-the luckiest one: on the shared development machine it sat 15-25% below the
-typical step of real runs of the same batches, below even their 10th percentile,
-and simulated TPOTs came out 10-28% low. Shapes more than 4
-median-absolute-deviations off the first fit (most of whose repeats were slowed)
-are dropped before the final fit.
+ignores one repeat slowed by another process (the fastest repeat is the luckiest
+one, below the typical step of real runs, and simulated TPOTs come out low). Shapes
+more than 4 median-absolute-deviations off the first fit (most of whose repeats were
+slowed) are dropped before the final fit.
 
 Profiles are versioned (``PROFILE_FORMAT``); one of ``conveyor-profile/1`` (the first
 eight terms) still loads, with the new terms at zero: it predicts what it did.
@@ -73,7 +66,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from conveyor.config import ModelConfig
-from conveyor.sim.batch import BatchShape
+from conveyor.costs.shape import BatchShape
 
 FEATURES = ("step", "matrix", "rows", "tokens", "tokens_over_knee", "prefill_attention",
             "decode_attention", "sampled", "tokens_under_small_knee", "prefill_rows",

@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conveyor.config import ModelConfig
-from conveyor.sim.batch import BatchShape
-from conveyor.sim.hardware import HardwareSpec
+from conveyor.costs.hardware import HardwareSpec
+from conveyor.costs.shape import BatchShape
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,10 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class StepCost:
+class RooflineBreakdown:
+    """One step's roofline terms (``RooflineCostModel.cost``): what bounds it, and by how
+    much."""
+
     flops: float  # whole step, all devices
     bytes_per_device: float
     compute_s: float
@@ -119,6 +122,8 @@ class StepCost:
 
 
 class RooflineCostModel:
+    """A ``MachineCostModel`` (``conveyor.costs.protocol``) from shapes alone."""
+
     def __init__(self, model: ModelConfig, hardware: HardwareSpec, tp: int = 1) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
@@ -150,7 +155,7 @@ class RooflineCostModel:
         else:
             self._ar_latency = self._ar_s_per_token = 0.0
 
-    def cost(self, b: BatchShape) -> StepCost:
+    def cost(self, b: BatchShape) -> RooflineBreakdown:
         tokens = b.num_prefill_tokens + b.num_decodes
         flops = (self._flops_per_token * tokens + self._flops_per_sample * b.num_sampled
                  + self._flops_per_pair * (b.prefill_attention + b.decode_context))
@@ -158,11 +163,11 @@ class RooflineCostModel:
                   + self._kv_bytes * (b.prefill_context + b.decode_context + tokens))
         comm = 2 * self.shape.num_layers * (self._ar_latency + self._ar_s_per_token * tokens) \
             if self.tp > 1 else 0.0
-        return StepCost(flops, nbytes, flops / self._flops_per_s, nbytes / self._bytes_per_s,
-                        comm, self._overhead_s)
+        return RooflineBreakdown(flops, nbytes, flops / self._flops_per_s,
+                                 nbytes / self._bytes_per_s, comm, self._overhead_s)
 
     def step_time(self, b: BatchShape) -> float:
-        # cost(b).total_s, without building a StepCost (this runs once per simulated step).
+        # cost(b).total_s without building a RooflineBreakdown (this runs every simulated step).
         tokens = b.num_prefill_tokens + b.num_decodes
         compute = (self._flops_per_token * tokens + self._flops_per_sample * b.num_sampled
                    + self._flops_per_pair * (b.prefill_attention + b.decode_context)
