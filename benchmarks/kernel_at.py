@@ -8,16 +8,24 @@ import ctypes
 import os
 import subprocess
 
-from conveyor.model import kernels
+from conveyor.kernels import cpu as kernels
+
+# Where the kernels folder lived before it became a package of its own: a revision from
+# before the move is extracted from there.
+OLD_KERNELS_DIR = "src/conveyor/model/kernels"
 
 
 def extract_at(rev: str, out_dir: str) -> str:
-    """The ``conveyor/model/kernels`` folder of git revision ``rev``, extracted under
-    ``out_dir``; returns its path."""
+    """The kernels folder (``conveyor/kernels/cpu``, ``conveyor/model/kernels`` before it
+    moved) of git revision ``rev``, extracted under ``out_dir``; returns its path."""
     here = os.path.dirname(os.path.abspath(kernels.__file__))
     top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, check=True,
                          capture_output=True, text=True).stdout.strip()
     rel = os.path.relpath(here, top)
+    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, rel], cwd=top,
+                            check=True, capture_output=True, text=True).stdout.strip()
+    if not listed:
+        rel = OLD_KERNELS_DIR
     archive = subprocess.run(["git", "archive", rev, rel], cwd=top, check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", out_dir], input=archive, check=True)
@@ -25,7 +33,7 @@ def extract_at(rev: str, out_dir: str) -> str:
 
 
 def build_at(rev: str, source: str, out_dir: str, *also: str) -> ctypes.CDLL:
-    """``source`` (a file of ``conveyor/model/kernels``, e.g. ``elementwise.c``) with the
+    """``source`` (a file of ``conveyor/kernels/cpu``, e.g. ``elementwise.c``) with the
     kernel headers of git revision ``rev``, built alone (with the sources ``also`` it
     calls into, e.g. ``prefill_attention_amx.c``) into a library whose functions get their
     C types (``kernels.SIGNATURES``)."""
@@ -59,7 +67,7 @@ def gemm_at(rev: str) -> Overlay:
     ``ops._lib``, every ``PackedGemm`` call runs REV's ``gemm.c``."""
     import tempfile
 
-    from conveyor.model.kernels import ops
+    from conveyor.kernels.cpu import ops
 
     return Overlay(ops._lib or ops._native(), build_at(rev, "gemm.c", tempfile.mkdtemp()),
                    GEMM_FUNCTIONS)

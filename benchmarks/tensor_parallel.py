@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(REPO, "src"))
 
 from conveyor.config import EngineArgs  # noqa: E402
 from conveyor.engine.llm_engine import LLMEngine  # noqa: E402
-from conveyor.model.linear_choice import cpu_model_name  # noqa: E402
+from conveyor.kernels.cpu.cpuinfo import cpu_model_name  # noqa: E402
 from conveyor.sampling_params import SamplingParams  # noqa: E402
 
 

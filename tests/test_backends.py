@@ -9,36 +9,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.model import backends, kernels
-from conveyor.model.backends import (
-    AttentionBackend,
-    BackendUnavailableError,
-    LinearBackend,
-    Registry,
+from conveyor.kernels import cpu as kernels
+from conveyor.model.attention import registry as attention_registry
+from conveyor.model.attention.backend import AttentionBackend
+from conveyor.model.attention.native_decode import NativeDecode
+from conveyor.model.attention.native_prefill import NativePrefill
+from conveyor.model.attention.registry import (
     attention_backend_names,
-    linear_backend_names,
+    pick_decode_kernel,
     register_attention_backend,
-    register_linear_backend,
     select_attention_backend,
-    select_linear_backend,
     unregister_attention_backend,
+)
+from conveyor.model.attention.sdpa import SdpaAttentionBackend, sdpa_decode
+from conveyor.model.dtypes import cpu_has_native_bf16
+from conveyor.model.layers.ops import NativeOps
+from conveyor.model.linear import registry as linear_registry
+from conveyor.model.linear.backend import LinearBackend
+from conveyor.model.linear.native import native_gemm_lib
+from conveyor.model.linear.onednn import OneDnnLinearBackend, onednn_available
+from conveyor.model.linear.packing import pack_linears, packed_linear
+from conveyor.model.linear.registry import (
+    linear_backend_choices,
+    linear_backend_names,
+    pick_linear_backend,
+    register_linear_backend,
+    select_linear_backend,
     unregister_linear_backend,
 )
-from conveyor.model.decode_attention import (
-    NativeDecode,
-    NativePrefill,
-    pick_decode_kernel,
-    sdpa_decode,
-)
-from conveyor.model.dtypes import cpu_has_native_bf16
-from conveyor.model.layer_ops import NativeOps
-from conveyor.model.packed_linear import (
-    native_gemm_lib,
-    onednn_available,
-    pack_linears,
-    packed_linear,
-    pick_linear_backend,
-)
+from conveyor.model.registry import BackendUnavailableError, Registry
 
 CPU = torch.device("cpu")
 native_attention = kernels.load() is not None
@@ -49,17 +48,15 @@ def test_builtin_backends_are_registered_in_priority_order() -> None:
     assert names.index("native") < names.index("sdpa")
     names = linear_backend_names()
     assert names.index("native") < names.index("onednn") < names.index("torch")
-    assert backends.attention_backend("sdpa") is backends.SdpaAttentionBackend
-    assert backends.linear_backend("onednn") is backends.OneDnnLinearBackend
-    from conveyor.model import packed_linear as module
-
-    assert ("auto", *linear_backend_names()) == module.LINEAR_BACKENDS
+    assert attention_registry.attention_backend("sdpa") is SdpaAttentionBackend
+    assert linear_registry.linear_backend("onednn") is OneDnnLinearBackend
+    assert ("auto", *linear_backend_names()) == linear_backend_choices()
 
 
 @pytest.mark.parametrize("lookup", [
     lambda: pick_decode_kernel("fast", CPU, torch.float32, 8, 2),
     lambda: select_attention_backend("fast", CPU, torch.float32, 8, 2),
-    lambda: backends.attention_backend("fast"),
+    lambda: attention_registry.attention_backend("fast"),
 ])
 def test_unknown_attention_backend_lists_the_registered_names(lookup) -> None:
     with pytest.raises(ValueError, match="attention_backend must be one of auto, ") as e:
@@ -241,7 +238,7 @@ def test_the_engine_runs_a_registered_attention_backend(fake_attention) -> None:
     _, _, calls = fake_attention
 
     @register_attention_backend
-    class SdpaCopy(backends.SdpaAttentionBackend):  # the same kernel under another name,
+    class SdpaCopy(SdpaAttentionBackend):  # the same kernel under another name,
         name = "test-sdpa-copy"  # wrapped to count its calls
 
         def decode_kernel(self):

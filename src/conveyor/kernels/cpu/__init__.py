@@ -24,8 +24,7 @@ import subprocess
 import tempfile
 
 from conveyor import envs
-from conveyor.model.dtypes import cpu_flags
-from conveyor.model.presets import cache_root
+from conveyor.kernels.cpu.cpuinfo import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +191,7 @@ def load_variant(isa: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler found: native CPU kernels disabled")
         return None
     flags = [*_FLAGS, *_isa_flags(isa)]
-    path = os.path.join(cache_root(), "kernels", build_key(isa), "libconveyor_cpu.so")
+    path = os.path.join(envs.cache_root(), "kernels", build_key(isa), "libconveyor_cpu.so")
     try:
         if not os.path.isfile(path):
             _build(compiler, path, flags)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from conveyor.model import kernels
+from conveyor.kernels import cpu as kernels
 
 _INT_MAX = 2**31 - 1
 _lib = None  # the loaded library, once a call has needed it
