@@ -22,6 +22,7 @@ from conveyor.model.attention.registry import (
     unregister_attention_backend,
 )
 from conveyor.model.attention.sdpa import SdpaAttentionBackend, sdpa_decode
+from conveyor.model.backend_registry import BackendUnavailableError, Registry
 from conveyor.model.dtypes import cpu_has_native_bf16
 from conveyor.model.layers.ops import NativeOps
 from conveyor.model.linear import registry as linear_registry
@@ -37,7 +38,6 @@ from conveyor.model.linear.registry import (
     select_linear_backend,
     unregister_linear_backend,
 )
-from conveyor.model.registry import BackendUnavailableError, Registry
 
 CPU = torch.device("cpu")
 native_attention = kernels.load() is not None

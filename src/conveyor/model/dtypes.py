@@ -1,8 +1,8 @@
 """Which dtype the arithmetic runs in, given the weights' dtype and the device.
 
 bfloat16 weights on a CPU without bf16 instructions (x86 without AVX-512 BF16 or AMX,
-Arm without the BF16 extension) make every matrix multiplication convert and emulate:
-5-10x slower than float32 there. ``auto`` then computes in float32 on the weights'
+Arm without the BF16 extension) make every matrix multiplication convert and emulate,
+far slower than float32 there. ``auto`` then computes in float32 on the weights'
 bf16-rounded values: the model's numbers, at float32's speed, for twice the weights'
 memory (and a float32 KV cache).
 """

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from conveyor.model.attention.backend import AttentionBackend
-from conveyor.model.registry import Registry
+from conveyor.model.backend_registry import Registry
 
 
 def _native() -> type[AttentionBackend]:

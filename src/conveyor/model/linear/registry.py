@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from conveyor.model.backend_registry import Registry
 from conveyor.model.linear.backend import LinearBackend
-from conveyor.model.registry import Registry
 
 
 def _native() -> type[LinearBackend]:
