@@ -13,6 +13,7 @@ unknown name a ValueError listing the registered ones.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -48,14 +49,17 @@ class Registry(Generic[B]):
         self.kind = kind
         self._entries: dict[str, _Entry[B]] = {}
 
-    def add(self, name: str, priority: int, factory: Callable[[], B]) -> None:
-        """Registers ``name``, whose class ``factory`` imports when first looked up."""
+    def add(self, name: str, priority: int, where: str) -> None:
+        """Registers ``name``, the class ``where`` (``"package.module:Class"``) names,
+        imported when first looked up."""
         if not isinstance(name, str) or not name or name == "auto":
             raise ValueError(f"a {self.kind} backend needs a name other than 'auto', "
                              f"got {name!r}")
         if name in self._entries:
             raise ValueError(f"{self.kind} backend {name!r} is already registered")
-        self._entries[name] = _Entry(priority, factory)
+        module, _, cls = where.partition(":")
+        self._entries[name] = _Entry(
+            priority, lambda: getattr(importlib.import_module(module), cls))
 
     def register(self, cls: B) -> B:
         """Class decorator: adds a class already imported under ``cls.name`` (unique, not

@@ -1,10 +1,10 @@
-"""The attention backends by name. Each factory imports its backend's module on first
-lookup; a backend module never imports this one.
+"""The attention backends by name. Each backend's module is imported on first lookup; a
+backend module never imports this one.
 
 Built in, in priority order: ``native`` (the C kernels on CPU, float32 or bfloat16), then
 ``sdpa`` (anywhere). Adding one, say FlashInfer's decode on CUDA, is a module with its
 ``AttentionBackend`` subclass and one ``attention_backends.add`` line here (or
-``register_attention_backend`` on a class from outside)::
+``attention_backends.register`` on a class from outside)::
 
     class FlashInferBackend(AttentionBackend):
         name = "flashinfer"
@@ -24,27 +24,9 @@ import torch
 from conveyor.model.attention.backend import AttentionBackend
 from conveyor.model.backend_registry import Registry
 
-
-def _native() -> type[AttentionBackend]:
-    from conveyor.model.attention.native import NativeAttentionBackend
-
-    return NativeAttentionBackend
-
-
-def _sdpa() -> type[AttentionBackend]:
-    from conveyor.model.attention.sdpa import SdpaAttentionBackend
-
-    return SdpaAttentionBackend
-
-
 attention_backends: Registry[type[AttentionBackend]] = Registry("attention")
-attention_backends.add("native", 100, _native)
-attention_backends.add("sdpa", 0, _sdpa)
-
-register_attention_backend = attention_backends.register
-unregister_attention_backend = attention_backends.unregister
-attention_backend = attention_backends.get
-attention_backend_names = attention_backends.names
+attention_backends.add("native", 100, "conveyor.model.attention.native:NativeAttentionBackend")
+attention_backends.add("sdpa", 0, "conveyor.model.attention.sdpa:SdpaAttentionBackend")
 
 
 def attention_backend_names_for(device: torch.device | str, dtype: torch.dtype,

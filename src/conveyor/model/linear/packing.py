@@ -10,7 +10,7 @@ from torch import nn
 
 from conveyor.model.linear.few_rows import RowSplitLinear, few_row_linear
 from conveyor.model.linear.native import NativeLinear
-from conveyor.model.linear.registry import linear_backend
+from conveyor.model.linear.registry import linear_backends
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
@@ -18,7 +18,7 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
     """A pre-packed replacement for ``nn.Linear(weight, bias)`` from linear backend
     ``backend`` (``onednn``, ``native``, ...); ``gate_up`` fuses the SwiGLU activation
     where the backend can (native: check the module's ``applies_silu_mul``)."""
-    cls = linear_backend(backend)
+    cls = linear_backends.get(backend)
     if not cls.packs:
         raise ValueError(f"no packed linear for backend {backend!r}")
     return cls(weight.device, weight.dtype).make_linear(weight, bias, gate_up=gate_up)
@@ -37,7 +37,7 @@ def pack_linears_by(model: nn.Module, backend_of: Callable[[str, torch.Tensor], 
             if isinstance(child, nn.Linear):
                 backend = backend_of(name, child.weight)
                 module: nn.Module = child
-                if linear_backend(backend).packs:
+                if linear_backends.get(backend).packs:
                     module = packed_linear(child.weight, child.bias, backend,
                                            gate_up=name == "gate_up_proj")
                     count += 1

@@ -29,7 +29,7 @@ from conveyor.model.layers.norm import RMSNorm
 from conveyor.model.layers.ops import TorchOps
 from conveyor.model.layers.rotary import RotaryEmbedding
 from conveyor.model.linear.packing import pack_linears, pack_linears_by, packed_linear
-from conveyor.model.linear.registry import linear_backend
+from conveyor.model.linear.registry import linear_backends
 from conveyor.model.linear.shape import LinearShape
 
 
@@ -172,7 +172,7 @@ class DecoderForCausalLM(nn.Module):
         (``linear/few_rows.py``)."""
         head = LinearShape(*self.lm_head_weight.shape, lm_head=True).key
         count = 0
-        if linear_backend(choice[head]).packs:
+        if linear_backends.get(choice[head]).packs:
             self.packed_lm_head = packed_linear(self.lm_head_weight, None, choice[head])
             if not self.tie_word_embeddings:
                 del self.lm_head
