@@ -16,6 +16,9 @@ import subprocess
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The traces (Azure conversation CSV, Mooncake JSONL) live beside the checkout, not in it.
 SHARED_TRACES = os.path.normpath(os.path.join(REPO, "..", "shared", "traces"))
+# Where the kernels folder lived before it became a package of its own: a revision from
+# before the move is extracted from there.
+OLD_KERNELS_DIR = "src/conveyor/model/kernels"
 
 
 def traces_dir() -> str:
@@ -24,14 +27,18 @@ def traces_dir() -> str:
 
 
 def extract_at(rev: str, out_dir: str) -> str:
-    """The ``conveyor/model/kernels`` folder of git revision ``rev``, extracted under
-    ``out_dir``; returns its path."""
-    from conveyor.model import kernels
+    """The kernels folder (``conveyor/kernels/cpu``, ``conveyor/model/kernels`` before it
+    moved) of git revision ``rev``, extracted under ``out_dir``; returns its path."""
+    from conveyor.kernels import cpu as kernels
 
     here = os.path.dirname(os.path.abspath(kernels.__file__))
     top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, check=True,
                          capture_output=True, text=True).stdout.strip()
     rel = os.path.relpath(here, top)
+    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, rel], cwd=top,
+                            check=True, capture_output=True, text=True).stdout.strip()
+    if not listed:
+        rel = OLD_KERNELS_DIR
     archive = subprocess.run(["git", "archive", rev, rel], cwd=top, check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", out_dir], input=archive, check=True)
@@ -39,11 +46,11 @@ def extract_at(rev: str, out_dir: str) -> str:
 
 
 def build_at(rev: str, source: str, out_dir: str, *also: str) -> ctypes.CDLL:
-    """``source`` (a file of ``conveyor/model/kernels``, e.g. ``elementwise.c``) with the
+    """``source`` (a file of ``conveyor/kernels/cpu``, e.g. ``elementwise.c``) with the
     kernel headers of git revision ``rev``, built alone (with the sources ``also`` it
     calls into, e.g. ``prefill_attention_amx.c``) into a library whose functions get their
     C types (``kernels.SIGNATURES``)."""
-    from conveyor.model import kernels
+    from conveyor.kernels import cpu as kernels
 
     src_dir = extract_at(rev, out_dir)
     so = os.path.join(out_dir, source.replace(".c", ".so"))
@@ -75,7 +82,7 @@ def gemm_at(rev: str) -> Overlay:
     ``ops._lib``, every ``PackedGemm`` call runs REV's ``gemm.c``."""
     import tempfile
 
-    from conveyor.model.kernels import ops
+    from conveyor.kernels.cpu import ops
 
     return Overlay(ops._lib or ops._native(), build_at(rev, "gemm.c", tempfile.mkdtemp()),
                    GEMM_FUNCTIONS)

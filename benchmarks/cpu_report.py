@@ -37,7 +37,7 @@ KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_til
 
 
 def describe_cpu() -> str:
-    from conveyor.model.dtypes import cpu_flags, cpu_model_name, cpuinfo_field
+    from conveyor.kernels.cpu.cpuinfo import cpu_flags, cpu_model_name, cpuinfo_field
 
     flags = cpu_flags()
     if flags is None:

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.model import attention_choice
-from conveyor.model.backends import attention_backend_names_for, select_attention_backend
+from conveyor.model.attention.registry import (
+    attention_backend_names_for,
+    select_attention_backend,
+)
+from conveyor.model.autotune import attention as attention_choice
 
 from helpers import hf_greedy, make_checkpoint, random_prompts
 

@@ -9,35 +9,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.model import backends, kernels
-from conveyor.model.backends import (
-    AttentionBackend,
-    BackendUnavailableError,
-    LinearBackend,
-    Registry,
-    attention_backend_names,
-    linear_backend_names,
-    register_attention_backend,
-    register_linear_backend,
-    select_attention_backend,
-    select_linear_backend,
-    unregister_attention_backend,
-    unregister_linear_backend,
-)
-from conveyor.model.decode_attention import (
-    NativeDecode,
-    NativePrefill,
+from conveyor.kernels import cpu as kernels
+from conveyor.model.attention.backend import AttentionBackend
+from conveyor.model.attention.native_decode import NativeDecode
+from conveyor.model.attention.native_prefill import NativePrefill
+from conveyor.model.attention.registry import (
+    attention_backends,
     pick_decode_kernel,
-    sdpa_decode,
+    select_attention_backend,
 )
+from conveyor.model.attention.sdpa import SdpaAttentionBackend, sdpa_decode
+from conveyor.model.backend_registry import BackendUnavailableError, Registry
 from conveyor.model.dtypes import cpu_has_native_bf16
-from conveyor.model.layer_ops import NativeOps
-from conveyor.model.packed_linear import (
-    native_gemm_lib,
-    onednn_available,
-    pack_linears,
-    packed_linear,
+from conveyor.model.layers.ops import NativeOps
+from conveyor.model.linear.backend import LinearBackend
+from conveyor.model.linear.native import native_gemm_lib
+from conveyor.model.linear.onednn import OneDnnLinearBackend, onednn_available
+from conveyor.model.linear.packing import pack_linears, packed_linear
+from conveyor.model.linear.registry import (
+    linear_backend_choices,
+    linear_backends,
     pick_linear_backend,
+    select_linear_backend,
 )
 
 CPU = torch.device("cpu")
@@ -45,26 +38,24 @@ native_attention = kernels.load() is not None
 
 
 def test_builtin_backends_are_registered_in_priority_order() -> None:
-    names = attention_backend_names()
+    names = attention_backends.names()
     assert names.index("native") < names.index("sdpa")
-    names = linear_backend_names()
+    names = linear_backends.names()
     assert names.index("native") < names.index("onednn") < names.index("torch")
-    assert backends.attention_backend("sdpa") is backends.SdpaAttentionBackend
-    assert backends.linear_backend("onednn") is backends.OneDnnLinearBackend
-    from conveyor.model import packed_linear as module
-
-    assert ("auto", *linear_backend_names()) == module.LINEAR_BACKENDS
+    assert attention_backends.get("sdpa") is SdpaAttentionBackend
+    assert linear_backends.get("onednn") is OneDnnLinearBackend
+    assert ("auto", *linear_backends.names()) == linear_backend_choices()
 
 
 @pytest.mark.parametrize("lookup", [
     lambda: pick_decode_kernel("fast", CPU, torch.float32, 8, 2),
     lambda: select_attention_backend("fast", CPU, torch.float32, 8, 2),
-    lambda: backends.attention_backend("fast"),
+    lambda: attention_backends.get("fast"),
 ])
 def test_unknown_attention_backend_lists_the_registered_names(lookup) -> None:
     with pytest.raises(ValueError, match="attention_backend must be one of auto, ") as e:
         lookup()
-    for name in attention_backend_names():
+    for name in attention_backends.names():
         assert name in str(e.value)
     assert "'fast'" in str(e.value)
 
@@ -76,7 +67,7 @@ def test_unknown_attention_backend_lists_the_registered_names(lookup) -> None:
 def test_unknown_linear_backend_lists_the_registered_names(lookup) -> None:
     with pytest.raises(ValueError, match="linear_backend must be one of auto, ") as e:
         lookup()
-    for name in linear_backend_names():
+    for name in linear_backends.names():
         assert name in str(e.value)
 
 
@@ -203,7 +194,7 @@ def fake_attention():
 
     decode.needs_mask = True
 
-    @register_attention_backend
+    @attention_backends.register
     class FakeBackend(AttentionBackend):
         name, priority = "test-fake", 10_000
 
@@ -217,13 +208,13 @@ def fake_attention():
     try:
         yield FakeBackend, decode, calls
     finally:
-        unregister_attention_backend("test-fake")
-    assert "test-fake" not in attention_backend_names()
+        attention_backends.unregister("test-fake")
+    assert "test-fake" not in attention_backends.names()
 
 
 def test_a_registered_attention_backend_is_found_and_chosen(fake_attention) -> None:
     cls, decode, _ = fake_attention
-    assert attention_backend_names()[0] == "test-fake"
+    assert attention_backends.names()[0] == "test-fake"
     assert pick_decode_kernel("test-fake", CPU, torch.float64, 8, 2) is decode
     assert pick_decode_kernel("auto", CPU, torch.float64, 8, 2) is decode  # top priority
     assert pick_decode_kernel("auto", CPU, torch.float16, 8, 2) is sdpa_decode  # declines
@@ -232,7 +223,7 @@ def test_a_registered_attention_backend_is_found_and_chosen(fake_attention) -> N
     with pytest.raises(ValueError, match="test-fake"):  # listed among the names
         pick_decode_kernel("nope", CPU, torch.float32, 8, 2)
     with pytest.raises(ValueError, match="already registered"):
-        register_attention_backend(cls)
+        attention_backends.register(cls)
 
 
 def test_the_engine_runs_a_registered_attention_backend(fake_attention) -> None:
@@ -240,8 +231,8 @@ def test_the_engine_runs_a_registered_attention_backend(fake_attention) -> None:
 
     _, _, calls = fake_attention
 
-    @register_attention_backend
-    class SdpaCopy(backends.SdpaAttentionBackend):  # the same kernel under another name,
+    @attention_backends.register
+    class SdpaCopy(SdpaAttentionBackend):  # the same kernel under another name,
         name = "test-sdpa-copy"  # wrapped to count its calls
 
         def decode_kernel(self):
@@ -255,7 +246,7 @@ def test_the_engine_runs_a_registered_attention_backend(fake_attention) -> None:
         want = LLM("tiny", load_format="dummy", dtype="float32",
                    attention_backend="sdpa").generate(prompts, params)
     finally:
-        unregister_attention_backend("test-sdpa-copy")
+        attention_backends.unregister("test-sdpa-copy")
     assert calls  # the decode steps went through the registered kernel
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
@@ -270,7 +261,7 @@ class _Doubled(nn.Module):
 
 
 def test_a_registered_linear_backend_is_found_and_used() -> None:
-    @register_linear_backend
+    @linear_backends.register
     class Doubling(LinearBackend):
         name, priority = "test-doubling", 10_000
 
@@ -294,5 +285,5 @@ def test_a_registered_linear_backend_is_found_and_used() -> None:
         assert all(isinstance(m, _Doubled) for m in model)
         torch.testing.assert_close(model(x), 2 * F.linear(2 * F.linear(x, w0, b0), w1, b1))
     finally:
-        unregister_linear_backend("test-doubling")
-    assert "test-doubling" not in linear_backend_names()
+        linear_backends.unregister("test-doubling")
+    assert "test-doubling" not in linear_backends.names()

@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.model import kernels
-from conveyor.model.attention import AttentionMetadata
-from conveyor.model.decode_attention import NativeDecode, pick_decode_kernel, sdpa_decode
+from conveyor.kernels import cpu as kernels
+from conveyor.model.attention.metadata import AttentionMetadata
+from conveyor.model.attention.native_decode import NativeDecode
+from conveyor.model.attention.registry import pick_decode_kernel
+from conveyor.model.attention.sdpa import sdpa_decode
 
 needs_native = pytest.mark.skipif(kernels.load() is None,
                                   reason="native kernels unavailable " + kernels.why_unavailable())
@@ -101,8 +103,9 @@ def test_backend_choice_and_errors() -> None:
 
 @needs_native
 def test_native_layer_ops_match_torch_ops() -> None:
-    from conveyor.model.layer_ops import NativeOps, TorchOps
-    from conveyor.model.llama import RMSNorm, RotaryEmbedding
+    from conveyor.model.layers.norm import RMSNorm
+    from conveyor.model.layers.ops import NativeOps, TorchOps
+    from conveyor.model.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
     native, ref = NativeOps(kernels.load()), TorchOps()
@@ -131,7 +134,7 @@ def test_loading_kernels_keeps_subnormals() -> None:
     import subprocess
     import sys
 
-    code = ("import torch\nfrom conveyor.model import kernels\nassert kernels.load()\n"
+    code = ("import torch\nfrom conveyor.kernels import cpu as kernels\nassert kernels.load()\n"
             "x = torch.tensor([1e-40])\nassert (x * 1.0).item() != 0.0, 'flush-to-zero is on'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

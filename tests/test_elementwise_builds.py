@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.model import kernels
-from conveyor.model.layer_ops import TorchOps
-from conveyor.model.llama import RMSNorm, RotaryEmbedding
+from conveyor.kernels import cpu as kernels
+from conveyor.model.layers.norm import RMSNorm
+from conveyor.model.layers.ops import TorchOps
+from conveyor.model.layers.rotary import RotaryEmbedding
 
 BF = torch.bfloat16
 pytestmark = pytest.mark.skipif(kernels.load() is None,

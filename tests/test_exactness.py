@@ -50,8 +50,9 @@ CONFIGS = {
 
 def _needs(config: str):
     """Configurations that force a backend this machine may not build skip without it."""
-    from conveyor.model import kernels
-    from conveyor.model.packed_linear import native_gemm_lib, onednn_available
+    from conveyor.kernels import cpu as kernels
+    from conveyor.model.linear.native import native_gemm_lib
+    from conveyor.model.linear.onednn import onednn_available
 
     backend = CONFIGS[config]
     if backend.get("attention_backend") == "native" and kernels.load() is None:

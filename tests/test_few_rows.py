@@ -1,4 +1,5 @@
-"""Few-row calls of a model's projections through conveyor's GEMM (``model/few_rows.py``):
+"""Few-row calls of a model's projections through conveyor's GEMM (``model/linear/few_rows.py``,
+measured by ``model/autotune/few_rows.py``):
 on bf16 weights its numbers are bf16 products summed in float32 and rounded once, calls
 are split by row count, the split is taken only where measured no slower at every row
 count it covers and faster by a margin at one, and never where the weights' second copy
@@ -12,11 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor import LLM, SamplingParams
-from conveyor.model import few_rows, kernels
+from conveyor.kernels import cpu as kernels
+from conveyor.model.autotune import few_rows
+from conveyor.model.autotune.few_rows import split_rows
 from conveyor.model.dtypes import cpu_has_native_bf16
-from conveyor.model.few_rows import Bf16WeightGemm, RowSplitLinear, split_rows
-from conveyor.model.linear_choice import LinearShape
-from conveyor.model.packed_linear import native_gemm_lib
+from conveyor.model.linear.few_rows import Bf16WeightGemm, RowSplitLinear
+from conveyor.model.linear.native import native_gemm_lib
+from conveyor.model.linear.shape import LinearShape
 
 from helpers import make_checkpoint, random_prompts
 

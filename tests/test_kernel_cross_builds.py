@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conveyor.model import kernels
+from conveyor.kernels import cpu as kernels
 
 # (march, ISA cap): what the disassembly must contain, and must not (mnemonics, and
 # registers: %ymm AVX, %zmm AVX-512, %tmm AMX tiles)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.model import linear_choice
-from conveyor.model.backends import linear_backend_names_for, select_linear_backend
-from conveyor.model.linear_choice import LinearShape
+from conveyor.model.autotune import linears as linear_choice
+from conveyor.model.linear.registry import linear_backend_names_for, select_linear_backend
+from conveyor.model.linear.shape import LinearShape
 
 CPU = torch.device("cpu")
 SHAPES = [LinearShape(8, 4), LinearShape(12, 4, gate_up=True), LinearShape(30, 4, lm_head=True)]

@@ -15,7 +15,7 @@ from test_spec_decode import perturbed_draft, repetitive_batch
 
 from conveyor import LLM
 from conveyor.config import CacheConfig, load_model_config
-from conveyor.model import kernels
+from conveyor.kernels import cpu as kernels
 from conveyor.runner.draft_model import DraftModelProposer
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.spec.config import SpeculativeConfig

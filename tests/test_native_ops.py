@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.model import kernels
-from conveyor.model.attention import AttentionMetadata
-from conveyor.model.decode_attention import NativeDecode, NativePrefill, sdpa_decode
-from conveyor.model.kernels import ops
+from conveyor.kernels import cpu as kernels
+from conveyor.kernels.cpu import ops
+from conveyor.model.attention.metadata import AttentionMetadata
+from conveyor.model.attention.native_decode import NativeDecode
+from conveyor.model.attention.native_prefill import NativePrefill
+from conveyor.model.attention.sdpa import sdpa_decode
 
 native = pytest.mark.skipif(kernels.load() is None,
                             reason="native kernels unavailable " + kernels.why_unavailable())
@@ -343,8 +345,9 @@ def test_packed_gemm_checks_its_input_and_its_operands_once() -> None:
 def test_bf16_elementwise_ops_track_the_torch_reference(via: str) -> None:
     """bf16 in, bf16 out, fp32 inside, rounded where ``TorchOps`` on bf16 tensors rounds:
     nearly every element equal to the reference's, the rest one rounding away."""
-    from conveyor.model.layer_ops import TorchOps
-    from conveyor.model.llama import RMSNorm, RotaryEmbedding
+    from conveyor.model.layers.norm import RMSNorm
+    from conveyor.model.layers.ops import TorchOps
+    from conveyor.model.layers.rotary import RotaryEmbedding
 
     call, ref = CALLS[via], TorchOps()
     g = torch.Generator().manual_seed(3)

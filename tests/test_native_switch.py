@@ -17,7 +17,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
 def test_the_switch_turns_the_native_kernels_off_and_the_engine_falls_back() -> None:
     code = """
         from conveyor import LLM, SamplingParams
-        from conveyor.model import kernels
+        from conveyor.kernels import cpu as kernels
         assert kernels.load() is None
         llm = LLM("tiny", load_format="dummy", dtype="float32")
         runner = llm.engine.runner
@@ -38,7 +38,7 @@ def test_the_switch_turns_the_native_kernels_off_and_the_engine_falls_back() -> 
 
 
 def test_other_values_leave_them_on() -> None:
-    from conveyor.model import kernels
+    from conveyor.kernels import cpu as kernels
 
     for value in ("1", "yes", ""):
         os.environ["CONVEYOR_NATIVE_KERNELS"] = value

@@ -8,17 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.model import kernels
+from conveyor.kernels import cpu as kernels
+from conveyor.kernels.cpu import ops
 from conveyor.model.dtypes import cpu_has_native_bf16
-from conveyor.model.kernels import ops
-from conveyor.model.packed_linear import (
-    NativeLinear,
-    PackedLinear,
-    native_gemm_lib,
-    onednn_available,
-    pack_linears,
-    pick_linear_backend,
-)
+from conveyor.model.linear.native import NativeLinear, native_gemm_lib
+from conveyor.model.linear.onednn import PackedLinear, onednn_available
+from conveyor.model.linear.packing import pack_linears
+from conveyor.model.linear.registry import pick_linear_backend
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 needs_native = pytest.mark.skipif(native_gemm_lib() is None,

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conveyor.model.page_table import csr_page_table
+from conveyor.model.attention.page_table import csr_page_table
 
 
 @given(st.integers(1, 8), st.lists(st.integers(1, 70), min_size=1, max_size=6),

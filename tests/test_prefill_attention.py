@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.model import kernels
-from conveyor.model.decode_attention import NativePrefill
+from conveyor.kernels import cpu as kernels
+from conveyor.model.attention.native_prefill import NativePrefill
 
 needs_native = pytest.mark.skipif(kernels.load() is None,
                                   reason="native kernels unavailable " + kernels.why_unavailable())
@@ -181,7 +181,7 @@ def test_varlen_equals_a_call_a_prompt_bit_for_bit(isa: str, dtype: torch.dtype,
 
 @needs_native
 def test_varlen_refuses_segments_outside_the_rows_and_declines_unbuilt_head_dims() -> None:
-    from conveyor.model.kernels import ops
+    from conveyor.kernels.cpu import ops
 
     q, k, v, segments = _flat_batch([5, 7], 1, 4, 2, 32, torch.float32)
     out = torch.empty(q.shape)

@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent("""
     assert len(Simulator(args, loaded).run(work).finished) == 40
     find_min_replicas(work, args, loaded, SLO(ttft_s=1.0), max_replicas=2)
     banned = [m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")
-              or m in ("conveyor.runner.model_runner", "conveyor.model.llama",
+              or m in ("conveyor.runner.model_runner", "conveyor.model.models.decoder",
                        "conveyor.executor.local", "conveyor.entrypoints.llm")]
     print("BANNED", banned)
 """)
@@ -84,7 +84,7 @@ CLI_SCRIPT = textwrap.dedent("""
     assert main(["sim", "--model", "tiny", "--cost", out + "/p.json", *work,
                  "--out", out + "/profile.json"]) == 0
     banned = [m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")
-              or m in ("conveyor.runner.model_runner", "conveyor.model.llama",
+              or m in ("conveyor.runner.model_runner", "conveyor.model.models.decoder",
                        "conveyor.executor.local", "conveyor.entrypoints.llm")]
     print("BANNED", banned)
 """)

@@ -17,8 +17,8 @@ import subprocess
 import tempfile
 
 from benchmarks.common import extract_at
-from conveyor.model import kernels
-from conveyor.model.dtypes import cpu_flags, cpu_model_name
+from conveyor.kernels import cpu as kernels
+from conveyor.kernels.cpu.cpuinfo import cpu_flags, cpu_model_name
 
 HARNESS = r"""
 #include SOURCE

@@ -15,7 +15,7 @@ import time
 import tracemalloc
 
 from conveyor.core.block_pool import BlockPool
-from conveyor.model.linear_choice import cpu_model_name
+from conveyor.kernels.cpu.cpuinfo import cpu_model_name
 
 
 def main() -> None:

@@ -27,8 +27,9 @@ import time
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.model.backends import linear_backend_names_for
-from conveyor.model.dtypes import cpu_model_name, resolve_compute_dtype
+from conveyor.kernels.cpu.cpuinfo import cpu_model_name
+from conveyor.model.dtypes import resolve_compute_dtype
+from conveyor.model.linear.registry import linear_backend_names_for
 
 
 def default_model() -> tuple[str, str]:

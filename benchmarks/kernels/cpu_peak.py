@@ -13,8 +13,8 @@ import os
 import subprocess
 import tempfile
 
-from conveyor.model import kernels
-from conveyor.model.dtypes import cpu_flags, cpu_model_name
+from conveyor.kernels import cpu as kernels
+from conveyor.kernels.cpu.cpuinfo import cpu_flags, cpu_model_name
 
 SOURCE = r"""
 #include <immintrin.h>

@@ -29,8 +29,8 @@ import time
 import torch
 
 from benchmarks.common import build_at
-from conveyor.model import kernels
-from conveyor.model.dtypes import cpu_model_name
+from conveyor.kernels import cpu as kernels
+from conveyor.kernels.cpu.cpuinfo import cpu_model_name
 from conveyor.runner import huge_pages
 
 

@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from conveyor.model.dtypes import cpu_model_name
-from conveyor.model.kernels import ops
-from conveyor.model.packed_linear import PackedLinear, onednn_available
+from conveyor.kernels.cpu import ops
+from conveyor.kernels.cpu.cpuinfo import cpu_model_name
+from conveyor.model.linear.onednn import PackedLinear, onednn_available
 
 SMOLLM2 = [(960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, False)]
 

@@ -22,9 +22,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from conveyor.model import kernels
-from conveyor.model.decode_attention import NativePrefill
-from conveyor.model.dtypes import cpu_model_name
+from conveyor.kernels import cpu as kernels
+from conveyor.kernels.cpu.cpuinfo import cpu_model_name
+from conveyor.model.attention.native_prefill import NativePrefill
 
 
 def main() -> None:

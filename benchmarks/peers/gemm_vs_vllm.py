@@ -33,9 +33,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from vllm import _custom_ops as vllm_ops  # only in vLLM's venv
 
-    from conveyor.model.dtypes import cpu_model_name
-    from conveyor.model.kernels import ops
-    from conveyor.model.packed_linear import PackedLinear
+    from conveyor.kernels.cpu import ops
+    from conveyor.kernels.cpu.cpuinfo import cpu_model_name
+    from conveyor.model.linear.onednn import PackedLinear
 
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in SHAPES]

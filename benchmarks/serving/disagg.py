@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(args.workload):
         print(f"skipped: no trace at {args.workload}")
         return 0
-    from conveyor.model.linear_choice import cpu_model_name
+    from conveyor.kernels.cpu.cpuinfo import cpu_model_name
 
     load = ["--load-format", "dummy"] if not os.path.isdir(args.model) else []
     common = ["--model", args.model, *load, "--dtype", "float32", "--log-level", "warning",

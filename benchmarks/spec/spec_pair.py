@@ -364,7 +364,7 @@ def default_cache_dir() -> str:
 
 
 def cpu_model_name() -> str:
-    from conveyor.model.linear_choice import cpu_model_name as conveyor_cpu_model
+    from conveyor.kernels.cpu.cpuinfo import cpu_model_name as conveyor_cpu_model
 
     return conveyor_cpu_model()
 

@@ -81,7 +81,7 @@ def linear_fns(weights, backend: str = "torch") -> list:
     """One callable per weight: F.linear (``torch``, the issue's floor) or the weight
     pre-packed once for ``onednn`` or conveyor's ``native`` GEMM (plain products, no fused
     activation): the engine's own GEMMs on a float32 CPU."""
-    from conveyor.model.packed_linear import packed_linear
+    from conveyor.model.linear.packing import packed_linear
 
     if backend == "torch":
         return [lambda x, w=w, b=b: F.linear(x, w, b) for w, b in weights]
@@ -115,8 +115,8 @@ def breakdown(llm: LLM, n: int) -> dict[str, float]:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    from conveyor.model import llama
-    from conveyor.model.packed_linear import NativeLinear
+    from conveyor.model.linear.native import NativeLinear
+    from conveyor.model.models import decoder as llama
 
     spent = {"attention": 0.0, "kv_write": 0.0, "native_gemm": 0.0}
     real_attention = llama.paged_attention
@@ -212,7 +212,7 @@ def main() -> None:
                 build_at(args.attention_against, "decode_attention.c", tempfile.mkdtemp()))
     if args.gemm_against:
         from benchmarks.common import gemm_at
-        from conveyor.model.kernels import ops
+        from conveyor.kernels.cpu import ops
 
         gemms = (ops._lib or ops._native(), gemm_at(args.gemm_against))
     rev = args.attention_against or args.gemm_against

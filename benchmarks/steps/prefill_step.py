@@ -29,9 +29,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-import conveyor.model.llama as llama_module
+import conveyor.model.models.decoder as llama_module
 from conveyor import LLM, SamplingParams
-from conveyor.model.dtypes import cpu_model_name
+from conveyor.kernels.cpu.cpuinfo import cpu_model_name
 
 TOKENS = 2048
 
@@ -152,7 +152,7 @@ def main() -> None:
     gemms = None
     if args.gemm_against:
         from benchmarks.common import gemm_at
-        from conveyor.model.kernels import ops
+        from conveyor.kernels.cpu import ops
 
         gemms = (ops._lib or ops._native(), gemm_at(args.gemm_against))
 

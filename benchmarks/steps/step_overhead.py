@@ -18,7 +18,7 @@ import time
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.model.linear_choice import cpu_model_name
+from conveyor.kernels.cpu.cpuinfo import cpu_model_name
 
 
 def main() -> None:

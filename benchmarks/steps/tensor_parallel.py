@@ -31,7 +31,7 @@ import time
 
 from conveyor.config import EngineArgs
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.model.linear_choice import cpu_model_name
+from conveyor.kernels.cpu.cpuinfo import cpu_model_name
 from conveyor.sampling_params import SamplingParams
 
 

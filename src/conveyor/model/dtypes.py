@@ -1,8 +1,8 @@
 """Which dtype the arithmetic runs in, given the weights' dtype and the device.
 
 bfloat16 weights on a CPU without bf16 instructions (x86 without AVX-512 BF16 or AMX,
-Arm without the BF16 extension) make every matrix multiplication convert and emulate:
-5-10x slower than float32 there. ``auto`` then computes in float32 on the weights'
+Arm without the BF16 extension) make every matrix multiplication convert and emulate,
+far slower than float32 there. ``auto`` then computes in float32 on the weights'
 bf16-rounded values: the model's numbers, at float32's speed, for twice the weights'
 memory (and a float32 KV cache).
 """
@@ -13,41 +13,12 @@ import functools
 import platform
 from typing import TYPE_CHECKING
 
+from conveyor.kernels.cpu.cpuinfo import cpu_flags
+
 if TYPE_CHECKING:
     import torch
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo (x86 ``flags``, Arm ``Features``), or None
-    where there is no /proc."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(flag for line in f if line.startswith(("flags", "Features"))
-                             for flag in line.split(":", 1)[1].split())
-    except OSError:
-        return None
-
-
-def cpuinfo_field(name: str) -> str | None:
-    """The first value of /proc/cpuinfo's field ``name`` (exactly: ``model`` is not
-    ``model name``), or None."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, sep, value = line.partition(":")
-                if sep and key.strip() == name:
-                    return value.strip()
-    except OSError:
-        pass
-    return None
-
-
-def cpu_model_name() -> str:
-    """/proc/cpuinfo's model name (what every measured figure is labelled with)."""
-    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 @functools.cache

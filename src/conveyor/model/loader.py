@@ -17,7 +17,9 @@ from safetensors import safe_open
 
 from conveyor.config import ModelConfig
 from conveyor.distributed.parallel import SINGLE, TPShard
-from conveyor.model.llama import LlamaForCausalLM, RotaryEmbedding
+from conveyor.model.layers.rotary import RotaryEmbedding
+from conveyor.model.models.decoder import DecoderForCausalLM
+from conveyor.model.models.registry import model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,10 +32,10 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bia
 
 
 def load_model(cfg: ModelConfig, device: torch.device, tp: TPShard = SINGLE
-               ) -> LlamaForCausalLM:
+               ) -> DecoderForCausalLM:
     dtype = DTYPES[cfg.math_dtype]
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, tp)
+        model = model_class(cfg.architecture)(cfg, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     # The rope tables are buffers, not weights: rebuild them in float32 on the device
     # (they are cast per use, as transformers does).
@@ -52,7 +54,7 @@ def load_model(cfg: ModelConfig, device: torch.device, tp: TPShard = SINGLE
     return model.eval().requires_grad_(False)
 
 
-def _init_dummy(model: LlamaForCausalLM, seed: int, tp: TPShard = SINGLE) -> None:
+def _init_dummy(model: DecoderForCausalLM, seed: int, tp: TPShard = SINGLE) -> None:
     """Random weights of the right shape; norms at 1 so activations stay well scaled.
     Under tensor parallelism a rank draws the whole tensor and keeps its part, so that
     every tensor-parallel size runs the same model (the same tokens)."""
@@ -70,7 +72,7 @@ def _init_dummy(model: LlamaForCausalLM, seed: int, tp: TPShard = SINGLE) -> Non
             _keep_rank_part(model, name, param, full, tp)
 
 
-def _full_shape(model: LlamaForCausalLM, name: str, param: torch.Tensor) -> tuple[int, ...]:
+def _full_shape(model: DecoderForCausalLM, name: str, param: torch.Tensor) -> tuple[int, ...]:
     cfg = model.cfg
     hd, hidden = cfg.head_dim, cfg.hidden_size
     if ".qkv_proj." in name:
@@ -86,7 +88,7 @@ def _full_shape(model: LlamaForCausalLM, name: str, param: torch.Tensor) -> tupl
     return tuple(param.shape)
 
 
-def _keep_rank_part(model: LlamaForCausalLM, name: str, param: torch.Tensor,
+def _keep_rank_part(model: DecoderForCausalLM, name: str, param: torch.Tensor,
                     full: torch.Tensor, tp: TPShard) -> None:
     """Copy this rank's part of an unsharded (packed, as ours) tensor into ``param``."""
     cfg = model.cfg
@@ -122,7 +124,7 @@ def _weight_files(path: str) -> list[str]:
     return files
 
 
-def _load_safetensors(model: LlamaForCausalLM, path: str, tp: TPShard = SINGLE) -> None:
+def _load_safetensors(model: DecoderForCausalLM, path: str, tp: TPShard = SINGLE) -> None:
     params = dict(model.named_parameters())
     filled: set[str] = set()
     for file in _weight_files(path):
@@ -161,7 +163,7 @@ def _num_shards(name: str) -> int:
     return 0
 
 
-def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None] | None:
+def _target(model: DecoderForCausalLM, name: str) -> tuple[str, int | None] | None:
     if name.startswith("model.layers."):
         m = _LAYER.match(name)
         if m and m.group(3) in _PACKED:
@@ -176,7 +178,7 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None] | None
     return None  # rotary inv_freq buffers and other non-weights
 
 
-def _rank_slice(model: LlamaForCausalLM, our_name: str, shard: int | None, src,
+def _rank_slice(model: DecoderForCausalLM, our_name: str, shard: int | None, src,
                 tp: TPShard) -> torch.Tensor:
     """This rank's part of one checkpoint tensor (``src``: a safetensors slice), read
     without the rest."""
@@ -203,7 +205,7 @@ def _rank_slice(model: LlamaForCausalLM, our_name: str, shard: int | None, src,
     return src[:]  # norms: every rank holds them whole
 
 
-def _copy_shard(model: LlamaForCausalLM, our_name: str, shard: int | None,
+def _copy_shard(model: DecoderForCausalLM, our_name: str, shard: int | None,
                 param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
     if shard is None:
         if param.shape != tensor.shape:

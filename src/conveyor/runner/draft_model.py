@@ -35,8 +35,8 @@ import torch
 from conveyor import envs
 from conveyor.config import CacheConfig, ModelConfig, load_model_config
 from conveyor.core.scheduler_output import SchedulerOutput
-from conveyor.model.attention import AttentionMetadata
-from conveyor.model.kernels.ops import DraftForward
+from conveyor.kernels.cpu.ops import DraftForward
+from conveyor.model.attention.metadata import AttentionMetadata
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
 from conveyor.runner.request_state import RequestState
 from conveyor.sampling_params import SamplingParams
@@ -356,8 +356,8 @@ def native_draft_possible(cfg: ModelConfig, device: torch.device) -> bool:
         return False
     if device.type != "cpu" or cfg.math_dtype != "float32" or cfg.dtype != "float32":
         return False
-    from conveyor.model import kernels
-    from conveyor.model.kernels import ops as native_ops
+    from conveyor.kernels import cpu as kernels
+    from conveyor.kernels.cpu import ops as native_ops
 
     return kernels.load() is not None and native_ops.gemm_available()
 

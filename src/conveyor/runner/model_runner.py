@@ -19,19 +19,10 @@ import torch
 from conveyor.config import CacheConfig, ModelConfig, gpu_kv_cache_bytes, kv_blocks_for
 from conveyor.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from conveyor.distributed.parallel import SINGLE, TPShard
-from conveyor.model.attention import AttentionMetadata, PrefillSegment
-from conveyor.model.attention_choice import choose as choose_attention
-from conveyor.model.attention_choice import measuring_enabled as measure_attention_enabled
-from conveyor.model.backends import (
-    attention_backend_names_for,
-    linear_backend_names_for,
-    select_attention_backend,
-    select_linear_backend,
-)
-from conveyor.model.linear_choice import choose as choose_linears
-from conveyor.model.linear_choice import measuring_enabled, model_shape_counts
+from conveyor.model.attention.metadata import AttentionMetadata, PrefillSegment
+from conveyor.model.attention.registry import select_attention_backend
+from conveyor.model.autotune.plan import BackendPlan, ModelShape, plan_backends
 from conveyor.model.loader import DTYPES, load_model
-from conveyor.model.packed_linear import pick_linear_backend
 from conveyor.runner import huge_pages
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
 from conveyor.runner.host_memory import keep_freed_host_memory
@@ -101,51 +92,16 @@ class ModelRunner:
         self.sampler = Sampler(model_cfg.vocab_size, device, seed=model_cfg.seed)
         self.requests: dict[str, RequestState] = {}
         self.sliding_window = self.model.sliding_window
-        # Backends by registry (model/backends.py): a GPU backend is one more class there.
-        # ``auto`` measures the ones that apply on this machine (model/attention_choice.py).
-        heads = (self.heads.num_heads, self.heads.num_kv_heads, model_cfg.head_dim)
-        math_dtype = DTYPES[model_cfg.math_dtype]
-        own_prefill = True  # the backend's own prefill kernel, unless SDPA measured faster
-        if attention_backend == "auto" and measure_attention_enabled():
-            names = attention_backend_names_for(device, math_dtype, *heads)
-            if len(names) > 1:
-                attention_backend, own_prefill = choose_attention(
-                    {n: select_attention_backend(n, device, math_dtype, *heads) for n in names},
-                    device, math_dtype, *heads, decode_rows=linear_rows[0])
-        self.attention = select_attention_backend(attention_backend, device, math_dtype,
-                                                  *heads)
-        self.decode_kernel = self.attention.decode_kernel()
-        self.prefill_kernel = self.attention.prefill_kernel() if own_prefill else None
-        layer_ops = self.attention.layer_ops()
-        if layer_ops is not None:
-            self.model.ops = layer_ops
-        dtype = DTYPES[model_cfg.math_dtype]
-        # The checkpoint's dtype where the arithmetic's differs (bf16 computed in fp32:
-        # the weights' values are bf16 ones, which native-bf16 reads as such).
-        weight_dtype = (DTYPES[model_cfg.dtype] if model_cfg.dtype != model_cfg.math_dtype
-                        else None)
-        self.linear_backend = pick_linear_backend(linear_backend, device, dtype, weight_dtype)
-        # Shape key -> backend of every projection (one name unless measured per shape).
-        self.linear_choice: dict[str, str] = {}
-        self.few_rows = 0  # calls of up to this many rows to conveyor's GEMM (few_rows.py)
-        candidates = linear_backend_names_for(device, dtype, weight_dtype)
-        if linear_backend == "auto" and len(candidates) > 1 and measuring_enabled():
-            counts = model_shape_counts(self.model.layers, self.model.lm_head_weight)
-            self.linear_choice = choose_linears(
-                sorted(counts, key=lambda s: s.key),
-                {n: select_linear_backend(n, device, dtype, weight_dtype)
-                 for n in candidates},
-                device, dtype, *linear_rows, {s.key: n for s, n in counts.items()})
-            used = list(self.linear_choice.values())
-            self.linear_backend = max(set(used), key=used.count)  # the most used, for logs
-            self.few_rows, gemm_lib = self._few_rows(counts, device, dtype, weight_dtype,
-                                                     linear_rows[0])
-            self.packed_linears = self.model.pack_linears_by_shape(
-                self.linear_choice, self.few_rows, gemm_lib) > 0
-        else:
-            self.packed_linears = self.linear_backend != "torch"
-            if self.packed_linears:
-                self.model.pack_linears(self.linear_backend)
+        # One plan of backends (model/autotune/plan.py: measured on this machine where
+        # ``auto`` has a choice), then applied.
+        self.backend_plan = plan_backends(self.model, ModelShape(
+            self.heads.num_heads, self.heads.num_kv_heads, model_cfg.head_dim,
+            DTYPES[model_cfg.math_dtype],
+            # The checkpoint's dtype where the arithmetic's differs (bf16 computed in fp32:
+            # the weights' values are bf16 ones, which native-bf16 reads as such).
+            DTYPES[model_cfg.dtype] if model_cfg.dtype != model_cfg.math_dtype else None),
+            device, attention_backend, linear_backend, linear_rows)
+        self._apply_backends(self.backend_plan)
         self.speculative = speculative
         self.proposer: Proposer | None = None
         if speculative is not None:
@@ -153,7 +109,7 @@ class ModelRunner:
                 from conveyor.runner.draft_model import DraftModelProposer
 
                 self.proposer = DraftModelProposer(speculative, model_cfg, cache_cfg, device,
-                                                   attention_backend, make_runner=ModelRunner)
+                                                   self.backend_plan.attention, make_runner=ModelRunner)
             else:
                 self.proposer = make_proposer(speculative)
         # Tests set this to read each sampling request's float32 logits of the last step.
@@ -161,22 +117,28 @@ class ModelRunner:
         self.record_logits = False
         self.last_logits: dict[str, torch.Tensor] = {}
 
-    def _few_rows(self, counts, device: torch.device, dtype: torch.dtype,
-                  weight_dtype: torch.dtype | None, decode_rows: int):
-        """(rows, the GEMM's kernels): how many rows of a call go to conveyor's GEMM on a
-        second copy of each projection (``few_rows.py``: a float32 or bf16 model on a CPU
-        with the GEMM, measured), 0 where none do."""
-        from conveyor.model import few_rows
-        from conveyor.model.packed_linear import native_gemm_lib
-
-        lib = native_gemm_lib() if device.type == "cpu" else None
-        # (a bf16 checkpoint computed in float32 reads bf16 weights already: native-bf16)
-        if dtype not in (torch.float32, torch.bfloat16) or weight_dtype is not None \
-                or lib is None or self.linear_backend.startswith("native"):
-            return 0, None
-        many = select_linear_backend(self.linear_backend, device, dtype, weight_dtype)
-        return few_rows.choose(counts, self.linear_backend, many, lib, dtype,
-                               decode_rows), lib
+    def _apply_backends(self, plan: BackendPlan) -> None:
+        """The plan's attention kernels and elementwise ops installed, the model's linears
+        packed for its linear backends."""
+        heads = (self.heads.num_heads, self.heads.num_kv_heads, self.cfg.head_dim)
+        self.attention = select_attention_backend(plan.attention, self.device,
+                                                  DTYPES[self.cfg.math_dtype], *heads)
+        self.decode_kernel = self.attention.decode_kernel()
+        self.prefill_kernel = self.attention.prefill_kernel() if plan.own_prefill else None
+        layer_ops = self.attention.layer_ops()
+        if layer_ops is not None:
+            self.model.ops = layer_ops
+        self.linear_backend = plan.linear
+        # Shape key -> backend of every projection (empty unless measured per shape).
+        self.linear_choice: dict[str, str] = plan.linear_by_shape
+        self.few_rows = plan.few_rows  # calls of up to this many rows to conveyor's GEMM
+        if self.linear_choice:
+            self.packed_linears = self.model.pack_linears_by_shape(
+                self.linear_choice, self.few_rows, plan.gemm_lib) > 0
+        else:
+            self.packed_linears = self.linear_backend != "torch"
+            if self.packed_linears:
+                self.model.pack_linears(self.linear_backend)
 
     def allocate_kv_cache(self, num_blocks: int | None = None, max_num_seqs: int = 1) -> int:
         """Allocate the KV pool (sized from free memory unless given); returns its blocks."""

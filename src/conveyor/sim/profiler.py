@@ -147,7 +147,7 @@ def build_profile(args: EngineArgs, grid: ProfileGrid,
 
     import torch
 
-    from conveyor.model.decode_attention import NativeDecode
+    from conveyor.model.attention.native_decode import NativeDecode
     from conveyor.runner.model_runner import default_kv_cache_memory
 
     samples, engine = profile_steps(args, grid, log, timer)

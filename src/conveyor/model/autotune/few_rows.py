@@ -1,25 +1,17 @@
-"""Few-row calls of a model's projections through conveyor's GEMM, where that measured
-faster than the backend chosen for the rest.
+"""Whether, and up to how many rows, a projection's calls go to conveyor's GEMM on a
+second copy of its weight (``linear/few_rows.RowSplitLinear``), measured on this machine.
 
-A decode step at batch 1 or 2 reads every weight once for one or two rows: it is bound by
-memory, and on a Zen 4 oneDNN's bf16 kernels stream a weight at 15-19 GB/s there against
-24 GB/s for ``kernels/gemm.c`` reading the same bf16 weight (float32 sums of the exact
-bf16 products, rounded to bf16 once: the numbers of oneDNN's bf16 GEMM, in another
-order). From 4 rows on oneDNN's bf16 dot products win (1.5x at 4 rows, 2.2x at 32). In
-float32 the GEMM beat oneDNN at batch 1 too, where oneDNN was chosen for the larger row
-counts of a server's cap. So a projection may keep both: ``RowSplitLinear`` sends calls
-of up to ``max_rows`` rows to the GEMM and the rest to the chosen backend. That costs a
-second copy of every projection's weight, so it is taken only where the copies fit
-``MAX_EXTRA_BYTES``, and only where it was measured on this CPU: each row count of
-``ROW_COUNTS`` below the decode rows the backend choice was timed at (a server's
-``max_num_seqs``), timed over the model's projections in layer order (as a decode step
-reads them, see ``linear_choice.rotation``), the two sides taking turns; the split goes
-up to the row count where the GEMM's summed gain is largest (``split_rows``), where it
-took at most ``WIN`` of the other's time at one count and lost by no more than ``TIE`` at
-any. In float32 the split can reach past a few rows: since the GEMM prefetches its next
-weight slice it beats oneDNN from 8 rows to 64 on a Zen 4 (1.14x at 32), while the two
-tie at a server's cap of 128 rows, which either may win. ``CONVEYOR_FEW_ROWS=N`` forces
-a split at N rows (0: none).
+A decode step at a few rows reads every weight once for one or two rows: it is bound by
+memory, where the GEMM streaming the weight may beat the backend chosen for the larger
+row counts of a server's cap. The second copy of every projection's weight is taken only
+where the copies fit ``MAX_EXTRA_BYTES``, and only where it was measured on this CPU:
+each row count of ``ROW_COUNTS`` below the decode rows the backend choice was timed at (a
+server's ``max_num_seqs``), timed over the model's projections in layer order (as a
+decode step reads them, see ``linears.rotation``), the two sides taking turns; the split
+goes up to the row count where the GEMM's summed gain is largest (``split_rows``), where
+it took at most ``WIN`` of the other's time at one count and lost by no more than ``TIE``
+at any. ``CONVEYOR_FEW_ROWS=N`` forces a split at N rows (0: none). Cached in
+``<cache>/few_rows_choice.json``.
 """
 
 from __future__ import annotations
@@ -28,18 +20,18 @@ import logging
 import time
 
 import torch
-from torch import nn
 
 from conveyor import envs
-from conveyor.model import choice_cache
-from conveyor.model.dtypes import cpu_model_name
-from conveyor.model.linear_choice import (
+from conveyor.kernels.cpu.cpuinfo import cpu_model_name
+from conveyor.model.autotune import cache as choice_cache
+from conveyor.model.autotune.linears import (
     MEASURE_ROUNDS,
-    LinearShape,
     _rotation_calls,
     _rotation_times,
     rotation,
 )
+from conveyor.model.linear.few_rows import few_row_linear
+from conveyor.model.linear.shape import LinearShape
 
 logger = logging.getLogger(__name__)
 
@@ -47,43 +39,6 @@ ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # (those below the decode rows the choice
 WIN = 0.9  # the GEMM's share of the other's time, at most, at one row count: worth a copy
 TIE = 1.1  # the GEMM's share of the other's time, at most, at every row count split
 MAX_EXTRA_BYTES = 1 << 30  # the second copies of the weights, at most
-
-
-class Bf16WeightGemm(nn.Module):
-    """``x @ weight.T`` for bf16 x through conveyor's GEMM on the bf16 weight (float32
-    arithmetic on bf16 values: the products exact, the sums float32), rounded to bf16."""
-
-    applies_silu_mul = False
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib) -> None:
-        super().__init__()
-        from conveyor.model.packed_linear import NativeLinear
-
-        self.out_features, self.in_features = weight.shape
-        self.gemm = NativeLinear(weight.detach().to(torch.bfloat16), bias, lib,
-                                 bf16_weight=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemm(x.to(torch.float32)).to(x.dtype)
-
-
-class RowSplitLinear(nn.Module):
-    """Calls of up to ``max_rows`` rows to ``few``, the others to ``many`` (the same
-    weight, packed twice)."""
-
-    def __init__(self, few: nn.Module, many: nn.Module, max_rows: int) -> None:
-        super().__init__()
-        if getattr(many, "applies_silu_mul", False) or getattr(few, "applies_silu_mul", False):
-            raise ValueError("a row split needs plain projections on both sides")
-        self.few, self.many, self.max_rows = few, many, max_rows
-        self.in_features, self.out_features = many.in_features, many.out_features
-        self.applies_silu_mul = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.few(x) if x.shape[0] <= self.max_rows else self.many(x)
-
-    def extra_repr(self) -> str:
-        return f"up to {self.max_rows} rows to the first"
 
 
 def split_rows(times: dict[int, tuple[float, float]]) -> int:
@@ -114,17 +69,6 @@ def extra_bytes(counts: dict[LinearShape, int], itemsize: int = 2) -> int:
                if not s.lm_head)
 
 
-def few_row_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                   lib) -> nn.Module:
-    """The GEMM's module for a projection of a ``dtype`` model: bf16 in and out on a bf16
-    copy, or float32 (``NativeLinear``, plain: no fused activation)."""
-    if dtype == torch.bfloat16:
-        return Bf16WeightGemm(weight, bias, lib)
-    from conveyor.model.packed_linear import NativeLinear
-
-    return NativeLinear(weight.detach().to(torch.float32), bias, lib)
-
-
 class _Adapter:
     def __init__(self, make) -> None:
         self.make_linear = make
@@ -148,9 +92,7 @@ def measure(shapes: list[LinearShape], counts: dict[str, int], many_backend, lib
     out = {r: [float("inf"), float("inf")] for r in row_counts}
     # Both sides packed at once (two rotations: 2 x ROTATION_BYTES at most), taking turns
     # at each row count, MEASURE_ROUNDS each in alternating order, each side's best kept:
-    # a burst of load on a shared machine (seconds long; it once made the GEMM measure
-    # 1.15x slower than oneDNN at batch 1 where a decode step ran 1.2x faster with it)
-    # hits both sides alike.
+    # a burst of load on a shared machine (seconds long) hits both sides alike.
     calls = [_rotation_calls(backend, order, weights) for backend in (few, many_backend)]
     for r in row_counts:
         for round_ in range(MEASURE_ROUNDS):

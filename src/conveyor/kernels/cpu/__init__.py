@@ -24,8 +24,7 @@ import subprocess
 import tempfile
 
 from conveyor import envs
-from conveyor.model.dtypes import cpu_flags
-from conveyor.model.presets import cache_root
+from conveyor.kernels.cpu.cpuinfo import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +191,7 @@ def load_variant(isa: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler found: native CPU kernels disabled")
         return None
     flags = [*_FLAGS, *_isa_flags(isa)]
-    path = os.path.join(cache_root(), "kernels", build_key(isa), "libconveyor_cpu.so")
+    path = os.path.join(envs.cache_root(), "kernels", build_key(isa), "libconveyor_cpu.so")
     try:
         if not os.path.isfile(path):
             _build(compiler, path, flags)
@@ -247,7 +246,7 @@ RESTYPES = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": cty
 
 def bind(lib: ctypes.CDLL, only_present: bool = False) -> None:
     """Give ``lib``'s functions their C types; ``only_present``: skip those it lacks (a
-    library of some of the sources: benchmarks/kernel_at.py)."""
+    library of some of the sources: benchmarks/common.py)."""
     for name, argtypes in SIGNATURES.items():
         if only_present and not hasattr(lib, name):
             continue

@@ -1,18 +1,17 @@
 """The attention backend chosen by measurement on the machine at hand.
 
-As with the linears (``linear_choice.py``): a kernel that wins on one CPU may lose on
-the next (the native kernels are written for AVX2/AVX-512; on a CPU without them the C
-is portable and torch's SDPA may be the faster). So ``attention_backend="auto"`` times
+As with the linears (``linears.py``): a kernel that wins on one CPU may lose on the next
+(the native kernels are written for AVX2/AVX-512; on a CPU without them the C is
+portable and torch's SDPA may be the faster). So ``attention_backend="auto"`` times
 every registered backend that supports the model, on the model's own heads, at one
-decode call (``max_num_seqs`` sequences over a paged cache of ``DECODE_CONTEXT``
-tokens each) plus one fresh-prompt prefill call (``PREFILL_TOKENS``), and keeps the
-fastest. A backend's own prefill kernel is kept only where it beats SDPA on that
-prompt (the native kernel's portable C body, on a CPU without AVX2, measured 0.6-0.9x
-SDPA on an AVX-512 machine): its decode kernel may win while its prefill loses. The
-choice is cached per CPU model, flags, torch version, threads, dtype, heads, row counts
-and native kernel build (``<cache>/attention_choice.json``), logged, and
-``--attention-backend NAME`` still forces one (with its prefill kernel);
-``CONVEYOR_MEASURE_ATTENTION=0`` keeps the priority order.
+decode call (``max_num_seqs`` sequences over a paged cache of ``DECODE_CONTEXT`` tokens
+each) plus one fresh-prompt prefill call (``PREFILL_TOKENS``), and keeps the fastest. A
+backend's own prefill kernel is kept only where it beats SDPA on that prompt: its decode
+kernel may win while its prefill loses. The choice is cached per CPU model, flags, torch
+version, threads, dtype, heads, row counts and native kernel build
+(``<cache>/attention_choice.json``), logged, and ``--attention-backend NAME`` still
+forces one (with its prefill kernel); ``CONVEYOR_MEASURE_ATTENTION=0`` keeps the
+priority order.
 """
 
 from __future__ import annotations
@@ -24,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from conveyor import envs
-from conveyor.model import choice_cache
-from conveyor.model.attention import AttentionMetadata
-from conveyor.model.dtypes import cpu_model_name
+from conveyor.kernels.cpu.cpuinfo import cpu_model_name
+from conveyor.model.attention.metadata import AttentionMetadata
+from conveyor.model.autotune import cache as choice_cache
 
 logger = logging.getLogger(__name__)
 

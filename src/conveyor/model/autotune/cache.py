@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 
 from conveyor import envs
-from conveyor.model.dtypes import cpu_flags, cpu_model_name
-from conveyor.model.presets import cache_root
+from conveyor.kernels import cpu as kernels
+from conveyor.kernels.cpu.cpuinfo import cpu_flags, cpu_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +50,11 @@ def kernel_build() -> str:
     """The native kernels' build key (sources, flags, ISA), a part of every key whose
     choice can land on them: a changed kernel is measured afresh, not judged by the timings
     of the one it replaced."""
-    from conveyor.model import kernels
-
     return kernels.build_key() if kernels.native_kernels_enabled() else "no-native"
 
 
 def _path(kind: str) -> str:
-    return os.path.join(cache_root(), f"{kind}_choice.json")
+    return os.path.join(envs.cache_root(), f"{kind}_choice.json")
 
 
 def read(kind: str) -> dict:

@@ -16,7 +16,7 @@
  *   starts   [B]                  int32, first position attended (sliding window), usually 0
  *   out      [B, Hq, D]           float32
  *
- * Compiled at run time by conveyor/model/kernels/__init__.py with -O3 -march=native
+ * Compiled at run time by conveyor/kernels/cpu/__init__.py with -O3 -march=native
  * -ffast-math -fopenmp; the fast-math licence only lets the compiler vectorize the dot
  * products, the exponentials and the sums.
  */

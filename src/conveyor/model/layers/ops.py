@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.kernels import ops as native
+from conveyor.kernels.cpu import ops as native
 
 if TYPE_CHECKING:
-    from conveyor.model.llama import RMSNorm, RotaryEmbedding
+    from conveyor.model.layers.norm import RMSNorm
+    from conveyor.model.layers.rotary import RotaryEmbedding
 
 
 class TorchOps:
@@ -46,9 +47,9 @@ class TorchOps:
 
 
 class NativeOps(TorchOps):
-    """Fused C kernels (``kernels/elementwise.c``) for float32 or bfloat16 tensors on CPU
+    """Fused C kernels (``kernels/cpu/elementwise.c``) for float32 or bfloat16 tensors on CPU
     (bf16: fp32 inside, rounded where TorchOps rounds), called
-    through the checked entry points of ``kernels/ops.py``: a tensor they cannot take
+    through the checked entry points of ``kernels/cpu/ops.py``: a tensor they cannot take
     raises a ValueError instead of reaching the C code."""
 
     def __init__(self, lib) -> None:
@@ -65,7 +66,7 @@ class NativeOps(TorchOps):
               num_heads: int, num_kv_heads: int, head_dim: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         native.rope_(qkv, positions, rope.cos, rope.sin, num_heads + num_kv_heads, head_dim)
-        # The views TorchOps.rope_ returns, in one view and one split (2.5 us sooner).
+        # The views TorchOps.rope_ returns, in one view and one split.
         return qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, head_dim).split_with_sizes(
             (num_heads, num_kv_heads, num_kv_heads), 1)
 

@@ -17,50 +17,10 @@ fresh prompts of a layer in one call).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class PrefillSegment:
-    start: int  # first token of the segment in the flat batch
-    length: int  # query tokens
-    # Slots of the whole context (cached prefix + this chunk), or None for a fresh prompt
-    # that attends to its own new K/V only.
-    ctx_slots: torch.Tensor | None = None
-    # [length, ctx_len] bool, True = attend; None means plain causal (fresh prompt).
-    mask: torch.Tensor | None = None
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64: where each token's K/V is written
-    num_decodes: int = 0
-    decode_slots: torch.Tensor | None = None  # [num_decodes, max_ctx] int64, padded
-    decode_lens: torch.Tensor | None = None  # [num_decodes] int32 context lengths
-    decode_starts: torch.Tensor | None = None  # [num_decodes] int32 first attended position
-    decode_mask: torch.Tensor | None = None  # [num_decodes, max_ctx] bool (SDPA only)
-    # One of decode_attention.py's kernels: (q, k_cache, v_cache, meta, scale) -> out.
-    decode_kernel: Callable | None = None
-    prefills: list[PrefillSegment] = field(default_factory=list)
-    # For a fresh prompt's causal attention: (q, k, v, out, scale) -> True if it wrote
-    # ``out`` (the native kernel), False to leave the segment to SDPA; None: SDPA always.
-    # One with a ``varlen(q, k, v, out, segments, scale)`` method takes all the fresh
-    # prompts of a layer in one call (segments: ``fresh_segments()``).
-    prefill_kernel: Callable | None = None
-    _fresh: torch.Tensor | None = field(default=None, init=False, repr=False)
-
-    def fresh_segments(self) -> torch.Tensor:
-        """[2, S] int32: the first rows and lengths of the fresh prompts (no cached
-        prefix, no mask), built on the first layer's call and shared by the rest."""
-        if self._fresh is None:
-            fresh = [(p.start, p.length) for p in self.prefills
-                     if p.ctx_slots is None and p.mask is None]
-            self._fresh = torch.tensor(fresh, dtype=torch.int32).reshape(-1, 2).t().contiguous()
-        return self._fresh
+from conveyor.model.attention.metadata import AttentionMetadata
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -9,12 +9,9 @@ pointers over. ``RuntimeError`` if the kernels are not built (``kernels.why_unav
 They are also registered as torch operators, ``torch.ops.conveyor.<name>`` (a
 ``torch.library`` fragment with the same checked function as the kernel for every
 backend, so a CUDA or meta tensor gets the same clear error). The engine's hot path calls
-the Python functions directly, because the dispatcher costs more than the checks: for
-rms_norm of an [8, 64] tensor in inference mode, 2.1 us as a bare ctypes call, 2.4 checked
-here, 3.8 through ``torch.ops.conveyor`` and 5.5 as a ``torch.library.custom_op``; a
-decode step of the tiny model (batch 8, 18 such calls) took 421 us checked against 424
-before the checks, 472 through the dispatcher and 579 as custom ops. ``PackedGemm`` checks
-its packed weight once and only the input on each call.
+the Python functions directly, because the dispatcher costs more than the checks (at
+decode batch sizes a call's dispatch is a visible share of its time). ``PackedGemm``
+checks its packed weight once and only the input on each call.
 
 Not checked: the values of index tensors (decode slots, lengths and starts, RoPE
 positions) against the buffers they index; that would cost a reduction per call, and
@@ -28,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from conveyor.model import kernels
+from conveyor.kernels import cpu as kernels
 
 _INT_MAX = 2**31 - 1
 _lib = None  # the loaded library, once a call has needed it
@@ -477,7 +474,7 @@ class DraftForward:
     """A draft model's whole proposal in one native call (``draft_forward.c``): its
     forwards over decode rows, LM head, argmax and next inputs for k drafts of B requests.
 
-    Built once from the model (a ``LlamaForCausalLM`` whose linears and LM head are
+    Built once from the model (a ``DecoderForCausalLM`` whose linears and LM head are
     ``NativeLinear`` float32 weights) and its KV caches: every tensor the C code will
     read or write is checked here (dtype, contiguity, shape) and kept alive by this
     object, so a call checks only its own index arrays. ``ValueError`` if the model does

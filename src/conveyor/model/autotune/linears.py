@@ -1,25 +1,20 @@
 """Linear backends chosen by measurement, per weight shape, on the machine at hand.
 
-Kernels tuned to one CPU lose on the next: on a Zen 3 with AVX2 only, conveyor's own
-GEMM beat oneDNN; on a Zen 5 with AVX-512, oneDNN's decode step is 1.4x faster than it
-(``benchmarks/decode_step.py --linear-backend native|onednn``). So ``linear_backend
-="auto"`` times every candidate that supports the model (registered linear backends:
-native, onednn, torch) on each of the model's own weight shapes, at a decode row
-count (``max_num_seqs``) and a prefill one (the token budget, capped), and packs each
-projection with the fastest. Decode rows are timed as a decode step runs them: over a
-copy of every projection of the model in layer order (up to ``ROTATION_BYTES``), so
-each call reads its weight from memory, not from a cache the call before it warmed. Timed
-warm (the same weight called back to back), torch and oneDNN won three of five shapes of
-the trained spec pair's target on a 2-core Zen 3, and the engine ran 1.28x slower at
-batch 1 and 1.16x at batch 16 than with the native GEMM everywhere, which streams a cold
-weight 1.5-3x faster. A backend's loss is its decode time over the best one's plus its
-prefill time over the best one's (``fastest``): both regimes count alike. Backends take
-turns, ``MEASURE_ROUNDS`` of them in alternating order, each keeping its best: on a
-shared machine one noisy turn (a 1.8x slower native GEMM, once, on a 2-core Zen 4) would
-otherwise decide a choice that is then cached. The choice is cached per CPU model,
-flags, torch version, thread count, dtype, shapes, row counts and native kernel build
-(``<cache>/linear_choice.json``), logged, and ``--linear-backend NAME`` still forces
-one; ``CONVEYOR_MEASURE_LINEARS=0`` keeps the static priority order.
+Kernels tuned to one CPU lose on the next, so ``linear_backend="auto"`` times every
+candidate that supports the model (the registered linear backends) on each of the
+model's own weight shapes, at a decode row count (``max_num_seqs``) and a prefill one
+(the token budget, capped), and packs each projection with the fastest. Decode rows are
+timed as a decode step runs them: over a copy of every projection of the model in layer
+order (up to ``ROTATION_BYTES``), so each call reads its weight from memory, not from a
+cache the call before it warmed (timed warm, a backend that streams a cold weight slowly
+looks faster than it runs). A backend's loss is its decode time over the best one's plus
+its prefill time over the best one's (``fastest``): both regimes count alike. Backends
+take turns, ``MEASURE_ROUNDS`` of them in alternating order, each keeping its best: on a
+shared machine one noisy turn would otherwise decide a choice that is then cached. The
+choice is cached per CPU model, flags, torch version, thread count, dtype, shapes, row
+counts and native kernel build (``<cache>/linear_choice.json``), logged, and
+``--linear-backend NAME`` still forces one; ``CONVEYOR_MEASURE_LINEARS=0`` keeps the
+static priority order.
 """
 
 from __future__ import annotations
@@ -27,54 +22,28 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from conveyor import envs
-from conveyor.model import choice_cache
-from conveyor.model.dtypes import cpu_model_name
+from conveyor.kernels.cpu.cpuinfo import cpu_model_name
+from conveyor.model.autotune import cache as choice_cache
+from conveyor.model.linear.shape import LinearShape
 
 logger = logging.getLogger(__name__)
 
 PREFILL_ROWS_CAP = 512  # enough rows to be compute-bound; keeps the measurement short
-# The decode measurement's working set at most: past any CPU's last-level cache share
-# (32 MiB an 8-core group on a Zen 3), and no more packing than that per backend.
+# The decode measurement's working set at most: past a CPU's last-level cache share, and
+# no more packing than that per backend.
 ROTATION_BYTES = 64 << 20
 ROTATION_PASSES = 3  # timed passes over the rotation (the fastest is kept)
 MEASURE_ROUNDS = 2  # turns of every backend, in alternating order (the best is kept)
 
 
-@dataclass(frozen=True)
-class LinearShape:
-    out_features: int
-    in_features: int
-    gate_up: bool = False  # silu(gate) * up follows (fused by backends that can)
-    lm_head: bool = False  # runs on the sampled rows only: decode rows in both cases
-
-    @property
-    def key(self) -> str:
-        tag = "+silu" if self.gate_up else ("+head" if self.lm_head else "")
-        return f"{self.out_features}x{self.in_features}{tag}"
-
-
 def measuring_enabled() -> bool:
     return choice_cache.switched_on(envs.MEASURE_LINEARS)
-
-
-def model_shape_counts(model: nn.Module, lm_head: torch.Tensor) -> dict[LinearShape, int]:
-    """Each weight shape of a model's ``nn.Linear``s and its LM head: how many it has."""
-    counts: dict[LinearShape, int] = {}
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            if isinstance(child, nn.Linear):
-                shape = LinearShape(*child.weight.shape, gate_up=name == "gate_up_proj")
-                counts[shape] = counts.get(shape, 0) + 1
-    head = LinearShape(*lm_head.shape, lm_head=True)
-    counts[head] = counts.get(head, 0) + 1
-    return counts
 
 
 def rotation(shapes: list[LinearShape], counts: dict[str, int] | None, itemsize: int,
@@ -161,9 +130,8 @@ def measure(shapes: list[LinearShape], backends: dict[str, object], device: torc
 
 def fastest(times: dict[str, tuple[float, float]]) -> str:
     """The backend whose (decode, prefill) times lose least against the best of each,
-    decode and prefill counted alike as ratios: summed as seconds, a prefill call (512
-    rows, ~20x a decode call's time) decided alone, and a weight whose oneDNN prefill was
-    7% faster took a decode call 40% slower than the native GEMM's."""
+    decode and prefill counted alike as ratios: summed as seconds, a prefill call (many
+    times a decode call's time) would decide alone."""
     best_decode = min(t[0] for t in times.values())
     best_prefill = min(t[1] for t in times.values())
 

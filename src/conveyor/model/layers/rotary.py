@@ -1,0 +1,58 @@
+"""Rotary position embedding: inverse frequencies with the checkpoint's rope scaling and
+a precomputed cos/sin table (neox style)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(hf: dict, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies with the checkpoint's rope scaling (default, linear, llama3)."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    base = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "default":
+        return inv
+    if rope_type == "linear":
+        return inv / params["factor"]
+    if rope_type == "llama3":
+        factor = params["factor"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding with a precomputed cos/sin table."""
+
+    def __init__(self, hf: dict, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv = rope_inv_freq(hf, head_dim)
+        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
