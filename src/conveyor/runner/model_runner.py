@@ -109,7 +109,8 @@ class ModelRunner:
                 from conveyor.runner.draft_model import DraftModelProposer
 
                 self.proposer = DraftModelProposer(speculative, model_cfg, cache_cfg, device,
-                                                   self.backend_plan.attention, make_runner=ModelRunner)
+                                                   self.backend_plan.attention,
+                                                   make_runner=ModelRunner)
             else:
                 self.proposer = make_proposer(speculative)
         # Tests set this to read each sampling request's float32 logits of the last step.
