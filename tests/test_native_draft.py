@@ -14,9 +14,8 @@ from test_exactness import check_exact
 from test_spec_decode import perturbed_draft, repetitive_batch
 
 from conveyor import LLM
-from conveyor.config import CacheConfig, load_model_config
+from conveyor.config import CacheConfig, SpeculativeConfig, load_model_config
 from conveyor.model import kernels
-from conveyor.spec.config import SpeculativeConfig
 from conveyor.spec.draft_model import DraftModelProposer
 from conveyor.spec.proposers import ProposeItem
 

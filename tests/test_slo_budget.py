@@ -14,11 +14,10 @@ from policy_harness import Sim, make_req
 from test_policies_properties import assert_exact_outputs
 
 from conveyor.bench.model_clock import StepCostModel
-from conveyor.config import EngineArgs, SchedulerConfig
+from conveyor.config import EngineArgs, PolicyConfig, SchedulerConfig
 from conveyor.core.batch_shape import BatchShape, batch_shape
 from conveyor.core.budget import BudgetController, budget_mode
 from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.core.policies import PolicyConfig
 from conveyor.core.scheduler import SLO_REJECTED, Scheduler
 from conveyor.request import RequestStatus
 

@@ -49,12 +49,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from conveyor.config import TOKEN_BUDGET_MODES
 from conveyor.core.batch_shape import BatchShape
 from conveyor.request import Request
 
 logger = logging.getLogger(__name__)
-
-TOKEN_BUDGET_MODES = ("auto", "fixed", "slo")
 
 
 class StepCostModel(Protocol):

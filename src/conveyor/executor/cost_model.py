@@ -11,9 +11,8 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Protocol
 
-from conveyor.config import CacheConfig, EngineConfig, ModelConfig, kv_blocks_for
+from conveyor.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig, kv_blocks_for
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from conveyor.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from conveyor.sim.cost_model import CostModel

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 
 from conveyor import envs
+from conveyor.config.presets import cache_root
 from conveyor.model.dtypes import cpu_flags, cpu_model_name
-from conveyor.model.presets import cache_root
 
 logger = logging.getLogger(__name__)
 

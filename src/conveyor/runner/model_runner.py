@@ -17,7 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from conveyor.config import CacheConfig, ModelConfig, gpu_kv_cache_bytes, kv_blocks_for
+from conveyor.config import (
+    CacheConfig,
+    ModelConfig,
+    SpeculativeConfig,
+    gpu_kv_cache_bytes,
+    kv_blocks_for,
+)
 from conveyor.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from conveyor.distributed.parallel import SINGLE, TPShard
 from conveyor.model.attention import AttentionMetadata, PrefillSegment
@@ -38,7 +44,6 @@ from conveyor.runner.decode_layout import attended, padded_slots, window_starts
 from conveyor.runner.host_memory import keep_freed_host_memory
 from conveyor.runner.sampler import Sampler, SamplingRow
 from conveyor.sampling_params import SamplingParams
-from conveyor.spec.config import SpeculativeConfig
 from conveyor.spec.proposers import ProposeItem, Proposer, make_proposer
 from conveyor.spec.verify import VerifyGroup, verify
 from conveyor.timings import PhaseTimings

@@ -29,8 +29,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from conveyor.config import SpeculativeConfig
 from conveyor.request import Request
-from conveyor.spec.config import SpeculativeConfig
 
 # How fast a request's old observations fade (per observation), and the proposer-wide
 # estimate's (per draft position tried).

@@ -24,8 +24,8 @@ import subprocess
 import tempfile
 
 from conveyor import envs
+from conveyor.config.presets import cache_root
 from conveyor.model.dtypes import cpu_flags
-from conveyor.model.presets import cache_root
 
 logger = logging.getLogger(__name__)
 
