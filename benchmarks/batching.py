@@ -29,7 +29,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "src"))
 
-from conveyor.bench.batching import HEADLINE_HEADER, headline_row, study  # noqa: E402
+from conveyor.bench.batching import HEADLINE_HEADER, headline_row  # noqa: E402
+from conveyor.bench.cli import study  # noqa: E402
 from conveyor.bench.report import table  # noqa: E402
 
 DEFAULT_TRACE = os.path.join(os.environ.get("CONVEYOR_TRACES",

@@ -29,7 +29,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "src"))
 
-from conveyor.bench.batching import study  # noqa: E402
+from conveyor.bench.cli import study  # noqa: E402
 from conveyor.bench.report import table  # noqa: E402
 
 TRACE = os.path.join(os.environ.get("CONVEYOR_TRACES",
