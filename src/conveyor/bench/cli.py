@@ -94,7 +94,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="save per-request records as JSONL here (default with --out: "
                         "next to it, .records.jsonl)")
     g.add_argument("--plot", default=None, metavar="DIR",
-                   help="write PNG figures here (latency CDFs; rate sweep)")
+                   help="write PNG figures here (latency CDFs; rate sweep; needs matplotlib: "
+                        "pip install conveyor[plots])")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: when stderr is a terminal)")
     sub = p.add_subparsers(dest="bench_command", metavar="{compare}")

@@ -130,7 +130,8 @@ class EngineArgs:
         g.add_argument("--compute-dtype", default="auto", choices=DTYPES,
                        help="the arithmetic's dtype; auto = --dtype, except float32 on the "
                             "bf16-rounded weights for bfloat16 on a CPU without bf16 "
-                            "instructions (AVX-512 BF16, AMX, Arm BF16), 5-10x faster there")
+                            "instructions (AVX-512 BF16, AMX, Arm BF16), where emulated bf16 "
+                            "arithmetic is slow")
         g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--max-model-len", type=int, default=None)
