@@ -11,11 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_harness import make_req
 
-from conveyor.config import POLICY_NAMES, PREDICTOR_NAMES, EngineArgs, SchedulerConfig
+from conveyor.config import (
+    POLICY_NAMES,
+    PREDICTOR_NAMES,
+    EngineArgs,
+    PolicyConfig,
+    SchedulerConfig,
+)
 from conveyor.core.policies import (
     POLICIES,
     FCFSPolicy,
-    PolicyConfig,
     PolicyContext,
     SchedulingPolicy,
     make_policy,
