@@ -43,7 +43,7 @@ def make_checkpoint(arch: str = "llama", seed: int = 0, **overrides) -> str:
     """Write a tiny random HF checkpoint (safetensors + tokenizer); cached per session."""
     import transformers as tf
 
-    from conveyor.model.presets import save_synthetic_tokenizer
+    from conveyor.config.presets import save_synthetic_tokenizer
 
     cfg = hf_config(arch, **overrides)
     torch.manual_seed(seed)

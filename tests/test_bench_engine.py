@@ -201,3 +201,13 @@ def test_cli_compare_batching_prints_both_modes_and_saves(tmp_path, capsys):
     lines = (tmp_path / "cmp.records.jsonl").read_text().splitlines()
     assert sorted({json.loads(ln)["run"] for ln in lines}) == ["continuous", "static"]
     assert (tmp_path / "latency_cdf.png").exists()
+
+
+def test_figures_name_the_plots_extra_when_matplotlib_is_missing(monkeypatch) -> None:
+    import sys
+
+    from conveyor.bench import plots
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    with pytest.raises(ImportError, match=r"pip install 'conveyor\[plots\]'"):
+        plots.plot_latency_cdfs([], "unused.png")

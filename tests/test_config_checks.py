@@ -4,6 +4,9 @@ feature combinations refused before anything loads."""
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -48,3 +51,31 @@ def test_disaggregation_with_tensor_parallelism_is_refused_clearly() -> None:
         EngineArgs(model="tiny", kv_role="prefill", kv_port=9100, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="does not support tensor parallelism"):
         EngineArgs(model="tiny", kv_role="decode", distributed_executor_backend="ray")
+
+
+def test_the_config_checks_names_without_core_and_knows_every_registered_one() -> None:
+    # The config validates a policy's name before core is imported...
+    script = ("import sys; from conveyor.config import SchedulerConfig, PolicyConfig\n"
+              "SchedulerConfig(scheduling_policy='slo', policy=PolicyConfig("
+              "sjf_predictor='max_tokens'))\n"
+              "print(sorted(m for m in sys.modules if m.startswith('conveyor.')"
+              " and not m.startswith(('conveyor.config', 'conveyor.envs'))))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    # ... by the same names as core's registries, and learns a plugin's.
+    from conveyor.config import POLICY_NAMES, PREDICTOR_NAMES, PolicyConfig
+    from conveyor.core.policies import POLICIES, PREDICTORS, register_predictor
+
+    assert set(POLICIES) == POLICY_NAMES
+    assert set(PREDICTORS) == PREDICTOR_NAMES
+    with pytest.raises(ValueError, match="sjf_predictor must be one of"):
+        PolicyConfig(sjf_predictor="test-config-oracle")
+    register_predictor("test-config-oracle", lambda r: 1)
+    try:
+        assert PolicyConfig(sjf_predictor="test-config-oracle").sjf_predictor \
+            == "test-config-oracle"
+    finally:
+        del PREDICTORS["test-config-oracle"]
+        PREDICTOR_NAMES.discard("test-config-oracle")

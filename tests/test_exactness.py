@@ -143,7 +143,7 @@ def bf16_rounded_copy(path: str) -> str:
     """The checkpoint with every weight rounded to bfloat16, saved back in float32."""
     import tempfile
 
-    from conveyor.model.presets import save_synthetic_tokenizer
+    from conveyor.config.presets import save_synthetic_tokenizer
 
     model = hf_model(path)
     rounded = type(model)(model.config)

@@ -14,11 +14,10 @@ from test_exactness import check_exact
 from test_spec_decode import perturbed_draft, repetitive_batch
 
 from conveyor import LLM
-from conveyor.config import CacheConfig, load_model_config
+from conveyor.config import CacheConfig, SpeculativeConfig, load_model_config
 from conveyor.kernels import cpu as kernels
 from conveyor.runner.draft_model import DraftModelProposer
 from conveyor.runner.model_runner import ModelRunner
-from conveyor.spec.config import SpeculativeConfig
 from conveyor.spec.proposers import ProposeItem
 
 from helpers import make_checkpoint

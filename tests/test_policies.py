@@ -11,11 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_harness import make_req
 
-from conveyor.config import EngineArgs, SchedulerConfig
+from conveyor.config import (
+    POLICY_NAMES,
+    PREDICTOR_NAMES,
+    EngineArgs,
+    PolicyConfig,
+    SchedulerConfig,
+)
 from conveyor.core.policies import (
     POLICIES,
     FCFSPolicy,
-    PolicyConfig,
     PolicyContext,
     SchedulingPolicy,
     make_policy,
@@ -66,6 +71,7 @@ def test_a_registered_policy_is_accepted_by_name() -> None:
         assert order(policy) == ["r2", "r1", "r0"]
     finally:
         del POLICIES["test-newest"]
+        POLICY_NAMES.discard("test-newest")
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -215,6 +221,7 @@ def test_sjf_predictor_is_pluggable() -> None:
         from conveyor.core.policies import PREDICTORS
 
         del PREDICTORS["test-oracle"]
+        PREDICTOR_NAMES.discard("test-oracle")
 
 
 def test_sjf_aging_needs_the_model_length_and_lets_old_requests_first() -> None:

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_harness import FakeRunner, Sim, StepRecord, fake_token, make_req
 
-from conveyor.core.policies import PolicyConfig
+from conveyor.config import PolicyConfig
 from conveyor.request import RequestStatus
 
 from helpers import make_scheduler

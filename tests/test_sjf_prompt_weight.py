@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.config import EngineArgs
-from conveyor.core.policies import PolicyConfig, PolicyContext, make_policy
+from conveyor.config import EngineArgs, PolicyConfig
+from conveyor.core.policies import PolicyContext, make_policy
 
 from helpers import make_request as req
 

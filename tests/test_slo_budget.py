@@ -13,11 +13,10 @@ from hypothesis import strategies as st
 from policy_harness import Sim, make_req
 from test_policies_properties import assert_exact_outputs
 
-from conveyor.config import EngineArgs, SchedulerConfig
+from conveyor.config import EngineArgs, PolicyConfig, SchedulerConfig
 from conveyor.core.batch_shape import batch_shape
 from conveyor.core.budget import BudgetController, budget_mode
 from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.core.policies import PolicyConfig
 from conveyor.core.scheduler import SLO_REJECTED, Scheduler
 from conveyor.costs.linear import LinearStepCost
 from conveyor.costs.shape import BatchShape

@@ -347,10 +347,9 @@ def test_draft_model_proposals_do_not_depend_on_the_batch_or_the_catch_up_path(
     segment; with the native decode kernel and with SDPA's (which reads a mask)."""
     import torch
 
-    from conveyor.config import CacheConfig, load_model_config
+    from conveyor.config import CacheConfig, SpeculativeConfig, load_model_config
     from conveyor.runner.draft_model import DraftModelProposer
     from conveyor.runner.model_runner import ModelRunner
-    from conveyor.spec.config import SpeculativeConfig
     from conveyor.spec.proposers import ProposeItem
 
     path = make_checkpoint("llama")
@@ -389,10 +388,9 @@ def test_a_draft_proposal_is_steady_only_when_it_caught_up_on_the_last_step() ->
     the token or two the last step added. A prompt, or the text of a pause, is not."""
     import torch
 
-    from conveyor.config import CacheConfig, load_model_config
+    from conveyor.config import CacheConfig, SpeculativeConfig, load_model_config
     from conveyor.runner.draft_model import DraftModelProposer
     from conveyor.runner.model_runner import ModelRunner
-    from conveyor.spec.config import SpeculativeConfig
     from conveyor.spec.proposers import ProposeItem
 
     path = make_checkpoint("llama")

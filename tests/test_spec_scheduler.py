@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from sim_helpers import LinearCost, tiny_args
 
 from conveyor.bench.workload import BenchRequest
-from conveyor.config import resolve_engine_config
+from conveyor.config import SpeculativeConfig, resolve_engine_config
 from conveyor.core.scheduler import Scheduler
 from conveyor.costs.shape import BatchShape
 from conveyor.engine.core import EngineCore
@@ -23,7 +23,6 @@ from conveyor.sampling_params import SamplingParams
 from conveyor.sim import Simulator
 from conveyor.sim.model import resolve_sim_model
 from conveyor.spec.acceptance import PriorWeight
-from conveyor.spec.config import SpeculativeConfig
 from conveyor.spec.planner import DraftLengthController, DraftRow
 from conveyor.spec.step_cost_fit import OnlineStepCost
 

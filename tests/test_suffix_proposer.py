@@ -441,7 +441,7 @@ def test_native_trees_draft_what_followed_the_match() -> None:
 
 def test_native_suffix_backend_is_chosen_by_config() -> None:
     pytest.importorskip("arctic_inference.suffix_decoding")
-    from conveyor.spec.config import SpeculativeConfig
+    from conveyor.config import SpeculativeConfig
     from conveyor.spec.proposers import make_proposer
     from conveyor.spec.suffix_native import NativeSuffixProposer
 
@@ -455,7 +455,7 @@ def test_native_suffix_backend_is_chosen_by_config() -> None:
 
 def test_a_native_backend_that_is_not_installed_is_a_clear_error(monkeypatch) -> None:
     import conveyor.spec.suffix_native as native
-    from conveyor.spec.config import SpeculativeConfig
+    from conveyor.config import SpeculativeConfig
     from conveyor.spec.proposers import make_proposer
 
     monkeypatch.setattr(native, "native_suffix_available", lambda: False)

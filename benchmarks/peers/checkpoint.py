@@ -68,7 +68,7 @@ def save_bpe_tokenizer(path: str, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from conveyor.model.presets import CHATML_TEMPLATE
+    from conveyor.config.presets import CHATML_TEMPLATE
 
     vocab, merges = bpe_vocab(vocab_size)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
@@ -82,7 +82,7 @@ def save_bpe_tokenizer(path: str, vocab_size: int) -> None:
 
 
 def recipe(seed: int) -> dict:
-    from conveyor.model.presets import preset_config
+    from conveyor.config.presets import preset_config
 
     return {"preset": PRESET, "config": preset_config(PRESET), "seed": seed,
             "init": "transformers default", "weights": "float32 safetensors",

@@ -27,7 +27,8 @@ import sys
 import time
 
 from benchmarks.common import traces_dir
-from conveyor.bench.batching import HEADLINE_HEADER, headline_row, study
+from conveyor.bench.batching import HEADLINE_HEADER, headline_row
+from conveyor.bench.cli import study
 from conveyor.bench.report import table
 
 DEFAULT_TRACE = os.path.join(traces_dir(),

@@ -18,9 +18,9 @@ import argparse
 import random
 import time
 
-from conveyor.config import SchedulerConfig
+from conveyor.config import PolicyConfig, SchedulerConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.core.policies import POLICIES, PolicyConfig
+from conveyor.core.policies import POLICIES
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from conveyor.request import Request

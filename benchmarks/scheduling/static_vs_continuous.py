@@ -27,7 +27,7 @@ import shlex
 import sys
 
 from benchmarks.common import traces_dir
-from conveyor.bench.batching import study
+from conveyor.bench.cli import study
 from conveyor.bench.report import table
 
 TRACE = os.path.join(traces_dir(),

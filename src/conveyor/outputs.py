@@ -1,13 +1,37 @@
-"""Results returned to users, shaped like vLLM's ``RequestOutput``."""
+"""Results returned to users, shaped like vLLM's ``RequestOutput``.
+
+Below the engine: the engine's messages reach ``RequestMetrics`` through the two
+protocols here (``engine/messages.py``'s ``EngineCoreRequest`` and ``EngineCoreOutput``
+have these fields), so this module imports nothing of the engine.
+"""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from conveyor.engine.messages import EngineCoreOutput, EngineCoreRequest
+
+class CoreRequestView(Protocol):
+    """What the metrics read of a request the engine core was given."""
+
+    request_id: str
+    arrival_time: float
+    prompt_token_ids: list[int]
+    priority: int
+    tenant: str
+
+    def slo_targets_s(self, default_ttft_s: float | None, default_tpot_s: float | None
+                      ) -> tuple[float | None, float | None]: ...
+
+
+class CoreOutputView(Protocol):
+    """What the metrics read of the core's per-request output, besides its tokens."""
+
+    num_cached_tokens: int
+    num_preemptions: int
+    first_scheduled_time: float | None
+    finished_time: float | None
 
 
 @dataclass
@@ -47,7 +71,7 @@ class RequestMetrics:
 
     # ---- recording (shared by the front end's output processor and the simulator) -------
     @classmethod
-    def for_core_request(cls, req: EngineCoreRequest, default_slo_ttft_s: float | None,
+    def for_core_request(cls, req: CoreRequestView, default_slo_ttft_s: float | None,
                          default_slo_tpot_s: float | None) -> RequestMetrics:
         """Metrics for a request the core was given, with its effective targets."""
         slo_ttft_s, slo_tpot_s = req.slo_targets_s(default_slo_ttft_s, default_slo_tpot_s)
@@ -59,7 +83,7 @@ class RequestMetrics:
         """``num_tokens`` generated tokens delivered at ``now``."""
         self.token_times.extend([now] * num_tokens)
 
-    def observe(self, out: EngineCoreOutput) -> None:
+    def observe(self, out: CoreOutputView) -> None:
         """What the core reports of the request besides its tokens."""
         self.num_cached_tokens = out.num_cached_tokens
         self.num_preemptions = out.num_preemptions

@@ -146,20 +146,6 @@ def compare_batching(requests: list[BenchRequest], engine_args: EngineArgs, *,
     return BatchingComparison(runs, ideal, costs, run_costs)
 
 
-def study(argv: list[str], *, repeats: int = 1, measure_costs: bool = True,
-          progress: bool = False, log=print) -> tuple[list[BenchRequest], BatchingComparison]:
-    """``conveyor bench --compare-batching ARGV`` as a library call, for the scripts."""
-    from conveyor.bench.cli import parse_bench_args, vocab_size_of
-    from conveyor.bench.workload import describe, load_workload
-
-    args = parse_bench_args(argv)
-    requests = load_workload(args, vocab_size_of(args))
-    log(f"workload: {describe(requests)}")
-    cmp = compare_batching(requests, EngineArgs.from_cli_args(args), repeats=repeats,
-                           measure_costs=measure_costs, progress=progress, log=log)
-    return requests, cmp
-
-
 def headline_row(name: str, cmp: BatchingComparison) -> list[str]:
     """name, static and continuous tokens/s, their ratio, and the ratio against each ideal."""
     h = cmp.headline()

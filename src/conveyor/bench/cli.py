@@ -15,10 +15,13 @@ import json
 import os
 import shlex
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.bench.workload import BenchRequest, WorkloadError, add_workload_args, describe
 from conveyor.config import EngineArgs
+
+if TYPE_CHECKING:
+    from conveyor.bench.batching import BatchingComparison
 
 # `conveyor bench` with no arguments runs exactly this (printed with the results): a
 # dummy tiny Llama and the conversation preset at one eighth of its prompt lengths and
@@ -91,7 +94,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="save per-request records as JSONL here (default with --out: "
                         "next to it, .records.jsonl)")
     g.add_argument("--plot", default=None, metavar="DIR",
-                   help="write PNG figures here (latency CDFs; rate sweep)")
+                   help="write PNG figures here (latency CDFs; rate sweep; needs matplotlib: "
+                        "pip install conveyor[plots])")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: when stderr is a terminal)")
     sub = p.add_subparsers(dest="bench_command", metavar="{compare}")
@@ -324,6 +328,20 @@ def parse_bench_args(argv: list[str]) -> argparse.Namespace:
 
 def vocab_size_of(args: argparse.Namespace) -> int:
     return _vocab_size(args)
+
+
+def study(argv: list[str], *, repeats: int = 1, measure_costs: bool = True,
+          progress: bool = False, log=print) -> tuple[list[BenchRequest], BatchingComparison]:
+    """``conveyor bench --compare-batching ARGV`` as a library call, for the scripts."""
+    from conveyor.bench.batching import compare_batching
+    from conveyor.bench.workload import load_workload
+
+    args = parse_bench_args(argv)
+    requests = load_workload(args, vocab_size_of(args))
+    log(f"workload: {describe(requests)}")
+    cmp = compare_batching(requests, EngineArgs.from_cli_args(args), repeats=repeats,
+                           measure_costs=measure_costs, progress=progress, log=log)
+    return requests, cmp
 
 
 def _is_bare(args: argparse.Namespace) -> bool:

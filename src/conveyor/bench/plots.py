@@ -12,7 +12,12 @@ _CDF_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E
 
 
 def _pyplot():
-    import matplotlib
+    # matplotlib is an optional extra: only figures need it, so it is imported here.
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("figures (--plot) need matplotlib: pip install 'conveyor[plots]'"
+                          ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -48,13 +48,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.config import TOKEN_BUDGET_MODES
 from conveyor.costs.protocol import StepCostModel
 from conveyor.costs.shape import BatchShape
 from conveyor.request import Request
 
 logger = logging.getLogger(__name__)
-
-TOKEN_BUDGET_MODES = ("auto", "fixed", "slo")
 
 
 def budget_mode(token_budget: str, policy: str, batching: str,

@@ -35,10 +35,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from conveyor.config import EngineArgs, EngineConfig
+from conveyor.config import EngineArgs
+from conveyor.engine.backend import CoreBackend, EngineInfo, EngineSink
 from conveyor.engine.core import EngineCore
 from conveyor.engine.engine_loop import EngineLoop, LocalCall, LoopCommand, LoopMessage
 from conveyor.engine.llm_engine import (
@@ -70,7 +70,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "AsyncEngine",
     "EngineDeadError",
-    "EngineInfo",
     "EngineStepError",
     "QueueFullError",
     "RequestStream",
@@ -95,35 +94,6 @@ class Accepted:
 
 
 StreamItem = RequestOutput | BaseException | Accepted
-
-
-@dataclass
-class EngineInfo:
-    """What the front end needs to know of the engine without reaching into it."""
-
-    config: EngineConfig
-    tokenizer: Any  # the front end's tokenizer (None: token ids only)
-
-    @property
-    def max_model_len(self) -> int:
-        return self.config.model.max_model_len
-
-
-class EngineSink(Protocol):
-    """The front end's side of a backend; called from the backend's threads."""
-
-    def messages(self, messages: list[LoopMessage]) -> None: ...
-    def died(self, error: BaseException | None) -> None: ...
-
-
-class CoreBackend(Protocol):
-    info: EngineInfo
-    accepts_local_calls: bool
-
-    def start(self, sink: EngineSink) -> None: ...
-    def send(self, cmd: LoopCommand) -> None: ...
-    def join(self, timeout_s: float) -> None: ...
-    def close(self) -> None: ...
 
 
 def merge_delta_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:

@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 import msgspec
 
 from conveyor.config import EngineArgs
-from conveyor.engine.async_engine import EngineInfo, EngineSink
+from conveyor.engine.backend import EngineInfo, EngineSink
 from conveyor.engine.engine_loop import EngineLoop, LocalCall, LoopCommand, LoopMessage
 from conveyor.engine.messages import (
     AddRequests,
@@ -96,7 +96,7 @@ def _core_main(args: EngineArgs, log_level: int, commands: Connection,
                         format="%(asctime)s %(levelname)s %(name)s (engine core): %(message)s")
     encode = encoder().encode
     try:
-        from conveyor.executor.local import build_local_core
+        from conveyor.engine.local_core import build_local_core
 
         core = build_local_core(args)
     except BaseException as e:

@@ -63,7 +63,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, clock: Callable[[], float] = time.monotonic,
                  log_stats: bool = False, core: EngineCore | None = None) -> None:
         if core is None:
-            from conveyor.executor.local import build_local_core
+            from conveyor.engine.local_core import build_local_core
 
             core = build_local_core(args, clock)
         self.core = core

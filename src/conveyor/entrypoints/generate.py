@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from conveyor import LLM, SamplingParams
+    from conveyor.entrypoints.llm import LLM
+    from conveyor.sampling_params import SamplingParams
 
     engine_args = EngineArgs.from_cli_args(args)
     t0 = time.perf_counter()

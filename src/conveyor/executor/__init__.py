@@ -6,8 +6,9 @@
 
 Each sizes the KV pool before the core exists (``determine_num_kv_blocks``), gets the
 resolved config (``initialize``), then serves ``execute_model``. A tensor-parallel or
-Ray executor plugs in through the same three calls. Import the torch one from its
-module: this package imports no torch.
+Ray executor plugs in through the same three calls; ``make_executor``
+(``executor/factory.py``) picks one from the engine args. Import the torch ones from
+their modules: this package imports no torch, and nothing of the engine above it.
 """
 
 from conveyor.executor.cost_model import CostModelExecutor

@@ -11,11 +11,16 @@ from __future__ import annotations
 import random
 from typing import Protocol
 
-from conveyor.config import CacheConfig, EngineConfig, ModelConfig, kv_blocks_for
+from conveyor.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SpeculativeConfig,
+    kv_blocks_for,
+)
 from conveyor.core.batch_shape import batch_shape
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from conveyor.costs.protocol import MachineCostModel
-from conveyor.spec.config import SpeculativeConfig
 
 
 class AdvancingClock(Protocol):

@@ -3,31 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
-import time
-from collections.abc import Callable
 
 import torch
 
-from conveyor import envs
-from conveyor.config import (
-    CacheConfig,
-    EngineArgs,
-    EngineConfig,
-    ModelConfig,
-    resolve_engine_config,
-)
+from conveyor.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from conveyor.engine.core import EngineCore
+from conveyor.executor.device import resolve_device
 from conveyor.kv_transfer.worker import KVConnectorWorker
 from conveyor.model.dtypes import resolve_compute_dtype
 from conveyor.runner.model_runner import ModelRunner, default_kv_cache_memory, num_blocks_for
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class LocalExecutor:
@@ -100,50 +84,3 @@ class LocalExecutor:
     def shutdown(self) -> None:
         if self.kv_worker is not None:
             self.kv_worker.shutdown()
-
-
-def make_executor(args: EngineArgs):
-    """The executor the args ask for: in this process, or tensor-parallel ranks in
-    processes (``mp``) or Ray actors (``ray``); all serve the same four calls."""
-    if args.distributed_executor_backend == "ray":
-        from conveyor.executor.ray_executor import RayExecutor
-
-        return RayExecutor(args)
-    if args.tensor_parallel_size > 1:
-        from conveyor.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(args)
-    return LocalExecutor(args)
-
-
-def build_local_core(args: EngineArgs, clock: Callable[[], float] = time.monotonic
-                     ) -> EngineCore:
-    """An engine core over the executor ``make_executor`` picks: load, size the pool,
-    resolve, allocate."""
-    executor = make_executor(args)
-    num_blocks = executor.determine_num_kv_blocks(args.cache_config(), executor.model_config,
-                                                  args.max_num_seqs)
-    config = resolve_engine_config(args, executor.model_config, num_blocks,
-                                   str(executor.device))
-    executor.initialize(config)
-    step_cost = None
-    if args.slo_cost_model:  # the SLO token budget controller's cost model (torch-free)
-        from conveyor.costs.factory import load_step_cost
-
-        step_cost = load_step_cost(args.slo_cost_model, config.model)
-    core = EngineCore(config, executor, clock, step_cost=step_cost)
-    freeze_startup_heap()
-    return core
-
-
-def freeze_startup_heap() -> None:
-    """What starting allocated (modules, the model, the engine) lives as long as the
-    process: moved out of the cyclic GC's generations (``gc.freeze``, as vLLM's engine
-    does after start-up), so that no collection walks it again. Whatever allocates many
-    objects later (the suffix proposer's trees) set off full collections over that whole
-    heap: on the trained spec pair at batch 64, 5.2 us per tree node created against 0.4
-    with it frozen. ``CONVEYOR_GC_FREEZE=0`` leaves the collector alone."""
-    if not envs.switched_on(envs.GC_FREEZE):
-        return
-    gc.collect(1)  # the young garbage of start-up (older cycles are rare and stay)
-    gc.freeze()

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from conveyor.config import CacheConfig, EngineArgs, EngineConfig, kv_blocks_for
 from conveyor.distributed.parallel import TPShard
-from conveyor.executor.local import resolve_device
+from conveyor.executor.device import resolve_device
 from conveyor.executor.tp_messages import (
     ExecuteModel,
     InitializeWorker,

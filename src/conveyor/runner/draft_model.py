@@ -33,14 +33,13 @@ import numpy as np
 import torch
 
 from conveyor import envs
-from conveyor.config import CacheConfig, ModelConfig, load_model_config
+from conveyor.config import CacheConfig, ModelConfig, SpeculativeConfig, load_model_config
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.kernels.cpu.ops import DraftForward
 from conveyor.model.attention.metadata import AttentionMetadata
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
 from conveyor.runner.request_state import RequestState
 from conveyor.sampling_params import SamplingParams
-from conveyor.spec.config import SpeculativeConfig
 from conveyor.spec.proposers import ProposeItem, Proposer
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,13 @@ import time
 import numpy as np
 import torch
 
-from conveyor.config import CacheConfig, ModelConfig, gpu_kv_cache_bytes, kv_blocks_for
+from conveyor.config import (
+    CacheConfig,
+    ModelConfig,
+    SpeculativeConfig,
+    gpu_kv_cache_bytes,
+    kv_blocks_for,
+)
 from conveyor.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from conveyor.distributed.parallel import SINGLE, TPShard
 from conveyor.model.attention.metadata import AttentionMetadata, PrefillSegment
@@ -30,7 +36,6 @@ from conveyor.runner.request_state import RequestState
 from conveyor.runner.sampler import Sampler, SamplingRow
 from conveyor.runner.verify import VerifyGroup, verify
 from conveyor.sampling_params import SamplingParams
-from conveyor.spec.config import SpeculativeConfig
 from conveyor.spec.proposers import ProposeItem, Proposer, make_proposer
 from conveyor.timings import PhaseTimings
 

@@ -55,7 +55,9 @@ def add_sim_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--records", default=None,
                    help="save per-request records as JSONL here (default with --out: next to "
                         "it, .records.jsonl)")
-    g.add_argument("--plot", default=None, metavar="DIR", help="write latency CDFs here (PNG)")
+    g.add_argument("--plot", default=None, metavar="DIR",
+                   help="write latency CDFs here (PNG; needs matplotlib: pip install "
+                        "conveyor[plots])")
     c = p.add_argument_group("capacity search (with --slo-ttft and/or --slo-tpot, in ms)")
     c.add_argument("--find-capacity", nargs="?", const="replicas", default=None,
                    choices=("replicas", "rate"),

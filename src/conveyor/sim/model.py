@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from conveyor.config import EngineArgs, ModelConfig, load_model_config, model_config_from_hf
-from conveyor.model.presets import PRESETS, preset_config
+from conveyor.config.presets import PRESETS, preset_config
 
 
 def resolve_sim_model(args: EngineArgs) -> ModelConfig:

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conveyor.config import SpeculativeConfig
 from conveyor.costs.protocol import StepCostModel
 from conveyor.costs.shape import BatchShape
 from conveyor.request import Request
 from conveyor.spec.acceptance import GLOBAL_DECAY, REQUEST_DECAY, PriorWeight, own_counts
-from conveyor.spec.config import SpeculativeConfig
 from conveyor.spec.metrics import SpecMetrics
 from conveyor.spec.outcome_guard import OutcomeGuard
 from conveyor.spec.proposal_cost import ProposalCost

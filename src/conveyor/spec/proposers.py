@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from conveyor.config import SpeculativeConfig
 from conveyor.sampling_params import SamplingParams
-from conveyor.spec.config import SpeculativeConfig
 
 
 @dataclass

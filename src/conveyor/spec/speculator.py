@@ -8,11 +8,11 @@ guard and the acceptance estimates. No torch and no clock: times come in as numb
 
 from __future__ import annotations
 
+from conveyor.config import SpeculativeConfig
 from conveyor.core.batch_shape import prefill_and_decode_rows
 from conveyor.core.speculation import DraftDecision, DraftStep, StepOutcome
 from conveyor.costs.protocol import StepCostModel
 from conveyor.request import Request, RequestStatus
-from conveyor.spec.config import SpeculativeConfig
 from conveyor.spec.metrics import SpecMetrics
 from conveyor.spec.planner import DraftLengthController, DraftRow
 from conveyor.spec.step_cost_fit import BatchStepCost

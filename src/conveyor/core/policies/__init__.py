@@ -15,7 +15,6 @@ See base.py for the protocol and docs/scheduling.md for when to choose which.
 
 from conveyor.core.policies.base import (
     POLICIES,
-    PolicyConfig,
     PolicyContext,
     SchedulingPolicy,
     make_policy,
@@ -39,7 +38,6 @@ __all__ = [
     "FairPolicy",
     "KeyedPolicy",
     "LPMPolicy",
-    "PolicyConfig",
     "PolicyContext",
     "PriorityPolicy",
     "SJFPolicy",

@@ -6,7 +6,8 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from conveyor.core.policies.base import PolicyConfig, SchedulingPolicy, register_policy
+from conveyor.config import PolicyConfig
+from conveyor.core.policies.base import SchedulingPolicy, register_policy
 from conveyor.core.policies.queues import LazyHeap
 from conveyor.request import Request
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from conveyor.core.policies.base import PolicyConfig, SchedulingPolicy, register_policy
+from conveyor.config import PolicyConfig
+from conveyor.core.policies.base import SchedulingPolicy, register_policy
 from conveyor.core.policies.queues import FifoQueue, LazyHeap
 from conveyor.request import Request
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from conveyor.core.policies.base import PolicyConfig, SchedulingPolicy, register_policy
+from conveyor.config import PolicyConfig
+from conveyor.core.policies.base import SchedulingPolicy, register_policy
 from conveyor.core.policies.queues import FifoQueue
 from conveyor.request import Request
 

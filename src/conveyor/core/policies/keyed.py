@@ -6,7 +6,8 @@ import abc
 from collections.abc import Iterable
 from typing import Any
 
-from conveyor.core.policies.base import PolicyConfig, SchedulingPolicy
+from conveyor.config import PolicyConfig
+from conveyor.core.policies.base import SchedulingPolicy
 from conveyor.core.policies.queues import LazyHeap
 from conveyor.request import Request
 

@@ -6,7 +6,8 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
-from conveyor.core.policies.base import PolicyConfig, SchedulingPolicy, register_policy
+from conveyor.config import PolicyConfig
+from conveyor.core.policies.base import SchedulingPolicy, register_policy
 from conveyor.core.policies.queues import FifoQueue
 from conveyor.request import Request
 

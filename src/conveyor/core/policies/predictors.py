@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from conveyor.config.names import PREDICTOR_NAMES
 from conveyor.request import Request
 
 OutputLengthPredictor = Callable[[Request], int]
@@ -34,3 +35,4 @@ PREDICTORS: dict[str, OutputLengthPredictor] = {
 
 def register_predictor(name: str, predictor: OutputLengthPredictor) -> None:
     PREDICTORS[name] = predictor
+    PREDICTOR_NAMES.add(name)  # the config validates against these names

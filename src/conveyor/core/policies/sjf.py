@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from conveyor.core.policies.base import PolicyConfig, register_policy
+from conveyor.config import PolicyConfig
+from conveyor.core.policies.base import register_policy
 from conveyor.core.policies.keyed import KeyedPolicy
 from conveyor.core.policies.predictors import PREDICTORS, OutputLengthPredictor
 from conveyor.request import Request

@@ -1,197 +1,26 @@
-"""Frozen engine configuration.
+"""``EngineArgs``: the flat, user-facing bag of options (CLI flags, ``LLM(...)`` keywords).
 
-``EngineArgs`` is the flat, user-facing bag of options (CLI flags, ``LLM(...)``
-keywords). ``EngineArgs.resolve_model()`` reads the checkpoint's config.json;
-the engine then derives what depends on the hardware (KV pool size, the
-max model length it caps) once, with ``dataclasses.replace``, never by patching
-a built config.
+``EngineArgs.resolve_model()`` reads the checkpoint's config.json; the engine then derives
+what depends on the hardware (KV pool size, the max model length it caps) once, with
+``dataclasses.replace`` (``resolve_engine_config``), never by patching a built config.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from conveyor.core.budget import TOKEN_BUDGET_MODES
-from conveyor.core.policies import POLICIES, PREDICTORS, PolicyConfig
-from conveyor.spec.config import SpeculativeConfig
-
-logger = logging.getLogger(__name__)
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-# What transformers' Auto classes fall back on when config.json names no architecture
-# (AutoConfig.for_model(...).save_pretrained() writes none).
-ARCHITECTURE_OF_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    path: str  # folder with config.json (and weights unless load_format is dummy)
-    architecture: str
-    hf_config: dict[str, Any] = field(repr=False, hash=False, compare=False)
-    dtype: str  # resolved: float32 | bfloat16 | float16
-    load_format: str  # auto | safetensors | dummy
-    seed: int
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_position_embeddings: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    tokenizer: str | None  # folder with tokenizer files; None: token ids only
-    served_model_name: str
-    # The arithmetic's (and the KV cache's) dtype when it differs from the weights' dtype:
-    # float32 on bf16-rounded weights for a CPU without bf16 instructions (model/dtypes.py).
-    compute_dtype: str | None = None
-
-    @property
-    def math_dtype(self) -> str:
-        return self.compute_dtype or self.dtype
-
-    @property
-    def dtype_label(self) -> str:
-        """``bfloat16`` or, computing in another dtype, ``bfloat16 (float32 compute)``."""
-        if self.math_dtype == self.dtype:
-            return self.dtype
-        return f"{self.dtype} ({self.math_dtype} compute)"
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        itemsize = 4 if self.math_dtype == "float32" else 2
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory
-    kv_cache_memory: int | None = None  # bytes; None: a share of free memory
-    enable_prefix_caching: bool = True
-    # CUDA: the share of the device's memory the engine may use (weights, a full step's
-    # activations as profiled, and the KV pool: the rest), as vLLM's flag.
-    gpu_memory_utilization: float = 0.9
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    batching: str = "continuous"  # continuous | static
-    scheduling_policy: str = "fcfs"
-    enable_chunked_prefill: bool = True
-    max_queue_len: int | None = None  # admission control: reject beyond this many waiting
-    max_queue_wait_s: float | None = None
-    queue_wait_action: str = "admit"  # admit | reject
-    max_preemptions_per_request: int | None = None
-    # The per-step token budget: "fixed" (max_num_batched_tokens), "slo" (chosen each step
-    # from TPOT targets by a step-cost model, max_num_batched_tokens the ceiling), "auto"
-    # (slo for the slo policy). See core/budget.py.
-    token_budget: str = "auto"
-    # The controller multiplies the cost model's predictions by this (1.1: steps run 10%
-    # slower than it says).
-    slo_cost_scale: float = 1.0
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    # Speculative decoding (None: off): the scheduler decides the draft lengths.
-    speculative: SpeculativeConfig | None = None
-
-    def __post_init__(self) -> None:
-        if self.batching not in ("continuous", "static"):
-            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.queue_wait_action not in ("admit", "reject"):
-            raise ValueError(
-                f"queue_wait_action must be 'admit' or 'reject', got {self.queue_wait_action!r}")
-        if self.scheduling_policy not in POLICIES:
-            raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}; valid "
-                             f"policies: {', '.join(sorted(POLICIES))}")
-        if self.max_queue_len is not None and self.max_queue_len < 0:
-            raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
-        if self.max_queue_wait_s is not None and not self.max_queue_wait_s >= 0:
-            raise ValueError(f"max_queue_wait_s must be >= 0, got {self.max_queue_wait_s}")
-        if self.token_budget not in TOKEN_BUDGET_MODES:
-            raise ValueError(f"token_budget must be one of {', '.join(TOKEN_BUDGET_MODES)}, "
-                             f"got {self.token_budget!r}")
-        if not (self.slo_cost_scale > 0 and self.slo_cost_scale < float("inf")):
-            raise ValueError(f"slo_cost_scale must be a finite number > 0, "
-                             f"got {self.slo_cost_scale}")
-        if self.max_preemptions_per_request is not None \
-                and self.max_preemptions_per_request < 0:
-            raise ValueError(f"max_preemptions_per_request must be >= 0, "
-                             f"got {self.max_preemptions_per_request}")
-
-
-KV_ROLES = ("both", "prefill", "decode")
-KV_FALLBACKS = ("recompute", "fail")
-
-
-@dataclass(frozen=True)
-class KVTransferConfig:
-    """Prefill/decode disaggregation (docs/disaggregation.md). ``both``: today's engine,
-    no connector. ``prefill`` serves its requests' K/V on ``host:port``; ``decode`` pulls
-    K/V for requests that carry a prefill's handle."""
-
-    role: str = "both"
-    host: str = "127.0.0.1"
-    port: int | None = None
-    # Blocks held for a peer are released this long after the request finished, pulled
-    # or not (prefill side).
-    lease_timeout_s: float = 30.0
-    # A load that has not landed this long after it was ordered fails (decode side).
-    transfer_timeout_s: float = 10.0
-    # What a failed load does: compute the prompt here, or fail that request.
-    fallback: str = "recompute"
-
-    def __post_init__(self) -> None:
-        if self.role not in KV_ROLES:
-            raise ValueError(f"kv role must be one of {KV_ROLES}, got {self.role!r}")
-        if self.fallback not in KV_FALLBACKS:
-            raise ValueError(f"kv transfer fallback must be one of {KV_FALLBACKS}, "
-                             f"got {self.fallback!r}")
-        if self.role == "prefill" and self.port is None:
-            raise ValueError("--kv-role prefill needs --kv-port (where decode engines pull)")
-        if self.lease_timeout_s <= 0 or self.transfer_timeout_s <= 0:
-            raise ValueError("kv lease and transfer timeouts must be > 0")
-
-    @property
-    def enabled(self) -> bool:
-        return self.role != "both"
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: ModelConfig
-    cache: CacheConfig
-    scheduler: SchedulerConfig
-    device: str
-    num_threads: int | None = None
-    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
-    tensor_parallel_size: int = 1
-
+from conveyor.config.cache import CacheConfig
+from conveyor.config.kv_transfer import KV_FALLBACKS, KV_ROLES, KVTransferConfig
+from conveyor.config.model import DTYPES, ModelConfig, load_model_config
+from conveyor.config.names import POLICY_NAMES, PREDICTOR_NAMES
+from conveyor.config.policy import PolicyConfig
+from conveyor.config.presets import PRESETS, resolve_model_path
+from conveyor.config.scheduler import TOKEN_BUDGET_MODES, SchedulerConfig
+from conveyor.config.speculative import SpeculativeConfig
 
 DISTRIBUTED_BACKENDS = ("mp", "ray")
 
@@ -245,7 +74,7 @@ class EngineArgs:
     slo_late_action: str = "serve"
     slo_tie_break: str = "slack"
     slo_tie_quantum_ms: float = 50.0
-    # {"method": "ngram" | "suffix" | "draft_model" | "synthetic", ...} (spec/config.py),
+    # {"method": "ngram" | "suffix" | "draft_model" | "synthetic", ...} (config/speculative.py),
     # a JSON string of it, or None (off).
     speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
     # Prefill/decode disaggregation (KVTransferConfig).
@@ -301,7 +130,8 @@ class EngineArgs:
         g.add_argument("--compute-dtype", default="auto", choices=DTYPES,
                        help="the arithmetic's dtype; auto = --dtype, except float32 on the "
                             "bf16-rounded weights for bfloat16 on a CPU without bf16 "
-                            "instructions (AVX-512 BF16, AMX, Arm BF16), 5-10x faster there")
+                            "instructions (AVX-512 BF16, AMX, Arm BF16), where emulated bf16 "
+                            "arithmetic is slow")
         g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--max-model-len", type=int, default=None)
@@ -341,7 +171,7 @@ class EngineArgs:
         g.add_argument("--max-num-batched-tokens", type=int, default=512)
         g.add_argument("--batching", default="continuous", choices=("continuous", "static"))
         g.add_argument("--scheduling-policy", default="fcfs",
-                       help=f"waiting order and preemption: {', '.join(sorted(POLICIES))} "
+                       help=f"waiting order and preemption: {', '.join(sorted(POLICY_NAMES))} "
                             "(docs/scheduling.md)")
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=True)
@@ -356,7 +186,7 @@ class EngineArgs:
         g.add_argument("--sjf-aging-s", type=float, default=0.0,
                        help="sjf: never let a request that arrived this much later go "
                             "first (0: no aging)")
-        g.add_argument("--sjf-predictor", default="hint", choices=sorted(PREDICTORS),
+        g.add_argument("--sjf-predictor", default="hint", choices=sorted(PREDICTOR_NAMES),
                        help="sjf: expected output length (hint: expected_output_tokens, "
                             "else max_tokens)")
         g.add_argument("--sjf-prompt-weight", type=float, default=1.0,
@@ -492,8 +322,6 @@ class EngineArgs:
                            gpu_memory_utilization=self.gpu_memory_utilization)
 
     def resolve_model(self) -> ModelConfig:
-        from conveyor.model.presets import PRESETS, resolve_model_path
-
         path = resolve_model_path(self.model, self.load_format)
         is_preset = self.model in PRESETS and not os.path.isdir(self.model)
         return load_model_config(path, dtype=self.dtype,
@@ -502,143 +330,6 @@ class EngineArgs:
                                  tokenizer=self.tokenizer,
                                  served_model_name=self.served_model_name or self.model)
 
-
-def resolve_engine_config(args: EngineArgs, model: ModelConfig, num_kv_blocks: int,
-                          device: str) -> EngineConfig:
-    """The one derivation of the frozen ``EngineConfig``, shared by the engine, the simulator
-    and the bench: the engine args, the model as the executor resolved it (its compute
-    dtype), and the KV pool the executor can hold, which caps the longest sequence."""
-    cache = dataclasses.replace(args.cache_config(), num_kv_blocks=num_kv_blocks)
-    max_len = min(model.max_model_len, num_kv_blocks * cache.block_size)
-    return EngineConfig(model=dataclasses.replace(model, max_model_len=max_len), cache=cache,
-                        scheduler=args.scheduler_config(), device=device,
-                        num_threads=args.num_threads,
-                        kv_transfer=args.kv_transfer_config(),
-                        tensor_parallel_size=args.tensor_parallel_size)
-
-
-def kv_hash_key(model: ModelConfig) -> bytes:
-    """What the prefix cache's block hashes are salted with: the same tokens under another
-    checkpoint, arithmetic dtype, weights or seed have other K/V."""
-    return f"{model.path}|{model.math_dtype}|{model.load_format}|{model.seed}".encode()
-
-
-def gpu_kv_cache_bytes(total: int, utilization: float, peak_torch: int,
-                       non_torch: int) -> int:
-    """What a CUDA device leaves the KV pool (vLLM's rule): ``utilization`` of its memory,
-    less the peak torch allocated through a full dummy step (weights and activations)
-    and what others hold outside torch's allocator (the CUDA context, NCCL buffers)."""
-    if not 0.0 < utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    left = int(total * utilization) - peak_torch - non_torch
-    if left <= 0:
-        raise ValueError(
-            f"gpu_memory_utilization={utilization} gives the engine "
-            f"{total * utilization / 2**30:.2f} GiB of {total / 2**30:.2f} GiB, but the "
-            f"weights and a full step's activations peaked at {peak_torch / 2**30:.2f} GiB "
-            f"(plus {non_torch / 2**30:.2f} GiB outside torch): no room for a KV cache; "
-            "raise it, or lower --max-num-batched-tokens")
-    return left
-
-
-def kv_blocks_for(cache: CacheConfig, model: ModelConfig, max_num_seqs: int, *,
-                  default_memory: Callable[[], int], cap_to_useful: bool) -> int:
-    """KV blocks from ``num_kv_blocks``, else ``kv_cache_memory``, else ``default_memory()``.
-
-    Torch-free so that the runner and the simulator size the pool by the same rule;
-    ``cap_to_useful`` caps the default at what ``max_num_seqs`` full-length sequences use.
-    """
-    if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks
-    bytes_per_block = model.kv_bytes_per_token * cache.block_size
-    if cache.kv_cache_memory is not None:
-        blocks = cache.kv_cache_memory // bytes_per_block
-    else:
-        blocks = default_memory() // bytes_per_block
-        if cap_to_useful:
-            useful = max_num_seqs * -(-model.max_model_len // cache.block_size)
-            blocks = min(blocks, useful)
-    if blocks < 1:
-        raise ValueError(f"kv_cache_memory holds no block of {cache.block_size} tokens "
-                         "for this model")
-    return int(blocks)
-
-
-def load_model_config(path: str, *, dtype: str = "auto", load_format: str = "auto",
-                      seed: int = 0, max_model_len: int | None = None,
-                      tokenizer: str | None = None,
-                      served_model_name: str | None = None) -> ModelConfig:
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):
-        raise ValueError(f"no config.json in {path!r}: --model must be a Hugging Face "
-                         "checkpoint folder or a built-in shape name")
-    with open(cfg_file) as f:
-        hf = json.load(f)
-    extra_eos: list[int] = []
-    gen_cfg = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen_cfg):
-        with open(gen_cfg) as f:
-            g_eos = json.load(f).get("eos_token_id")
-        if g_eos is not None:
-            extra_eos = g_eos if isinstance(g_eos, list) else [g_eos]
-    tok = tokenizer or (path if _has_tokenizer(path) else None)
-    return model_config_from_hf(hf, path, dtype=dtype, load_format=load_format, seed=seed,
-                                max_model_len=max_model_len, tokenizer=tok,
-                                served_model_name=served_model_name, extra_eos=extra_eos)
-
-
-def model_config_from_hf(hf: dict[str, Any], path: str, *, dtype: str = "auto",
-                         load_format: str = "auto", seed: int = 0,
-                         max_model_len: int | None = None, tokenizer: str | None = None,
-                         served_model_name: str | None = None,
-                         extra_eos: list[int] | tuple[int, ...] = ()) -> ModelConfig:
-    """A ModelConfig from a parsed config.json (no file access: the simulator uses it)."""
-    archs = hf.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None and not archs:
-        arch = ARCHITECTURE_OF_MODEL_TYPE.get(hf.get("model_type", ""))
-        if arch is not None:
-            logger.warning("config.json names no architecture: %s, from model_type %r",
-                           arch, hf.get("model_type"))
-    if arch is None:
-        found = archs or f"none, model_type {hf.get('model_type')!r}"
-        raise ValueError(f"unsupported architecture ({found}); supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)} (or, without "
-                         f"'architectures', model_type "
-                         f"{', '.join(ARCHITECTURE_OF_MODEL_TYPE)})")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if load_format not in ("auto", "safetensors", "dummy"):
-        raise ValueError(f"load_format must be auto, safetensors or dummy, got {load_format!r}")
-    if dtype == "auto":
-        # The checkpoint's dtype, except float16 on CPU-only builds is slow: bf16 there.
-        dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
-        if dtype not in DTYPES:
-            dtype = "float32"
-    num_heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-    max_pos = int(hf.get("max_position_embeddings", 2048))
-    eos = hf.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    if extra_eos:
-        eos_ids = tuple(dict.fromkeys([*eos_ids, *extra_eos]))
-    if max_model_len is not None and max_model_len > max_pos:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
-                         f"max_position_embeddings {max_pos}")
-    return ModelConfig(
-        path=path, architecture=arch, hf_config=hf, dtype=dtype, load_format=load_format,
-        seed=seed, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads") or num_heads, head_dim=head_dim,
-        intermediate_size=hf["intermediate_size"], max_position_embeddings=max_pos,
-        max_model_len=max_model_len or max_pos, eos_token_ids=eos_ids, tokenizer=tokenizer,
-        served_model_name=served_model_name or path,
-    )
-
-
-def _has_tokenizer(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, f))
-               for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
 
 
 def _parse_bytes(text: str) -> int:
