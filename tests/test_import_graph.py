@@ -41,6 +41,7 @@ BANNED = ("torch", "transformers")
 #   simulator, integrations) last.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("config", "envs", "sampling_params", "request", "outputs", "metrics", "timings"),
+    ("costs",),  # the step-cost models: the core's budget controller prices steps with them
     ("core",),
     ("spec", "kv_transfer"),
     ("model", "runner", "executor", "kernels", "distributed"),
