@@ -1,7 +1,7 @@
 """Static against continuous batching: the same workload through both, side by side.
 
-Shared by ``conveyor bench`` (its main job), ``benchmarks/batching.py`` and
-``benchmarks/static_vs_continuous.py``. The modes alternate (static, continuous,
+Shared by ``conveyor bench`` (its main job), ``benchmarks/scheduling/batching.py`` and
+``benchmarks/scheduling/static_vs_continuous.py``. The modes alternate (static, continuous,
 continuous, static, ...) so that a drift in machine load hits both alike; each run
 gets a fresh engine. The figure reported per mode is its median-throughput run.
 """

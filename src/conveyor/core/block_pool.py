@@ -14,7 +14,7 @@ Blocks are ids, and the pool's state is arrays, not an object per block: the ref
 counts and the free queue (a doubly linked list threaded through two int arrays, with
 one sentinel) take 12 bytes a block, hashes live in dicts of the cached blocks only. A
 GPU with a small model holds millions of blocks: a million cost 12 MB and are built in
-milliseconds (``benchmarks/block_pool_build.py``).
+milliseconds (``benchmarks/experiments/block_pool_build.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A CPU step allocates and frees the same tens of megabytes of activations every t
 serves blocks that large with mmap, or trims them off the heap top when freed, so the
 next step faults every page in again: on a 2-core VM, 20-400 thousand page faults and
 0.1-1 s of system time in a 1.1 s float32 prefill step, on some steps and not others
-(``python benchmarks/prefill_step.py`` prints both). vLLM's CPU guide preloads tcmalloc
+(``python -m benchmarks.steps.prefill_step`` prints both). vLLM's CPU guide preloads tcmalloc
 for the same reason. Without a second allocator, glibc's own knobs do it: the largest
 mmap threshold it accepts (32 MiB: blocks up to that size come from the heap) and a trim
 threshold no step reaches (freed heap memory stays mapped). The cost is that the

@@ -136,7 +136,7 @@ def _suffix_trees(config: SpeculativeConfig):
     if backend == "native" and not native_suffix_available():
         raise ValueError("speculative_config.suffix_backend 'native' needs Arctic "
                          "Inference's suffix trees, and arctic_inference.suffix_decoding "
-                         "does not import (see README: install arctic-inference), or use "
+                         "does not import (see CONTRIBUTING.md: install arctic-inference), or use "
                          "'python'")
     kwargs = dict(max_depth=config.suffix_max_depth,
                   max_cached_requests=config.suffix_max_cached_requests,

@@ -405,7 +405,7 @@ class SuffixProposer:
     def finish(self, req_id: str) -> None:
         """The request ended: drop its own tree and queue its outputs for the global tree
         (SuffixDecoding's "previous outputs": other requests' prompts are other texts,
-        and inserting them doubled the upkeep, ~4 us a token in Python). O(1) but for
+        and inserting them would double the trees' upkeep). O(1) but for
         the outputs' copy: what a FIFO of ``max_cached_requests`` would evict unseen is
         dropped here."""
         st = self._requests.pop(req_id, None)

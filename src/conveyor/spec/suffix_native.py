@@ -5,9 +5,8 @@ implementation, the one vLLM's ``suffix`` method calls. Its trees are ours in ki
 per-request tree over the request's prompt and outputs; a global tree over the outputs
 of recent requests, FIFO, ``max_cached_requests``) and differ in when the global tree
 learns: a request's outputs go in as they are shown to it, not when the request ends.
-What it buys is speed: inserting code text costs ~0.6 us a token against ~4 us in
-Python (spec/suffix.py), and a request's first proposal builds its tree over the whole
-prompt.
+What it buys is speed: its inserts run in C++ rather than Python (spec/suffix.py; figures
+in docs/results/), and a request's first proposal builds its tree over the whole prompt.
 
 ``suffix_backend`` in ``speculative_config`` picks it: ``"auto"`` (the default) uses it
 when ``arctic_inference`` imports, else the Python trees; ``"native"`` requires it;

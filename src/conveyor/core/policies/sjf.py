@@ -21,7 +21,7 @@ class SJFPolicy(KeyedPolicy):
     counts again. ``sjf_prompt_weight`` (default 1) prices a prompt token against an
     output token: prefill tokens share a step, each output token costs a step of its
     own, so engine time is closer to a weight well below 1 (step costs fitted on the CPU
-    by benchmarks/policies.py give 1/7 to 1/20). The aging bound holds for any weight.
+    by benchmarks/scheduling/policies.py give 1/7 to 1/20). The aging bound holds for any weight.
 
     Aging. Without it (``sjf_aging_s = 0``) the key is ``(work, arrival)`` and a long
     request can wait forever under a stream of short ones. With ``A = sjf_aging_s > 0``

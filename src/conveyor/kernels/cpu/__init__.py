@@ -211,7 +211,7 @@ _PTR, _I32, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES: dict[str, list] = {
     "decode_attention_f32": [_PTR] * 7 + [_I32] * 5 + [_F32],
     "decode_attention_bf16": [_PTR] * 7 + [_I32] * 5 + [_F32],
-    # (the generic bodies alone: tests and benchmarks/decode_attention_kernel.py)
+    # (the generic bodies alone: tests and benchmarks/kernels/decode_attention_kernel.py)
     "decode_attention_f32_generic": [_PTR] * 7 + [_I32] * 5 + [_F32],
     "decode_attention_bf16_generic": [_PTR] * 7 + [_I32] * 5 + [_F32],
     "rms_norm_f32": [_PTR] * 3 + [_I32] * 2 + [_F32],

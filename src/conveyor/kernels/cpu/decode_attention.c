@@ -35,7 +35,7 @@ static inline float bf16_to_float(uint16_t x) {
 /* The vector body prefetches K and V rows ahead into L2 (a sequence's first ones before
  * it starts), then the chunk's K rows into L1 as the chunk starts. Into L1 (48 KiB of
  * bf16 K and V ahead, more than L1 holds) the prefetched lines evicted each other. On a
- * 2-core Zen 4 (benchmarks/decode_attention_kernel.py, batch 32 x 260, out of cache):
+ * 2-core Zen 4 (benchmarks/kernels/decode_attention_kernel.py, batch 32 x 260, out of cache):
  *   - a bf16 cache, whose chunk is widened in one run of loads at its start, prefetches
  *     PF_DIST_WIDE positions ahead as the chunk starts: 8 was 1.09-1.10x faster than 64
  *     (4 and 16 in between), and spreading its prefetches over P V was 6% slower;

@@ -13,10 +13,10 @@
 
 /* Intrinsics where the CPU has AVX-512F or AVX2 + FMA (LANES: 16 or 8 float lanes), for
  * silu's exp (libmvec's expf through the compiler ran at ~1/3 of memory speed on the
- * MLP's 2,048 x 1,536: benchmarks/prefill_step.py; exp512/exp256 are Cephes' polynomial,
+ * MLP's 2,048 x 1,536: benchmarks/steps/prefill_step.py; exp512/exp256 are Cephes' polynomial,
  * within ~1 ulp) and for the bf16 kernels, whose scalar conversions and roundings the
  * compiler left scalar (2.0-2.2x the float32 kernels' time on 2,048 rows:
- * benchmarks/elementwise_kernels.py). */
+ * benchmarks/kernels/elementwise_kernels.py). */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
@@ -190,7 +190,7 @@ void rope_f32(float* qkv, const int64_t* pos, const float* cos_t, const float* s
 
 /* The norms' rows in intrinsics with AVX-512 only: capped at AVX2, the compiler's own
  * vectorization of the scalar loops measured level with them or faster (1.03-1.05x on
- * 2,048 rows: benchmarks/elementwise_kernels.py with CONVEYOR_KERNEL_ISA=avx2), where with
+ * 2,048 rows: benchmarks/kernels/elementwise_kernels.py with CONVEYOR_KERNEL_ISA=avx2), where with
  * AVX-512 the intrinsics are 1.2-1.4x faster. */
 #if defined(__AVX512F__)
 #define NORM_LANES LANES

@@ -19,7 +19,7 @@
  * softmax numerators are rounded to bf16 (as torch's CPU flash attention does in bf16;
  * the denominator sums them unrounded, as there) and V is tiled as bf16 pairs of keys,
  * two keys per vdpbf16ps. On a 256-token prompt (9/3 heads x 64) that is 1.13x the
- * float32 P @ V (benchmarks/prefill_attention.py), and closer to torch's bf16 output.
+ * float32 P @ V (benchmarks/kernels/prefill_attention.py), and closer to torch's bf16 output.
  */
 #define NV_ (D >= 64 ? 4 : D / 16) /* zmm registers of output per query in a pass */
 /* bf16 inputs on a CPU with AVX-512 BF16: the scores by bf16 dot products. */
