@@ -33,44 +33,51 @@ def extract_tree(rev: str, out_dir: str) -> str:
     return out_dir
 
 
-def run_once(tree: str, script: str, args: list[str], metric: re.Pattern) -> list[float]:
+def run_once(tree: str, script: str, args: list[str],
+             metrics: list[re.Pattern]) -> list[list[float]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(tree, "src"), tree])}
     how = [script] if script.endswith(".py") else ["-m", script]
     out = subprocess.run([sys.executable, *how, *args], cwd=tree, env=env,
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{script} failed in {tree}:\n{out.stdout[-2000:]}{out.stderr[-4000:]}")
-    found = [float(m) for m in metric.findall(out.stdout + out.stderr)]
-    if not found:
-        raise SystemExit(f"metric {metric.pattern!r} not found in the output of {script} "
-                         f"in {tree}:\n{out.stdout[-2000:]}")
+    found = [[float(m) for m in metric.findall(out.stdout + out.stderr)] for metric in metrics]
+    for metric, values in zip(metrics, found):
+        if not values:
+            raise SystemExit(f"metric {metric.pattern!r} not found in the output of {script} "
+                             f"in {tree}:\n{out.stdout[-2000:]}")
     return found
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rev", required=True, help="the git revision to compare against")
-    p.add_argument("--metric", required=True, help="regex; its first group is the number")
+    p.add_argument("--metric", required=True, action="append",
+                   help="regex; its first group is the number (repeat for several)")
     p.add_argument("--rounds", type=int, default=3, help="turns of (this tree, REV)")
     p.add_argument("--base-script", help="the script's path in REV's tree, if it moved")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     ns = p.parse_args()
-    metric = re.compile(ns.metric)
+    metrics = [re.compile(m) for m in ns.metric]
     args = [a for a in ns.args if a != "--"]
     with tempfile.TemporaryDirectory(prefix="against-") as tmp:
         base = extract_tree(ns.rev, tmp)
-        here, there = [], []
+        here = [[] for _ in metrics]
+        there = [[] for _ in metrics]
         for r in range(ns.rounds):
             order = [(ROOT, ns.script, here), (base, ns.base_script or ns.script, there)]
             for tree, script, into in order if r % 2 == 0 else order[::-1]:
-                values = run_once(tree, script, args, metric)
-                into.extend(values)
+                found = run_once(tree, script, args, metrics)
                 side = "this tree" if tree == ROOT else ns.rev
-                print(f"round {r} {side:>12}: {', '.join(f'{v:g}' for v in values)}",
-                      flush=True)
-    a, b = statistics.median(here), statistics.median(there)
-    print(f"median: this tree {a:g}, {ns.rev} {b:g}; this tree / {ns.rev} = {a / b:.3f}")
+                for i, values in enumerate(found):
+                    into[i].extend(values)
+                    print(f"round {r} {side:>12} [{i}]: {', '.join(f'{v:g}' for v in values)}",
+                          flush=True)
+    for i, metric in enumerate(metrics):
+        a, b = statistics.median(here[i]), statistics.median(there[i])
+        print(f"[{i}] {metric.pattern}: median this tree {a:g}, {ns.rev} {b:g}; "
+              f"this tree / {ns.rev} = {a / b:.3f}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from test_spec_decode import perturbed_draft, repetitive_batch
 from conveyor import LLM
 from conveyor.config import CacheConfig, SpeculativeConfig, load_model_config
 from conveyor.kernels import cpu as kernels
+from conveyor.kernels.cpu.ops import DraftForward
 from conveyor.runner.draft_model import DraftModelProposer
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.spec.proposers import ProposeItem
@@ -77,6 +78,24 @@ def test_native_proposals_equal_the_pytorch_path(arch: str) -> None:
             # Request i's blocks 8i.. hold position p at slot 8i * BLOCK + p.
             slots = torch.arange(n + 13 + ks[i] - 1) + 8 * i * BLOCK
             assert torch.equal(fk[slots], sk[slots]) and torch.equal(fv[slots], sv[slots])
+
+
+def test_the_loop_attends_with_the_models_own_scale() -> None:
+    """The loop's attention scale is the float the PyTorch path passes, not a 1 / sqrt(D)
+    of its own (under -ffast-math an rsqrt estimate whose last bit depends on the CPU):
+    with a scale no 1 / sqrt(D) gives, the K/V rows still match, on any CPU."""
+    fast, slow = proposer("llama", native=True), proposer("llama", native=False)
+    for p in (fast, slow):
+        for layer in p.runner.model.layers:
+            layer.self_attn.scale *= 0.5
+    fast.native = DraftForward(fast.runner.model, fast.runner.kv_caches)
+    context = [5, 9, 14, 3, 77, 21, 8, 40, 33]
+    for grow in (0, 1, 2):  # the prompt through PyTorch, then the native loop
+        items = [ProposeItem("r", context + [7] * grow, 3, list(range(8)))]
+        assert fast.propose_batch(items) == slow.propose_batch(items)
+    for (fk, fv), (sk, sv) in zip(fast.runner.kv_caches, slow.runner.kv_caches,
+                                  strict=True):
+        assert torch.equal(fk, sk) and torch.equal(fv, sv)
 
 
 def test_a_model_the_loop_does_not_take_stays_on_pytorch() -> None:

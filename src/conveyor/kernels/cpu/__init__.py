@@ -233,7 +233,7 @@ SIGNATURES: dict[str, list] = {
     "gemm_f32": [_PTR, _I32, _PTR, _PTR, _PTR] + [_I32] * 5,
     "gemm_pack_weight_bf16": [_PTR] * 2 + [_I32] * 3,
     "gemm_f32_w16": [_PTR, _I32, _PTR, _PTR, _PTR] + [_I32] * 5,
-    "draft_propose_f32": [_PTR, _PTR, _F32, _I32] + [_PTR] * 5 + [_I32, _PTR],
+    "draft_propose_f32": [_PTR, _PTR, _F32, _F32, _I32] + [_PTR] * 5 + [_I32, _PTR],
 }
 RESTYPES = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
             "prefill_attention_varlen_f32": ctypes.c_int,

@@ -30,6 +30,12 @@
  *   out [B, kmax]: the drafts (row i: its first ks[i] entries).
  * Every forward writes its K/V rows to the caches at the positions it feeds. Returns 0,
  * -1 if memory ran out, -2 if the GEMM is not built on this CPU.
+ *
+ * eps and the attention scale are the model's own floats (those the PyTorch path passes
+ * its kernels), not computed here: under -ffast-math GCC compiles 1.f / sqrtf(D) to an
+ * rsqrt estimate and one Newton step, whose last bit depends on the CPU's estimate table
+ * (0x1.fffffep-4, not 0.125, for D = 64 on some x86 CPUs), and the attention rows, so
+ * every K/V row past the first layer, then differ from PyTorch's.
  */
 #include <math.h>
 #include <stdint.h>
@@ -61,14 +67,13 @@ typedef struct {
 /* One forward over R decode rows: ids, positions, the slot each row's K/V goes to, and
  * each row's attention (its context's slot row, length, window start). Leaves the final
  * normed hidden states in b->x. */
-static int forward(const int64_t* dims, const int64_t* ptrs, float eps, int R,
-                   const int64_t* ids, const int64_t* pos, const int64_t* wslot,
+static int forward(const int64_t* dims, const int64_t* ptrs, float eps, float scale,
+                   int R, const int64_t* ids, const int64_t* pos, const int64_t* wslot,
                    const int64_t* rslots, const int32_t* rlens, const int32_t* rstarts, int L,
                    buffers* b) {
     const int H = (int)dims[D_HIDDEN], Hq = (int)dims[D_HQ], Hkv = (int)dims[D_HKV];
     const int D = (int)dims[D_HEAD], I = (int)dims[D_INTER];
     const int qkv_w = (Hq + 2 * Hkv) * D, kv_w = Hkv * D;
-    const float scale = 1.f / sqrtf((float)D);
     const float* embed = PTR(const float*, P_EMBED);
     for (int r = 0; r < R; r++)
         memcpy(b->res + (int64_t)r * H, embed + ids[r] * H, sizeof(float) * H);
@@ -128,8 +133,8 @@ static int head_argmax(const int64_t* dims, const int64_t* ptrs, buffers* b,
     return 0;
 }
 
-int draft_propose_f32(const int64_t* dims, const int64_t* ptrs, float eps, int B,
-                      const int64_t* catch_ids, const int32_t* catch_n,
+int draft_propose_f32(const int64_t* dims, const int64_t* ptrs, float eps, float scale,
+                      int B, const int64_t* catch_ids, const int32_t* catch_n,
                       const int64_t* lens0, const int32_t* ks, const int64_t* slots, int L,
                       int64_t* out) {
     if (!gemm_f32_available()) return -2;
@@ -181,7 +186,8 @@ int draft_propose_f32(const int64_t* dims, const int64_t* ptrs, float eps, int B
         }
         sel[i] = g - 1;
     }
-    if ((rc = forward(dims, ptrs, eps, R, ids, pos, wslot, rslots, rlens, rstarts, L, &b)))
+    if ((rc = forward(dims, ptrs, eps, scale, R, ids, pos, wslot, rslots, rlens, rstarts, L,
+                      &b)))
         goto done;
     if ((rc = head_argmax(dims, ptrs, &b, sel, B, logits, xs, out, kmax, 0))) goto done;
 
@@ -199,8 +205,8 @@ int draft_propose_f32(const int64_t* dims, const int64_t* ptrs, float eps, int B
             rstarts[i] = window > 0 && at + 1 > window ? (int32_t)(at + 1 - window) : 0;
             sel[i] = i;
         }
-        if ((rc = forward(dims, ptrs, eps, m, ids, pos, wslot, slots, rlens, rstarts, L,
-                          &b)))
+        if ((rc = forward(dims, ptrs, eps, scale, m, ids, pos, wslot, slots, rlens, rstarts,
+                          L, &b)))
             goto done;
         if ((rc = head_argmax(dims, ptrs, &b, sel, m, logits, xs, out, kmax, r))) goto done;
     }

@@ -555,6 +555,10 @@ class DraftForward:
         if any(kc.shape[0] != self.num_slots for kc, _ in kv_caches):
             raise ValueError("conveyor::draft_propose: the layers' caches differ in size")
         self.vocab, self.max_pos, self.eps = vocab, cos.shape[0], eps.pop()
+        # The float the PyTorch path passes decode_attention, not the C code's own
+        # 1 / sqrt(D): under -ffast-math that one's last bit depends on the CPU (see
+        # draft_forward.c).
+        self.scale = float(attn0.scale)
         self.dims = np.array([hidden, len(layers), hq, hkv, d, inter, vocab,
                               model.sliding_window or 0], dtype=np.int64)
         self.ptrs = np.array(ptrs, dtype=np.int64)
@@ -589,9 +593,9 @@ class DraftForward:
                              "slots [B, L] covering every position within the caches)")
         out = np.zeros((b, int(ks[0])), dtype=np.int64)
         rc = _native().draft_propose_f32(
-            self.dims.ctypes.data, self.ptrs.ctypes.data, self.eps, b, catch_ids.ctypes.data,
-            catch_n.ctypes.data, lens0.ctypes.data, ks.ctypes.data, slots.ctypes.data,
-            slots.shape[1], out.ctypes.data)
+            self.dims.ctypes.data, self.ptrs.ctypes.data, self.eps, self.scale, b,
+            catch_ids.ctypes.data, catch_n.ctypes.data, lens0.ctypes.data, ks.ctypes.data,
+            slots.ctypes.data, slots.shape[1], out.ctypes.data)
         if rc == -1:
             raise MemoryError("conveyor::draft_propose: out of memory")
         if rc:
