@@ -317,7 +317,13 @@ def test_seeded_sampling_with_speculation_equals_it_without(method: str) -> None
     mixed = [o.outputs[0].token_ids for o in llm.generate(prompts, [*seeded, *others])]
     assert alone == want[0] and mixed[:3] == want
     spec = llm.stats()["spec_decode"]
-    assert spec["num_accepted_tokens"] > 0  # speculation did produce some of them
+    if method == "draft_adaptive":
+        # Whether drafts pay is the controller's measurement of this machine's steps, so
+        # it may verify none here: the draft model did propose (before any plan, a request
+        # proposes the full length), and the fixed-length case above verifies drafts.
+        assert spec["num_proposed_tokens"] > 0
+    else:
+        assert spec["num_accepted_tokens"] > 0  # speculation did produce some of them
     assert llm.stats()["kv_blocks_in_use"] == 0
 
 
