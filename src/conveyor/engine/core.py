@@ -209,15 +209,16 @@ class EngineCore:
         req = upd.request
         assert req is not None
         reason = upd.status.finish_reason if upd.status.is_finished else None
-        return self._output(req, upd.new_token_ids, upd.new_logprobs, reason, upd.stop_reason)
+        return self._output(req, upd.new_token_ids, upd.new_logprobs, reason, upd.stop_reason,
+                            upd.prompt_logprobs)
 
     @staticmethod
     def _output(req: Request, tokens: list[int], logprobs, reason: str | None,
-                stop_reason) -> EngineCoreOutput:
+                stop_reason, prompt_logprobs=None) -> EngineCoreOutput:
         return EngineCoreOutput(
             req.request_id, tokens, logprobs, reason, stop_reason,
             max(req.num_cached_tokens, 0), req.num_preemptions, req.first_scheduled_time,
-            req.finished_time if reason is not None else None)
+            req.finished_time if reason is not None else None, prompt_logprobs)
 
     # ---- introspection -------------------------------------------------------------------
     def utility(self, method: UtilityMethod, *args: int) -> Any:
