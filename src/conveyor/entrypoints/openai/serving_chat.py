@@ -183,7 +183,9 @@ def _response(req: ChatCompletionRequest, request_id: str, created: int, model: 
     usage = make_usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
                        out.num_cached_tokens)
     return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=usage, prompt_logprobs=prompt_logprobs_field(out))
+                                  usage=usage,
+                                  prompt_logprobs=prompt_logprobs_field(out, req.prompt_logprobs)
+                                  if req.prompt_logprobs is not None else None)
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str, created: int,

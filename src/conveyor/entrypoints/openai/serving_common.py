@@ -157,14 +157,18 @@ def parse_logit_bias(req: SamplingRequest) -> dict[int, float] | None:
     return bias
 
 
-def prompt_logprobs_field(out: RequestOutput) -> list | None:
-    """vLLM's ``prompt_logprobs`` of a request output (None when not computed)."""
+def prompt_logprobs_field(out: RequestOutput, k: int) -> list | None:
+    """vLLM's ``prompt_logprobs`` of a request output, the top ``k`` and each prompt token
+    (None when not computed; an endpoint may have computed more alternatives)."""
     if out.prompt_logprobs is None:
         return None
+    # An entry holds the top alternatives in rank order, then the token where it is not
+    # among them.
     return [None if entry is None else
             {tid: PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank,
-                                decoded_token=lp.decoded_token) for tid, lp in entry.items()}
-            for entry in out.prompt_logprobs]
+                                decoded_token=lp.decoded_token)
+             for n, (tid, lp) in enumerate(entry.items()) if n < k or tid == token}
+            for entry, token in zip(out.prompt_logprobs, out.prompt_token_ids)]
 
 
 def request_options(req: SamplingRequest, raw_request: Request) -> dict[str, Any]:

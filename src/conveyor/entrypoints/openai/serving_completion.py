@@ -152,9 +152,9 @@ class _LogprobsBuilder:
     def __init__(self, start_offset: int = 0) -> None:
         self.offset = start_offset
 
-    def prompt(self, out: RequestOutput, first_text: str) -> CompletionLogProbs:
+    def prompt(self, out: RequestOutput, first_text: str, k: int) -> CompletionLogProbs:
         """The echoed prompt's tokens: the first unscored, then each with its logprob and
-        top alternatives (null where the engine did not compute them)."""
+        top ``k`` alternatives (null where the engine did not compute them)."""
         lps = CompletionLogProbs()
         scored = out.prompt_logprobs or []
         for i, token_id in enumerate(out.prompt_token_ids):
@@ -167,7 +167,8 @@ class _LogprobsBuilder:
                 text = token_text(token_id, entry[token_id])
                 lps.token_logprobs.append(clamp_logprob(entry[token_id].logprob))
                 lps.top_logprobs.append({token_text(tid, lp): clamp_logprob(lp.logprob)
-                                         for tid, lp in entry.items()})
+                                         for tid, lp in entry.items()
+                                         if tid == token_id or (lp.rank or 0) <= k})
             lps.tokens.append(text)
             lps.text_offset.append(self.offset)
             self.offset += len(text)
@@ -194,7 +195,7 @@ def _choice_logprobs(req: CompletionRequest, builder: _LogprobsBuilder, out: Req
         return None
     if first_text is None:
         return builder.build(c)
-    lps = builder.prompt(out, first_text)
+    lps = builder.prompt(out, first_text, req.logprobs)
     generated = builder.build(c)
     lps.tokens += generated.tokens
     lps.token_logprobs += generated.token_logprobs
@@ -209,7 +210,8 @@ def _response(req: CompletionRequest, request_id: str, created: int, model: str,
     choices = []
     completion_tokens = 0
     for i, out in enumerate(outputs):
-        prompt_logprobs = prompt_logprobs_field(out) if req.prompt_logprobs is not None else None
+        prompt_logprobs = (prompt_logprobs_field(out, req.prompt_logprobs)
+                           if req.prompt_logprobs is not None else None)
         for c in out.outputs:
             c = _shown(c, _prompt_only(req))
             logprobs = _choice_logprobs(req, _LogprobsBuilder(), out, c,
