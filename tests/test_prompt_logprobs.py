@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conveyor import LLM, SamplingParams
+from conveyor.request import Request
 from conveyor.runner.prompt_logprobs import PromptSpan, compute_prompt_logprobs
 from conveyor.runner.sampler import Sampler, SamplingRow
 
@@ -180,3 +183,33 @@ def test_logit_bias_end_to_end(path: str) -> None:
 def test_out_of_range_values_name_the_field(field: str, value) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+# ---- the core's collection -----------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 40), st.lists(st.integers(1, 12), min_size=1, max_size=30),
+       st.lists(st.integers(0, 39), max_size=4))
+def test_the_request_collects_each_position_once(prompt_len: int, chunks: list[int],
+                                                 restarts: list[int]) -> None:
+    """Chunks of any size, recomputed from any earlier position after a preemption: every
+    prompt token 1..P-1 is collected once, in order, and handed out once."""
+    req = Request("r", list(range(prompt_len)), SamplingParams(prompt_logprobs=1), 0.0)
+    pos, restarts = 0, list(restarts)
+    for n in chunks * 4:
+        if restarts and restarts[0] <= pos:  # a preemption: back to an earlier position
+            pos = restarts.pop(0)
+        end = min(pos + n, prompt_len - 1)
+        if end > pos:
+            req.add_prompt_logprobs(pos + 1, [([], [], 1, float(j))
+                                              for j in range(pos + 1, end + 1)])
+        pos = end
+        if pos == prompt_len - 1:
+            break
+    if pos < prompt_len - 1:
+        req.add_prompt_logprobs(pos + 1, [([], [], 1, float(j))
+                                          for j in range(pos + 1, prompt_len)])
+    assert not req.wants_prompt_logprobs
+    req.append_output_token(0)
+    assert [e[3] for e in req.take_prompt_logprobs()] == [float(j) for j in range(1, prompt_len)]
+    req.append_output_token(0)
+    assert req.take_prompt_logprobs() is None
