@@ -105,6 +105,11 @@ class EngineCore:
                         max_queue_len=cfg.scheduler.max_queue_len)
         validate_scheduling(req.priority, req.tenant, req.slo_ttft_ms, req.slo_tpot_ms)
         if req.kv_transfer_params is not None:
+            if req.sampling_params.prompt_logprobs is not None:
+                # A decode engine never sees the prompt's logits, and a prefill engine's
+                # output is the first token only.
+                raise ValueError("prompt_logprobs cannot be computed for a request whose "
+                                 "prompt K/V moves between engines (kv_transfer_params)")
             if self.kv_connector is None:
                 raise ValueError("kv_transfer_params needs an engine started with --kv-role "
                                  "prefill or decode (this one is --kv-role both)")
