@@ -107,7 +107,8 @@ def test_the_seed_is_honoured(server: ServerProcess) -> None:
 
 
 REFUSED = [
-    ("/v1/completions", {"prompt": "ba", "logit_bias": {"5": 3}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "ba", "logit_bias": {"5": -101}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": -1}, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
      "response_format"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}],

@@ -43,6 +43,7 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token and the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -169,3 +170,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per
+    # prompt token (the token and its top alternatives), as vLLM lays them out.
+    prompt_logprobs: PromptLogprobs | None = None

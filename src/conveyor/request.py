@@ -98,10 +98,37 @@ class Request:
     # whether a load was already tried (a failed one is never retried).
     kv_params: Any = None
     kv_load_tried: bool = False
+    # Prompt logprobs (SamplingParams.prompt_logprobs): entry i scores prompt token i + 1;
+    # collected chunk by chunk, handed out with the first output token, then dropped.
+    # ``num_prompt_logprobs`` counts every entry collected, so a recompute after a
+    # preemption adds none twice.
+    prompt_logprobs: list = field(default_factory=list)
+    num_prompt_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are still to be computed: a prefix-cache hit would skip
+        the positions they come from."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and self.num_prompt_logprobs < len(self.prompt_token_ids) - 1)
+
+    def add_prompt_logprobs(self, first: int, entries: list) -> None:
+        """Entries scoring prompt tokens ``first``, ``first + 1``, ...: those not yet held."""
+        for k, entry in enumerate(entries):
+            if first + k == self.num_prompt_logprobs + 1:
+                self.prompt_logprobs.append(entry)
+                self.num_prompt_logprobs += 1
+
+    def take_prompt_logprobs(self) -> list | None:
+        """The prompt logprobs, once (with the first output token); None when not asked."""
+        if self.sampling_params.prompt_logprobs is None or self.num_output_tokens > 1:
+            return None
+        taken, self.prompt_logprobs = self.prompt_logprobs, []
+        return taken
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -27,6 +27,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # The prompt tokens' logprobs (each given the ones before it) with this many top
+    # alternatives; None: not computed (a request that asks skips the prefix cache).
+    prompt_logprobs: int | None = None
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit.
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     # Scheduling hints that travel with the request (used by policies, never by the sampler).
@@ -69,6 +74,16 @@ class SamplingParams:
         if self.logprobs is not None:
             _check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs",
                    f"must be an integer in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            _check(isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20,
+                   "prompt_logprobs",
+                   f"must be an integer in [0, 20], got {self.prompt_logprobs}")
+        if self.logit_bias:
+            _check(all(isinstance(t, int) and t >= 0 for t in self.logit_bias), "logit_bias",
+                   "keys must be token ids (non-negative integers)")
+            _check(all(isinstance(b, (int, float)) and -100.0 <= b <= 100.0
+                       for b in self.logit_bias.values()), "logit_bias",
+                   "values must be in [-100, 100]")
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",

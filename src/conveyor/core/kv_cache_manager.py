@@ -137,8 +137,11 @@ class KVCacheManager:
         return hashes
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """Longest cached prefix of full blocks; always leaves one token to compute."""
-        if not self.enable_prefix_caching or request.num_computed_tokens > 0:
+        """Longest cached prefix of full blocks; always leaves one token to compute. None
+        for a request that still needs prompt logprobs: they come from the prompt's
+        positions' logits, which a hit would skip (its blocks are cached for others)."""
+        if (not self.enable_prefix_caching or request.num_computed_tokens > 0
+                or request.wants_prompt_logprobs):
             return _NO_HIT
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []

@@ -72,6 +72,8 @@ class RequestUpdate:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[tuple[list[int], list[float], int, float]] | None = None
+    # With its first token: the prompt's logprobs, if it asked (entry i: prompt token i + 1).
+    prompt_logprobs: list[tuple[list[int], list[float], int, float]] | None = None
     status: RequestStatus = RequestStatus.RUNNING
     stop_reason: int | str | None = None
     # The request itself (the engine core reads its counters and times into its output).
@@ -605,6 +607,8 @@ class Scheduler:
                 verified.append(self._roll_back_rejected(req, len(spec_tokens[rid]),
                                                          new_tokens))
             cache_blocks(req)
+            if rid in run.prompt_logprobs:
+                req.add_prompt_logprobs(*run.prompt_logprobs[rid])
             if proposals and rid in proposals:
                 req.spec_token_ids = proposals[rid]
                 num_proposed += len(req.spec_token_ids)
@@ -623,7 +627,8 @@ class Scheduler:
             self.policy.on_tokens_generated(req, len(accepted))
             logprobs = run.logprobs.get(rid)
             update = RequestUpdate(rid, accepted,
-                                   logprobs[:len(accepted)] if logprobs else None, request=req)
+                                   logprobs[:len(accepted)] if logprobs else None,
+                                   req.take_prompt_logprobs(), request=req)
             if status is not None:
                 self.running.remove(req)
                 if req.kv_params is not None and self.connector is not None:

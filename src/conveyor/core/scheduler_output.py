@@ -88,5 +88,9 @@ class ModelRunnerOutput:
     # logprob of the sampled token); None unless the request asked for logprobs.
     logprobs: dict[str, list[tuple[list[int], list[float], int, float]]] = field(
         default_factory=dict)
+    # req_id -> (prompt index of the first token scored, per scored prompt token: top ids,
+    # their logprobs, its rank, its logprob); only for requests that asked, per chunk.
+    prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], int, float]]]] = (
+        field(default_factory=dict))
     # The KV connector's worker half: loads written or failed, pulls served (None: none).
     kv_report: KVWorkerReport | None = None

@@ -114,6 +114,8 @@ def merge_delta_outputs(first: RequestOutput, later: RequestOutput) -> RequestOu
     first.finished = later.finished
     first.metrics = later.metrics
     first.num_cached_tokens = later.num_cached_tokens
+    if first.prompt_logprobs is None:
+        first.prompt_logprobs = later.prompt_logprobs
     return first
 
 

@@ -105,6 +105,11 @@ class EngineCore:
                         max_queue_len=cfg.scheduler.max_queue_len)
         validate_scheduling(req.priority, req.tenant, req.slo_ttft_ms, req.slo_tpot_ms)
         if req.kv_transfer_params is not None:
+            if req.sampling_params.prompt_logprobs is not None:
+                # A decode engine never sees the prompt's logits, and a prefill engine's
+                # output is the first token only.
+                raise ValueError("prompt_logprobs cannot be computed for a request whose "
+                                 "prompt K/V moves between engines (kv_transfer_params)")
             if self.kv_connector is None:
                 raise ValueError("kv_transfer_params needs an engine started with --kv-role "
                                  "prefill or decode (this one is --kv-role both)")
@@ -209,15 +214,16 @@ class EngineCore:
         req = upd.request
         assert req is not None
         reason = upd.status.finish_reason if upd.status.is_finished else None
-        return self._output(req, upd.new_token_ids, upd.new_logprobs, reason, upd.stop_reason)
+        return self._output(req, upd.new_token_ids, upd.new_logprobs, reason, upd.stop_reason,
+                            upd.prompt_logprobs)
 
     @staticmethod
     def _output(req: Request, tokens: list[int], logprobs, reason: str | None,
-                stop_reason) -> EngineCoreOutput:
+                stop_reason, prompt_logprobs=None) -> EngineCoreOutput:
         return EngineCoreOutput(
             req.request_id, tokens, logprobs, reason, stop_reason,
             max(req.num_cached_tokens, 0), req.num_preemptions, req.first_scheduled_time,
-            req.finished_time if reason is not None else None)
+            req.finished_time if reason is not None else None, prompt_logprobs)
 
     # ---- introspection -------------------------------------------------------------------
     def utility(self, method: UtilityMethod, *args: int) -> Any:

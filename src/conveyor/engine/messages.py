@@ -74,6 +74,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # the core's clock
     finished_time: float | None = None
+    # With the first token of a request that asked: its prompt's logprobs (entry i scores
+    # prompt token i + 1; the first prompt token has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -36,8 +36,10 @@ def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams
         raise ValueError("kv_transfer_params needs n == 1 (one sequence per transfer)")
     out = []
     for k in range(n):
+        # The prompt's logprobs are the same for every sample: the first one computes them.
         child = params if n == 1 else params.clone(
-            n=1, seed=params.seed + k if params.seed is not None else None)
+            n=1, seed=params.seed + k if params.seed is not None else None,
+            prompt_logprobs=params.prompt_logprobs if k == 0 else None)
         out.append(EngineCoreRequest(request_id if n == 1 else f"{request_id}#{k}",
                                      prompt_token_ids, child, arrival_time, priority,
                                      tenant or "default", slo_ttft_ms, slo_tpot_ms,
@@ -73,6 +75,9 @@ class _Parent:
     params: SamplingParams
     output_kind: str
     children: list[_Child]
+    # [None, then one dict per prompt token after the first], once the core sent them.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -195,12 +200,14 @@ class OutputProcessor:
             child.token_ids.extend(tokens)
             child.metrics.record_tokens(len(tokens), now)
         if out.new_logprobs and child.logprobs is not None:
-            for token, (ids, vals, rank, lp) in zip(tokens, out.new_logprobs):
-                entry = {tid: Logprob(val, r + 1, self._token_text(tid))
-                         for r, (tid, val) in enumerate(zip(ids, vals))}
-                entry[token] = Logprob(lp, rank, self._token_text(token))
+            for token, scored in zip(tokens, out.new_logprobs):
+                entry = self._logprob_entry(token, scored)
                 child.logprobs.append(entry)
-                child.cumulative_logprob += lp
+                child.cumulative_logprob += scored[3]
+        if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+            prompt = parent.prompt_token_ids
+            parent.prompt_logprobs = [None] + [self._logprob_entry(prompt[i + 1], scored)
+                                               for i, scored in enumerate(out.prompt_logprobs)]
         if child.detok is not None and tokens:
             delta = child.detok.add(tokens)
             child.text = child.detok.text
@@ -216,6 +223,15 @@ class OutputProcessor:
             child.finish_reason = out.finish_reason
             child.stop_reason = out.stop_reason
         return None
+
+    def _logprob_entry(self, token: int, scored: tuple[list[int], list[float], int, float]
+                       ) -> dict[int, Logprob]:
+        """token id -> Logprob: the top alternatives by rank, and the token itself."""
+        ids, vals, rank, lp = scored
+        entry = {tid: Logprob(val, r + 1, self._token_text(tid))
+                 for r, (tid, val) in enumerate(zip(ids, vals))}
+        entry[token] = Logprob(lp, rank, self._token_text(token))
+        return entry
 
     def _token_text(self, token_id: int) -> str | None:
         if self.tokenizer is None:
@@ -239,5 +255,10 @@ class OutputProcessor:
             outs.append(CompletionOutput(child.index, text, list(tokens), child.cumulative_logprob,
                                          lps, child.finish_reason, child.stop_reason))
         first = parent.children[0]
+        prompt_logprobs = parent.prompt_logprobs
+        if delta and prompt_logprobs is not None:  # a stream carries them once
+            prompt_logprobs = None if parent.prompt_logprobs_sent else prompt_logprobs
+            parent.prompt_logprobs_sent = True
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
-                             finished, first.metrics, first.metrics.num_cached_tokens)
+                             finished, first.metrics, first.metrics.num_cached_tokens,
+                             prompt_logprobs)

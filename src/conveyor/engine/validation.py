@@ -26,6 +26,9 @@ def validate_prompt(prompt_ids: list[int], params: SamplingParams, *, vocab_size
     bad_stop = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad_stop:
         raise ValueError(f"stop_token_ids outside [0, {vocab_size}): {bad_stop}")
+    bad_bias = [t for t in params.logit_bias or () if t >= vocab_size]
+    if bad_bias:
+        raise ValueError(f"logit_bias has token ids outside [0, {vocab_size}): {bad_bias[:5]}")
     if max_queue_len is not None and params.n > max_queue_len:
         raise ValueError(f"n: {params.n} samples can never fit in the waiting queue "
                          f"(max_queue_len {max_queue_len})")

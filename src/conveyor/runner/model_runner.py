@@ -32,6 +32,7 @@ from conveyor.model.loader import DTYPES, load_model
 from conveyor.runner import huge_pages
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
 from conveyor.runner.host_memory import keep_freed_host_memory
+from conveyor.runner.prompt_logprobs import compute_prompt_logprobs, prompt_spans
 from conveyor.runner.request_state import RequestState
 from conveyor.runner.sampler import Sampler, SamplingRow
 from conveyor.runner.verify import VerifyGroup, verify
@@ -255,6 +256,15 @@ class ModelRunner:
         self.timings.add("prepare", t1 - t0)
         self.timings.add("forward", t2 - t1)
         result = ModelRunnerOutput()
+        if any(self.requests[rid].params.prompt_logprobs is not None for rid in order):
+            # Only requests that asked: their prompt positions' top-k, slice by slice.
+            spans = prompt_spans(order, out.num_scheduled_tokens, self.requests)
+            if spans:
+                result.prompt_logprobs = compute_prompt_logprobs(hidden, spans,
+                                                                 self.model.compute_logits)
+            now = time.perf_counter()
+            self.timings.add("prompt_logprobs", now - t2)
+            t2 = now
         if not logits_rows:
             return result
         idx = torch.tensor([row for row, _ in logits_rows], device=self.device)

@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, min_tokens, temperature, top-k/top-p/min-p, logprobs.
+"""Batched sampling: logit_bias, penalties, min_tokens, temperature, top-k/top-p/min-p,
+logprobs.
 
 Greedy rows take an argmax. Random rows use the exponential race
 ``argmax(p / q)`` with ``q ~ Exp(1)``, which samples from ``p`` exactly. A row
@@ -65,12 +66,15 @@ class Sampler:
     # ---- the pieces (speculative verification composes the same ones) -------------------
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """float32 logits after penalties and min_tokens, and the raw log-probabilities
-        (None unless a row asked for logprobs)."""
+        """float32 logits after logit_bias, penalties and min_tokens, and the raw
+        log-probabilities (None unless a row asked for logprobs; logit_bias is not in
+        them, as penalties are not: they are the model's)."""
         logits = logits.float()
         params = [r.params for r in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(p.logprobs is not None for p in params) else None)
+        if any(p.logit_bias for p in params):
+            logits = self._apply_logit_bias(logits, params)
         if any(p.needs_penalties for p in params):
             logits = self._apply_penalties(logits, rows)
         if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
@@ -128,6 +132,20 @@ class Sampler:
         return u
 
     # ---- logits processing ---------------------------------------------------------------
+    def _apply_logit_bias(self, logits: torch.Tensor, params: list[SamplingParams]
+                          ) -> torch.Tensor:
+        """Every row's biases added in one scatter for the batch (a new tensor: the
+        caller's logits stay the model's)."""
+        rows, cols, vals = [], [], []
+        for i, p in enumerate(params):
+            for token, bias in (p.logit_bias or {}).items():
+                rows.append(i)
+                cols.append(token)
+                vals.append(float(bias))
+        index = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
+        return logits.index_put(index, torch.tensor(vals, dtype=logits.dtype,
+                                                    device=self.device), accumulate=True)
+
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         logits = logits.clone()
         v = self.vocab_size

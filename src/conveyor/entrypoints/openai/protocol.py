@@ -75,12 +75,14 @@ class SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None  # not supported: must be null or empty
+    # OpenAI's: token id (as a string) -> bias in [-100, 100] added to its logit.
+    logit_bias: dict[str, float] | None = None
     # Accepted and ignored (OpenAI platform features that do not apply to a local server).
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
     # vLLM extras
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs with this many top
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -176,12 +178,25 @@ class CompletionLogProbs(_Response):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """vLLM's layout of one scored prompt token or alternative."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's ``prompt_logprobs``: None for the first prompt token, then token id -> logprob.
+PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class CompletionResponse(_Response):
@@ -227,6 +242,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class DeltaMessage(_Response):

@@ -45,6 +45,7 @@ from conveyor.entrypoints.openai.serving_common import (
     kv_handle,
     make_usage,
     merge_streams,
+    prompt_logprobs_field,
     random_id,
     request_error,
     request_options,
@@ -182,7 +183,9 @@ def _response(req: ChatCompletionRequest, request_id: str, created: int, model: 
     usage = make_usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
                        out.num_cached_tokens)
     return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=usage)
+                                  usage=usage,
+                                  prompt_logprobs=prompt_logprobs_field(out, req.prompt_logprobs)
+                                  if req.prompt_logprobs is not None else None)
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str, created: int,

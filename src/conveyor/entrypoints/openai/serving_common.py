@@ -24,7 +24,12 @@ from conveyor.engine.async_engine import AsyncEngine, RequestStream
 from conveyor.engine.llm_engine import PromptType
 from conveyor.entrypoints.openai.chat_template import ChatTemplate
 from conveyor.entrypoints.openai.errors import OpenAIError, from_engine_error
-from conveyor.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from conveyor.entrypoints.openai.protocol import (
+    PromptLogprob,
+    PromptTokensDetails,
+    SamplingRequest,
+    UsageInfo,
+)
 from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.metrics import EngineMetrics
 from conveyor.outputs import Logprob, RequestOutput
@@ -106,9 +111,14 @@ def check_model(state: ServerState, name: str | None) -> None:
 
 # ---- request fields -> engine arguments ------------------------------------------------------
 def build_sampling_params(req: SamplingRequest, max_tokens: int | None,
-                          logprobs: int | None) -> SamplingParams:
-    if req.logit_bias:
-        raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
+                          logprobs: int | None, prompt_logprobs: int | None = None
+                          ) -> SamplingParams:
+    """``prompt_logprobs``: what the endpoint asks for beyond the request's own field (a
+    completion's ``echo`` with ``logprobs``); the larger of the two is computed."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise OpenAIError(400, "prompt_logprobs is not available when stream is true",
+                          param="prompt_logprobs")
+    asked = [k for k in (req.prompt_logprobs, prompt_logprobs) if k is not None]
     if req.stream_options is not None and not req.stream:
         raise OpenAIError(400, "stream_options is only allowed when stream is true",
                           param="stream_options")
@@ -121,6 +131,7 @@ def build_sampling_params(req: SamplingRequest, max_tokens: int | None,
         stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+        prompt_logprobs=max(asked) if asked else None, logit_bias=parse_logit_bias(req),
         expected_output_tokens=req.expected_output_tokens)
     optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     min_p=req.min_p, presence_penalty=req.presence_penalty,
@@ -131,6 +142,33 @@ def build_sampling_params(req: SamplingRequest, max_tokens: int | None,
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise from_engine_error(e) from None
+
+
+def parse_logit_bias(req: SamplingRequest) -> dict[int, float] | None:
+    """OpenAI's string keys as token ids; a key that is no token id is a 400."""
+    if not req.logit_bias:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in req.logit_bias.items():
+        if not key.strip().isdigit():
+            raise OpenAIError(400, f"logit_bias keys must be token ids, got {key!r}",
+                              param="logit_bias")
+        bias[int(key)] = value
+    return bias
+
+
+def prompt_logprobs_field(out: RequestOutput, k: int) -> list | None:
+    """vLLM's ``prompt_logprobs`` of a request output, the top ``k`` and each prompt token
+    (None when not computed; an endpoint may have computed more alternatives)."""
+    if out.prompt_logprobs is None:
+        return None
+    # An entry holds the top alternatives in rank order, then the token where it is not
+    # among them.
+    return [None if entry is None else
+            {tid: PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank,
+                                decoded_token=lp.decoded_token)
+             for n, (tid, lp) in enumerate(entry.items()) if n < k or tid == token}
+            for entry, token in zip(out.prompt_logprobs, out.prompt_token_ids)]
 
 
 def request_options(req: SamplingRequest, raw_request: Request) -> dict[str, Any]:

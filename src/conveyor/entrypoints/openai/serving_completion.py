@@ -3,9 +3,10 @@
 Each prompt is one engine request of ``n`` sequences; choice ``i * n + k`` is
 sequence ``k`` of prompt ``i``, as in OpenAI's API.
 
-``echo`` prepends the prompt's text. ``echo`` with ``logprobs`` would need the
-prompt tokens' logprobs, which the model runner does not compute: that
-combination is a 400 rather than a response that silently lacks them.
+``echo`` prepends the prompt's text; with ``logprobs`` the prompt's tokens come first
+in ``logprobs`` too (the first one's logprob and alternatives null), as OpenAI lays them
+out, and ``max_tokens`` 0 returns the prompt alone (what loglikelihood evaluations send).
+vLLM's ``prompt_logprobs`` field returns them in its own layout on each choice.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from conveyor.entrypoints.openai.serving_common import (
     kv_handle,
     make_usage,
     merge_streams,
+    prompt_logprobs_field,
     random_id,
     request_error,
     request_options,
@@ -58,7 +60,10 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
     req = parse_body(CompletionRequest, await raw_request.body())
     check_model(state, req.model)
     _check_supported(req)
-    params = build_sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    # max_tokens 0 with echo: the prompt alone; one token is generated and not shown.
+    params = build_sampling_params(req, max_tokens=1 if _prompt_only(req) else req.max_tokens,
+                                   logprobs=req.logprobs,
+                                   prompt_logprobs=req.logprobs if req.echo else None)
     prompts = prompt_list(req.prompt)
     for prompt in prompts:
         if isinstance(prompt, str):
@@ -79,18 +84,18 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
     check_not_aborted(outputs)
     prompt_texts = await _echo_texts(state, req, outputs)
     body = _response(req, request_id, created, state.model_name, outputs,
-                     prompt_texts).model_dump()
+                     prompt_texts, _first_texts(state, req, outputs)).model_dump()
     handle = kv_handle(state, req, outputs)
     if handle is not None:
         body["kv_transfer_params"] = handle
     return JSONResponse(body)
 
 
+def _prompt_only(req: CompletionRequest) -> bool:
+    return req.echo and req.max_tokens == 0
+
+
 def _check_supported(req: CompletionRequest) -> None:
-    if req.echo and req.logprobs is not None:
-        raise OpenAIError(400, "echo together with logprobs is not supported: conveyor does "
-                               "not compute prompt logprobs; request them separately",
-                          param="echo")
     if req.suffix:
         raise OpenAIError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -123,11 +128,51 @@ async def _echo_texts(state: ServerState, req: CompletionRequest,
     return texts
 
 
+def _first_texts(state: ServerState, req: CompletionRequest,
+                 outputs: list[RequestOutput]) -> list[str]:
+    """Each prompt's first token as text (echo with logprobs lists it, unscored)."""
+    if not (req.echo and req.logprobs is not None):
+        return [""] * len(outputs)
+    tokenizer = state.engine.info.tokenizer
+    return [tokenizer.decode([o.prompt_token_ids[0]], skip_special_tokens=False) if tokenizer
+            else f"token_id:{o.prompt_token_ids[0]}" for o in outputs]
+
+
+def _shown(c: CompletionOutput, prompt_only: bool) -> CompletionOutput:
+    """What a choice shows of a sample: nothing generated when only the prompt was asked."""
+    if not prompt_only:
+        return c
+    return CompletionOutput(c.index, "", [], None, [] if c.logprobs is not None else None,
+                            "length" if c.finish_reason is not None else None)
+
+
 class _LogprobsBuilder:
     """Legacy completions logprobs; text offsets continue across streamed chunks."""
 
     def __init__(self, start_offset: int = 0) -> None:
         self.offset = start_offset
+
+    def prompt(self, out: RequestOutput, first_text: str, k: int) -> CompletionLogProbs:
+        """The echoed prompt's tokens: the first unscored, then each with its logprob and
+        top ``k`` alternatives (null where the engine did not compute them)."""
+        lps = CompletionLogProbs()
+        scored = out.prompt_logprobs or []
+        for i, token_id in enumerate(out.prompt_token_ids):
+            entry = scored[i] if i < len(scored) else None
+            if entry is None:
+                text = first_text if i == 0 else f"token_id:{token_id}"
+                lps.token_logprobs.append(None)
+                lps.top_logprobs.append(None)
+            else:
+                text = token_text(token_id, entry[token_id])
+                lps.token_logprobs.append(clamp_logprob(entry[token_id].logprob))
+                lps.top_logprobs.append({token_text(tid, lp): clamp_logprob(lp.logprob)
+                                         for tid, lp in entry.items()
+                                         if tid == token_id or (lp.rank or 0) <= k})
+            lps.tokens.append(text)
+            lps.text_offset.append(self.offset)
+            self.offset += len(text)
+        return lps
 
     def build(self, c: CompletionOutput) -> CompletionLogProbs:
         out = CompletionLogProbs()
@@ -143,17 +188,39 @@ class _LogprobsBuilder:
         return out
 
 
+def _choice_logprobs(req: CompletionRequest, builder: _LogprobsBuilder, out: RequestOutput,
+                     c: CompletionOutput, first_text: str | None) -> CompletionLogProbs | None:
+    """``first_text`` set: the echoed prompt's entries come first."""
+    if req.logprobs is None:
+        return None
+    if first_text is None:
+        return builder.build(c)
+    lps = builder.prompt(out, first_text, req.logprobs)
+    generated = builder.build(c)
+    lps.tokens += generated.tokens
+    lps.token_logprobs += generated.token_logprobs
+    lps.top_logprobs += generated.top_logprobs
+    lps.text_offset += generated.text_offset
+    return lps
+
+
 def _response(req: CompletionRequest, request_id: str, created: int, model: str,
-              outputs: list[RequestOutput], prompt_texts: list[str]) -> CompletionResponse:
+              outputs: list[RequestOutput], prompt_texts: list[str],
+              first_texts: list[str]) -> CompletionResponse:
     choices = []
     completion_tokens = 0
     for i, out in enumerate(outputs):
+        prompt_logprobs = (prompt_logprobs_field(out, req.prompt_logprobs)
+                           if req.prompt_logprobs is not None else None)
         for c in out.outputs:
-            logprobs = (_LogprobsBuilder().build(c) if req.logprobs is not None else None)
+            c = _shown(c, _prompt_only(req))
+            logprobs = _choice_logprobs(req, _LogprobsBuilder(), out, c,
+                                        first_texts[i] if req.echo else None)
             choices.append(CompletionChoice(index=i * req.n + c.index,
                                             text=prompt_texts[i] + c.text, logprobs=logprobs,
                                             finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason))
+                                            stop_reason=c.stop_reason,
+                                            prompt_logprobs=prompt_logprobs))
             completion_tokens += len(c.token_ids)
     usage = make_usage(sum(len(o.prompt_token_ids) for o in outputs), completion_tokens,
                        sum(o.num_cached_tokens for o in outputs))
@@ -170,6 +237,7 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, c
     num_tokens = [0] * num_choices
     logprobs = [_LogprobsBuilder() for _ in range(num_choices)]
     prompt_tokens = [0] * len(streams)
+    prompts: list[RequestOutput | None] = [None] * len(streams)
     cached_tokens = [0] * len(streams)
     final_usage, continuous_usage = usage_options(req)
     try:
@@ -178,11 +246,16 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, c
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 if out.finished:
                     cached_tokens[i] = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    prompts[i] = out  # a stream carries the prompt's logprobs once
                 for c in out.outputs:
                     index = i * n + c.index
+                    c = _shown(c, _prompt_only(req))
                     text = c.text
+                    first_text = None
                     if not echoed[index]:
                         text = (await _echo_texts(state, req, [out]))[0] + text
+                        first_text = _first_texts(state, req, [out])[0]
                         echoed[index] = True
                     num_tokens[index] += len(c.token_ids)
                     newly_finished = c.finish_reason is not None and not finished[index]
@@ -193,7 +266,8 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, c
                         check_not_aborted([out])
                     choice = CompletionChoice(
                         index=index, text=text,
-                        logprobs=logprobs[index].build(c) if req.logprobs is not None else None,
+                        logprobs=_choice_logprobs(req, logprobs[index], prompts[i] or out, c,
+                                                  first_text),
                         finish_reason=c.finish_reason if newly_finished else None,
                         stop_reason=c.stop_reason if newly_finished else None)
                     usage = (make_usage(sum(prompt_tokens), sum(num_tokens), sum(cached_tokens))
