@@ -63,6 +63,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summarize(records: list[dict], long_above: int, alone: dict[str, float]) -> str:
+    num_failed = sum(r["ttft_s"] is None or r["e2e_s"] is None for r in records)
+    records = [r for r in records if r["ttft_s"] is not None and r["e2e_s"] is not None]
     short = [r["ttft_s"] for r in records if r["prompt_tokens"] <= long_above]
     long_ = [r for r in records if r["prompt_tokens"] > long_above]
     ends = [r["arrival_s"] + r["e2e_s"] for r in records]
@@ -76,7 +78,8 @@ def summarize(records: list[dict], long_above: int, alone: dict[str, float]) -> 
             f"max {max(short, default=float('nan')) * 1e3:7.0f} ms | long p50 "
             f"{pct(lt, .5) * 1e3:8.0f} p99 {pct(lt, .99) * 1e3:8.0f} ms, worst/alone "
             f"{ratio} | makespan {makespan:8.2f} s | goodput {len(good) / makespan:6.2f} "
-            f"req/s ({len(good) / len(records):4.0%})")
+            f"req/s ({len(good) / len(records):4.0%})"
+            + (f" | {num_failed} failed" if num_failed else ""))
 
 
 def main() -> None:

@@ -6,8 +6,10 @@ One step:
     run = runner.execute(out)              # (elsewhere) forward + sample
     upd = scheduler.update(out, run, now)  # append tokens, stop checks, free blocks
 
-Running requests are served first (a decode token each, or their next prefill
-chunk), then waiting ones in the policy's order. When the KV pool runs dry a
+Running decodes are served first (a token each), then running short prefills and
+waiting requests in the policy's order, then running long prefills, which keep a
+reserved share of the prefill tokens (core/prefill_split.py: caps on partial and long
+prefills per step, and the bound on a long prompt's TTFT). When the KV pool runs dry a
 running request is preempted by recompute: its blocks are freed and it rejoins
 the waiting queue with ``num_computed_tokens = 0``. A waiting request that does
 not fit may have running requests preempted for it when the policy names
@@ -292,6 +294,9 @@ class Scheduler:
                 budget, _ = self._serve(req, budget, budget, scheduled, preempted, now,
                                         decodes)
         split = PrefillSplit.plan(self.config, prefills, budget)
+        if split.reserve and (head := self._next_waiting(now)) is not None \
+                and self.policy.outranks_long_prefill(head, split.advancing_long[0]):
+            split.reserve = 0  # (priority) an urgent arrival pauses the long prefill
         for req in split.short:
             if req.status != _RUNNING or budget - split.reserve <= 0:
                 continue
