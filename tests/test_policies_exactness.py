@@ -27,9 +27,10 @@ POLICY_OPTIONS = {
 POOLS = {
     "preempt": dict(num_kv_blocks=9, block_size=8),  # 72 slots: running requests collide
     "chunked": dict(max_num_batched_tokens=13, max_num_seqs=3),  # few slots, long prefills
-    # Prefills sharing steps: two partial ones at most, one long, long ones paused.
+    # Prefills sharing steps: two partial ones at most, the other long ones paused.
     "split": dict(max_num_batched_tokens=16, max_num_seqs=6, long_prefill_token_threshold=6,
-                  max_num_partial_prefills=2, long_prefill_min_share=0.25),
+                  max_num_partial_prefills=2, max_long_partial_prefills=2,
+                  long_prefill_min_share=0.25),
 }
 
 

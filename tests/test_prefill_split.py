@@ -220,3 +220,35 @@ def test_caps_share_and_completion(workload, policy, max_partial, max_long, shar
             break
         assert len(sim.steps) < 5000
     assert not s.has_unfinished() and not sim.pending
+
+
+# ---- the command line ----------------------------------------------------------------------
+def test_cli_flags_reach_the_scheduler_config():
+    import argparse
+
+    from conveyor.config import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--max-num-partial-prefills", "3",
+                              "--max-long-partial-prefills", "2",
+                              "--long-prefill-token-threshold", "1000",
+                              "--long-prefill-min-share", "0.25"])
+    cfg = EngineArgs.from_cli_args(args).scheduler_config()
+    assert (cfg.max_num_partial_prefills, cfg.max_long_partial_prefills,
+            cfg.long_prefill_token_threshold, cfg.long_prefill_min_share) == (3, 2, 1000, 0.25)
+    default = EngineArgs().scheduler_config()
+    assert (default.max_num_partial_prefills, default.max_long_partial_prefills,
+            default.long_prefill_min_share) == (4, 1, 0.5)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-long-partial-prefills", "5"], "max_long_partial_prefills must be >= 1 and <="),
+    (["--long-prefill-min-share", "1.5"], "long_prefill_min_share must be in (0, 1]"),
+    (["--max-num-partial-prefills", "0"], "max_num_partial_prefills must be >= 1"),
+])
+def test_bad_flags_are_clear_errors(flags, message, capsys):
+    from conveyor.entrypoints.cli import main
+
+    rc = main(["sim", "--model", "llama3-8b", "--workload", "conversation", "--num-requests",
+               "4", *flags])
+    assert rc == 2 and message in capsys.readouterr().err
