@@ -65,7 +65,9 @@ def test_without_a_share_for_short_prompts_they_wait_for_the_whole_prefill():
 
 
 def test_several_long_prompts_advance_one_at_a_time_and_shorts_pass():
-    sim = Sim(sched("fcfs"), long_with_shorts(num_long=3, every=1.0))
+    # Several partial prefills allowed: the queued long prompts are admitted paused.
+    sim = Sim(sched("fcfs", max_num_partial_prefills=4),
+              long_with_shorts(num_long=3, every=1.0))
     long_partials: list[int] = []
 
     def count(s: Sim, out, rec: StepRecord) -> None:
@@ -106,8 +108,8 @@ def test_priority_pauses_a_long_prefill_without_recompute():
     assert "long" not in urgent_step.out.num_scheduled_tokens  # paused
     assert sim.sched.stats.num_preemptions == 0  # nothing recomputed
     assert ttft(sim.all["urgent"]) == 1.0
-    # With the default policy the long prefill keeps half the step instead.
-    sim = Sim(sched("fcfs", max_num_batched_tokens=16),
+    # Under fcfs the long prefill keeps half the step instead (two partial prefills).
+    sim = Sim(sched("fcfs", max_num_batched_tokens=16, max_num_partial_prefills=2),
               [make_req("long", LONG, 2, arrival=0.0, priority=1),
                make_req("urgent", 16, 2, arrival=3.0, priority=0)])
     steps = sim.run()
@@ -238,11 +240,12 @@ def test_cli_flags_reach_the_scheduler_config():
             cfg.long_prefill_token_threshold, cfg.long_prefill_min_share) == (3, 2, 1000, 0.25)
     default = EngineArgs().scheduler_config()
     assert (default.max_num_partial_prefills, default.max_long_partial_prefills,
-            default.long_prefill_min_share) == (4, 1, 0.5)
+            default.long_prefill_min_share) == (1, 1, 0.5)
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--max-long-partial-prefills", "5"], "max_long_partial_prefills must be >= 1 and <="),
+    (["--max-num-partial-prefills", "4", "--max-long-partial-prefills", "5"],
+     "max_long_partial_prefills must be >= 1 and <="),
     (["--long-prefill-min-share", "1.5"], "long_prefill_min_share must be in (0, 1]"),
     (["--max-num-partial-prefills", "0"], "max_num_partial_prefills must be >= 1"),
 ])

@@ -54,7 +54,7 @@ class EngineArgs:
     max_queue_wait_s: float | None = None
     queue_wait_action: str = "admit"
     max_preemptions_per_request: int | None = None
-    max_num_partial_prefills: int = 4
+    max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
     long_prefill_min_share: float = 0.5
@@ -187,9 +187,11 @@ class EngineArgs:
                        help="what --max-queue-wait-s does to a request that never ran")
         g.add_argument("--max-preemptions-per-request", type=int, default=None,
                        help="a request preempted this often is no longer a victim")
-        g.add_argument("--max-num-partial-prefills", type=int, default=4,
+        g.add_argument("--max-num-partial-prefills", type=int, default=1,
                        help="most prefills that advance in one step without ending (running "
-                            "ones and new arrivals share the step's prefill tokens)")
+                            "ones and new arrivals share the step's prefill tokens); above "
+                            "--max-long-partial-prefills, waiting long prompts may also be "
+                            "admitted paused so that short ones queued behind them pass")
         g.add_argument("--max-long-partial-prefills", type=int, default=1,
                        help="of those, most long ones (the others pause, keeping their "
                             "blocks), so short prompts pass beside long prefills")

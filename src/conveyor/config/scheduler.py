@@ -37,7 +37,7 @@ class SchedulerConfig:
     # rest pause, keeping their blocks). The first long prefill in policy order keeps at
     # least long_prefill_min_share of the prefill budget (what the decodes leave) whenever
     # it wants that much: its TTFT in steps is at most 1 / share times its steps alone.
-    max_num_partial_prefills: int = 4
+    max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
     long_prefill_min_share: float = 0.5

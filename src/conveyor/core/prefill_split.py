@@ -19,7 +19,9 @@ share`` times its steps alone.
 Caps: at most ``max_num_partial_prefills`` prefills advance in a step without ending
 (the reserved long ones counted first); a waiting long prompt that finds the long cap
 full is admitted paused (no tokens this step), so short prompts behind it in the queue
-still pass. The core knows no clock and no tensor here either: counts only.
+still pass, unless ``max_num_partial_prefills`` long prefills already run (paused ones
+hold sequence slots and blocks: then it waits at the head of the queue). No clock and
+no tensor here either: counts only.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ class PrefillSplit:
     reserve: int = 0  # prefill tokens steps 2-3 leave for the advancing long prefills
     num_partial: int = 0  # prefills advancing this step without ending, reserved included
     num_long: int = 0  # long prefills advancing this step
+    num_long_running: int = 0  # long prefills running, advancing or paused
     admitted: set[str] = field(default_factory=set)  # admitted this step: never victims
+    waived: bool = False  # the long prefills keep no share this step (``waive``)
 
     @classmethod
     def plan(cls, config: SchedulerConfig, prefills: list[Request],
@@ -68,7 +72,16 @@ class PrefillSplit:
         share = math.ceil(config.long_prefill_min_share * max(budget, 0))
         split.reserve = min(wanted, share)
         split.num_partial = split.num_long = len(split.advancing_long)
+        split.num_long_running = len(split.advancing_long) + len(split.paused_long)
         return split
+
+    def waive(self) -> None:
+        """A more urgent request waits (the policy says): the long prefills keep no
+        reserve and no place under the caps; they take what is left, if the caps allow."""
+        self.waived = True
+        self.reserve = 0
+        self.num_partial -= len(self.advancing_long)
+        self.num_long -= len(self.advancing_long)
 
     def is_long(self, tokens_left: int) -> bool:
         return tokens_left > self.threshold
@@ -76,6 +89,13 @@ class PrefillSplit:
     @property
     def long_full(self) -> bool:
         return self.num_long >= self.max_long
+
+    @property
+    def may_admit_paused(self) -> bool:
+        """Whether a waiting long prompt may join the running ones paused: at most
+        ``max_num_partial_prefills`` long prefills hold sequence slots and blocks at once,
+        so that paused ones never crowd out the decodes."""
+        return self.num_long_running < self.max_partial
 
     def may_advance(self, tokens_left: int, num_new: int) -> bool:
         """Whether a prefill may compute ``num_new`` of its ``tokens_left`` this step."""
@@ -87,6 +107,8 @@ class PrefillSplit:
 
     def count(self, tokens_left: int, num_new: int) -> None:
         """Record a short or newly admitted prefill that advances this step."""
+        if self.is_long(tokens_left) and num_new < tokens_left:
+            self.num_long_running += 1
         if 0 < num_new < tokens_left:
             self.num_partial += 1
             if self.is_long(tokens_left):

@@ -296,7 +296,7 @@ class Scheduler:
         split = PrefillSplit.plan(self.config, prefills, budget)
         if split.reserve and (head := self._next_waiting(now)) is not None \
                 and self.policy.outranks_long_prefill(head, split.advancing_long[0]):
-            split.reserve = 0  # (priority) an urgent arrival pauses the long prefill
+            split.waive()  # (priority) an urgent arrival pauses the long prefill
         for req in split.short:
             if req.status != _RUNNING or budget - split.reserve <= 0:
                 continue
@@ -314,9 +314,21 @@ class Scheduler:
         """The advancing long prefills take what is left (at least their reserve); the
         others pause with their blocks. Requests admitted this step are no victims."""
         for req in split.advancing_long:
-            if req.status == _RUNNING and budget > 0:
-                budget, _ = self._serve(req, budget, budget, scheduled, preempted, now,
-                                        decodes, split.admitted)
+            left = req.num_uncomputed_tokens
+            if req.status == _RUNNING and budget > 0 and (
+                    not split.waived or split.may_advance(left, min(left, budget))):
+                budget, got = self._serve(req, budget, budget, scheduled, preempted, now,
+                                          decodes, split.admitted)
+                if split.waived:
+                    split.count(left, got)
+        if not scheduled and self.running and self.config.batching == "continuous":
+            # Liveness: the advancing one preempted itself for blocks; a paused one runs.
+            for req in self.policy.order_running(list(self.running)):
+                if req.status == _RUNNING and budget > 0:
+                    budget, got = self._serve(req, budget, budget, scheduled, preempted,
+                                              now, decodes, split.admitted)
+                    if got:
+                        break
         split.close_step(self.running, scheduled, now, self.stats)
         return budget
 
@@ -396,6 +408,8 @@ class Scheduler:
             left = req.num_tokens - computed.num_tokens
             if self.config.batching == "continuous":
                 if split.is_long(left) and split.long_full:
+                    if not split.may_admit_paused:
+                        return budget  # enough long prefills hold slots: the queue waits
                     num_new = 0  # admitted paused: it waits for the long cap, not the queue
                 elif num_new is not None and not split.may_advance(left, num_new):
                     return budget  # the partial-prefill cap is full
@@ -403,7 +417,8 @@ class Scheduler:
                     and self.kv.allocate_slots(req, num_new, computed) is not None):
                 self.policy.pop(req)
                 self._admit(req, computed.num_tokens, now)
-                admitted.add(req.request_id)
+                if num_new > 0:  # (one admitted paused published nothing: it may yield)
+                    admitted.add(req.request_id)
                 split.count(left, num_new)
                 if num_new > 0:
                     scheduled[req.request_id] = num_new
