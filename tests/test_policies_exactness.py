@@ -27,6 +27,10 @@ POLICY_OPTIONS = {
 POOLS = {
     "preempt": dict(num_kv_blocks=9, block_size=8),  # 72 slots: running requests collide
     "chunked": dict(max_num_batched_tokens=13, max_num_seqs=3),  # few slots, long prefills
+    # Prefills sharing steps: two partial ones at most, the other long ones paused.
+    "split": dict(max_num_batched_tokens=16, max_num_seqs=6, long_prefill_token_threshold=6,
+                  max_num_partial_prefills=2, max_long_partial_prefills=2,
+                  long_prefill_min_share=0.25),
 }
 
 
@@ -78,6 +82,9 @@ def test_policy_never_changes_tokens(policy: str, pool: str) -> None:
         step()
     outs = [results[str(i)] for i in range(len(prompts))]
     check_exact(path, outs, prompts, params)
+    if pool == "split":  # the new chunk boundaries were exercised
+        stats = engine.core.stats()
+        assert stats["num_paused_prefills"] > 0 and stats["peak_partial_prefills"] == 2
     stats = llm.stats()
     assert stats["kv_blocks_in_use"] == 0, "every block must come back"
     assert stats["scheduling_policy"] == policy

@@ -334,7 +334,9 @@ def test_the_simulator_reports_the_budget_and_rejections() -> None:
     from conveyor.sim.results import run_result
 
     work = make_workload(40, seed=3)
-    args = tiny_args(scheduling_policy="slo", default_slo_ttft_ms=20.0,
+    # TTFT targets tight enough that some are lost (short prompts pass long prefills, so
+    # a looser target is met by all).
+    args = tiny_args(scheduling_policy="slo", default_slo_ttft_ms=10.0,
                      default_slo_tpot_ms=3.0, slo_late_action="reject",
                      max_num_batched_tokens=64)
     sim = Simulator(args, LinearCost(0.002, 5e-5), replicas=2)

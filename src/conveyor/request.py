@@ -78,6 +78,10 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
     admitted_seq: int = -1  # order of admission into running, for the preemption victim
+    # Time a started prefill spent paused (running, prompt unfinished, no tokens in a
+    # step: core/prefill_split.py), and since when it is paused (None: not paused).
+    prefill_paused_s: float = 0.0
+    paused_since: float | None = None
     # Free-form slot for a policy's own bookkeeping (e.g. a deadline); never read elsewhere.
     policy_state: dict = field(default_factory=dict)
     # Speculative decoding: the draft tokens proposed after its last step (verified, in

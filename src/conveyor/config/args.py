@@ -54,6 +54,10 @@ class EngineArgs:
     max_queue_wait_s: float | None = None
     queue_wait_action: str = "admit"
     max_preemptions_per_request: int | None = None
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
+    long_prefill_min_share: float = 0.5
     sjf_aging_s: float = 0.0
     sjf_predictor: str = "hint"
     sjf_prompt_weight: float = 1.0
@@ -183,6 +187,21 @@ class EngineArgs:
                        help="what --max-queue-wait-s does to a request that never ran")
         g.add_argument("--max-preemptions-per-request", type=int, default=None,
                        help="a request preempted this often is no longer a victim")
+        g.add_argument("--max-num-partial-prefills", type=int, default=1,
+                       help="most prefills that advance in one step without ending (running "
+                            "ones and new arrivals share the step's prefill tokens); above "
+                            "--max-long-partial-prefills, waiting long prompts may also be "
+                            "admitted paused so that short ones queued behind them pass")
+        g.add_argument("--max-long-partial-prefills", type=int, default=1,
+                       help="of those, most long ones (the others pause, keeping their "
+                            "blocks), so short prompts pass beside long prefills")
+        g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                       help="a prefill with more prompt tokens left than this is long "
+                            "(0: --max-num-batched-tokens)")
+        g.add_argument("--long-prefill-min-share", type=float, default=0.5,
+                       help="share of each step's prefill tokens the first long prefill "
+                            "keeps whatever waits (its TTFT in steps stays within 1/share "
+                            "of its steps alone); 1: it goes before every other prefill")
         g.add_argument("--sjf-aging-s", type=float, default=0.0,
                        help="sjf: never let a request that arrived this much later go "
                             "first (0: no aging)")
@@ -286,6 +305,10 @@ class EngineArgs:
             max_queue_wait_s=self.max_queue_wait_s,
             queue_wait_action=self.queue_wait_action,
             max_preemptions_per_request=self.max_preemptions_per_request,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            max_long_partial_prefills=self.max_long_partial_prefills,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            long_prefill_min_share=self.long_prefill_min_share,
             speculative=self.speculative,
             token_budget=self.token_budget,
             slo_cost_scale=self.slo_cost_scale,

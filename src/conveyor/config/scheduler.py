@@ -30,9 +30,25 @@ class SchedulerConfig:
     # The controller multiplies the cost model's predictions by this (1.1: steps run 10%
     # slower than it says).
     slo_cost_scale: float = 1.0
+    # Prefills sharing a step (core/prefill_split.py). A prefill is long while more than
+    # long_prefill_token_threshold prompt tokens are left (0: max_num_batched_tokens, i.e.
+    # it cannot end in one step). At most max_num_partial_prefills prefills that do not end
+    # this step advance per step, of them at most max_long_partial_prefills long ones (the
+    # rest pause, keeping their blocks). The first long prefill in policy order keeps at
+    # least long_prefill_min_share of the prefill budget (what the decodes leave) whenever
+    # it wants that much: its TTFT in steps is at most 1 / share times its steps alone.
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
+    long_prefill_min_share: float = 0.5
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     # Speculative decoding (None: off): the scheduler decides the draft lengths.
     speculative: SpeculativeConfig | None = None
+
+    @property
+    def long_prefill_threshold(self) -> int:
+        """Prompt tokens left above which a prefill counts as long."""
+        return self.long_prefill_token_threshold or self.max_num_batched_tokens
 
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "static"):
@@ -58,6 +74,19 @@ class SchedulerConfig:
         if not (self.slo_cost_scale > 0 and self.slo_cost_scale < float("inf")):
             raise ValueError(f"slo_cost_scale must be a finite number > 0, "
                              f"got {self.slo_cost_scale}")
+        if self.max_num_partial_prefills < 1:
+            raise ValueError(f"max_num_partial_prefills must be >= 1, "
+                             f"got {self.max_num_partial_prefills}")
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills must be >= 1 and <= "
+                             f"max_num_partial_prefills ({self.max_num_partial_prefills}), "
+                             f"got {self.max_long_partial_prefills}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, "
+                             f"got {self.long_prefill_token_threshold}")
+        if not 0 < self.long_prefill_min_share <= 1:
+            raise ValueError(f"long_prefill_min_share must be in (0, 1], "
+                             f"got {self.long_prefill_min_share}")
         if self.max_preemptions_per_request is not None \
                 and self.max_preemptions_per_request < 0:
             raise ValueError(f"max_preemptions_per_request must be >= 0, "

@@ -6,8 +6,10 @@ One step:
     run = runner.execute(out)              # (elsewhere) forward + sample
     upd = scheduler.update(out, run, now)  # append tokens, stop checks, free blocks
 
-Running requests are served first (a decode token each, or their next prefill
-chunk), then waiting ones in the policy's order. When the KV pool runs dry a
+Running decodes are served first (a token each), then running short prefills and
+waiting requests in the policy's order, then running long prefills, which keep a
+reserved share of the prefill tokens (core/prefill_split.py: caps on partial and long
+prefills per step, and the bound on a long prompt's TTFT). When the KV pool runs dry a
 running request is preempted by recompute: its blocks are freed and it rejoins
 the waiting queue with ``num_computed_tokens = 0``. A waiting request that does
 not fit may have running requests preempted for it when the policy names
@@ -45,6 +47,7 @@ from conveyor.core.budget import BudgetController, budget_mode
 from conveyor.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from conveyor.core.kv_connector import KV_TRANSFER_FAILED, SchedulerKVConnector
 from conveyor.core.policies import PolicyContext, SchedulingPolicy, make_policy
+from conveyor.core.prefill_split import PrefillSplit
 from conveyor.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -103,6 +106,13 @@ class SchedulerStats:
     # preempted prompt is again).
     num_prompt_tokens_computed: int = 0
     last_step_batch_size: int = 0
+    # Prefills sharing steps (core/prefill_split.py): partial prefills summed over steps
+    # (mean per step = this / num_steps), the most in one step, times a started prefill
+    # was paused (got no tokens while its prompt was unfinished) and the time it spent so.
+    num_partial_prefills: int = 0
+    peak_partial_prefills: int = 0
+    num_paused_prefills: int = 0
+    prefill_paused_s: float = 0.0
 
 
 class Scheduler:
@@ -252,9 +262,12 @@ class Scheduler:
                 self._load_ended(rid, error, now)
             self._admit_remote_ready(now)
         decodes: list[Request] = []
-        budget = self._schedule_running(scheduled, preempted, budget, now, decodes)
+        budget, split = self._schedule_running(scheduled, preempted, budget, now, decodes)
         if not preempted and admit_allowed:
-            budget = self._schedule_waiting(scheduled, preempted, budget, now)
+            budget = split.reserve + self._schedule_waiting(
+                scheduled, preempted, budget - split.reserve, now, split)
+        budget = self._schedule_long_prefills(split, scheduled, preempted, budget, now,
+                                              decodes)
         drafts = None
         if self.speculation is not None:  # (within what prefill left of the budget)
             drafts = self.speculation.plan(DraftStep(
@@ -268,40 +281,93 @@ class Scheduler:
         return out
 
     def _schedule_running(self, scheduled: dict[str, int], preempted: list[Request],
-                          budget: int, now: float, decodes: list[Request]) -> int:
-        """Serve running requests; ``decodes`` collects the decoding ones (draft
-        candidates)."""
+                          budget: int, now: float, decodes: list[Request]
+                          ) -> tuple[int, PrefillSplit]:
+        """Serve running decodes, then running short prefills (core/prefill_split.py: the
+        long ones go after the waiting requests); ``decodes`` collects the decoding ones
+        (draft candidates). Returns the budget left and the step's prefill plan."""
+        prefills: list[Request] = []
         for req in self.policy.order_running(list(self.running)):
-            if budget <= 0:
-                break
             if req.status != _RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(req.num_uncomputed_tokens, budget,
-                          self.max_model_len - req.num_computed_tokens)
-            priced = num_new > 1 and self.budget_ctrl is not None  # a prefill chunk
-            if priced:
-                num_new = self.budget_ctrl.fit(req, req.num_computed_tokens, num_new)
-            if num_new <= 0:
-                continue  # static mode: admitted, waiting for its first chunk
-            while self.kv.allocate_slots(req, num_new) is None:
-                victim = self._pick_victim(req)
-                budget += scheduled.pop(victim.request_id, 0)
-                self._preempt(victim, now)
-                preempted.append(victim)
-                if victim is req:
-                    break
-            if req.status != _RUNNING:
+            if req.num_uncomputed_tokens > 1:
+                prefills.append(req)
+            elif budget > 0:
+                budget, _ = self._serve(req, budget, budget, scheduled, preempted, now,
+                                        decodes)
+        split = PrefillSplit.plan(self.config, prefills, budget)
+        if split.reserve and (head := self._next_waiting(now)) is not None \
+                and self.policy.outranks_long_prefill(head, split.advancing_long[0]):
+            split.waive()  # (priority) an urgent arrival pauses the long prefill
+        for req in split.short:
+            if req.status != _RUNNING or budget - split.reserve <= 0:
                 continue
-            scheduled[req.request_id] = num_new
-            budget -= num_new
-            if priced:
-                self.budget_ctrl.add(req, req.num_computed_tokens, num_new)
-            if num_new == 1 and req.num_uncomputed_tokens == 1:
-                decodes.append(req)
+            left = req.num_uncomputed_tokens
+            if not split.may_advance(left, min(left, budget - split.reserve)):
+                continue  # the partial-prefill cap is full: it pauses this step
+            budget, num_new = self._serve(req, budget, budget - split.reserve, scheduled,
+                                          preempted, now, decodes)
+            split.count(left, num_new)
+        return budget, split
+
+    def _schedule_long_prefills(self, split: PrefillSplit, scheduled: dict[str, int],
+                                preempted: list[Request], budget: int, now: float,
+                                decodes: list[Request]) -> int:
+        """The advancing long prefills take what is left (at least their reserve); the
+        others pause with their blocks. Requests admitted this step are no victims."""
+        for req in split.advancing_long:
+            left = req.num_uncomputed_tokens
+            if req.status == _RUNNING and budget > 0 and (
+                    not split.waived or split.may_advance(left, min(left, budget))):
+                budget, got = self._serve(req, budget, budget, scheduled, preempted, now,
+                                          decodes, split.admitted)
+                if split.waived:
+                    split.count(left, got)
+        if not scheduled and self.running and self.config.batching == "continuous":
+            # Liveness: the advancing one preempted itself for blocks; a paused one runs.
+            for req in self.policy.order_running(list(self.running)):
+                if req.status == _RUNNING and budget > 0:
+                    budget, got = self._serve(req, budget, budget, scheduled, preempted,
+                                              now, decodes, split.admitted)
+                    if got:
+                        break
+        split.close_step(self.running, scheduled, now, self.stats)
         return budget
 
-    def _pick_victim(self, requester: Request) -> Request:
-        victim = self.policy.select_victim(self._preemptible(requester), requester)
+    def _serve(self, req: Request, budget: int, limit: int, scheduled: dict[str, int],
+               preempted: list[Request], now: float, decodes: list[Request],
+               protected: set[str] | frozenset[str] = frozenset()) -> tuple[int, int]:
+        """Give running ``req`` up to ``limit`` tokens, preempting for its blocks if need
+        be (never one of ``protected``). Returns (budget left, tokens it got)."""
+        num_new = min(req.num_uncomputed_tokens, limit,
+                      self.max_model_len - req.num_computed_tokens)
+        priced = num_new > 1 and self.budget_ctrl is not None  # a prefill chunk
+        if priced:
+            num_new = self.budget_ctrl.fit(req, req.num_computed_tokens, num_new)
+        if num_new <= 0:
+            return budget, 0  # static mode: admitted, waiting for its first chunk
+        while self.kv.allocate_slots(req, num_new) is None:
+            victim = self._pick_victim(req, protected)
+            budget += scheduled.pop(victim.request_id, 0)
+            self._preempt(victim, now)
+            preempted.append(victim)
+            if victim is req:
+                break
+        if req.status != _RUNNING:
+            return budget, 0
+        scheduled[req.request_id] = num_new
+        budget -= num_new
+        if priced:
+            self.budget_ctrl.add(req, req.num_computed_tokens, num_new)
+        if num_new == 1 and req.num_uncomputed_tokens == 1:
+            decodes.append(req)
+        return budget, num_new
+
+    def _pick_victim(self, requester: Request,
+                     protected: set[str] | frozenset[str] = frozenset()) -> Request:
+        candidates = [r for r in self._preemptible(requester)
+                      if r.request_id not in protected]
+        victim = self.policy.select_victim(candidates, requester)
         return victim if victim is not None else requester
 
     def _preemptible(self, requester: Request) -> list[Request]:
@@ -317,6 +383,7 @@ class Scheduler:
         req.spec_proposed_len, req.spec_proposed_step = 0, -2  # (its draft K/V is gone)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.paused_since = None
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         if req.request_id in self._runner_known:
@@ -327,10 +394,11 @@ class Scheduler:
         self._track_wait(req, now)
 
     def _schedule_waiting(self, scheduled: dict[str, int], preempted: list[Request],
-                          budget: int, now: float) -> int:
+                          budget: int, now: float, split: PrefillSplit) -> int:
         """Admit in the policy's order; stop at the first request that cannot get room.
-        Returns the budget left."""
-        admitted: set[str] = set()  # admitted in this step: never preempted for another
+        A long prompt that finds the long-prefill cap full is admitted paused (no tokens
+        this step) so that the requests behind it pass. Returns the budget left."""
+        admitted = split.admitted  # admitted in this step: never preempted for another
         while (req := self._next_waiting(now)) is not None:
             if (self.connector is not None
                     and self.connector.get_num_new_matched_tokens(req) > 0):
@@ -339,11 +407,21 @@ class Scheduler:
                 continue
             computed = self.kv.get_computed_blocks(req)
             num_new = self._admission_tokens(req, computed, budget)
+            left = req.num_tokens - computed.num_tokens
+            if self.config.batching == "continuous":
+                if split.is_long(left) and split.long_full:
+                    if not split.may_admit_paused:
+                        return budget  # enough long prefills hold slots: the queue waits
+                    num_new = 0  # admitted paused: it waits for the long cap, not the queue
+                elif num_new is not None and not split.may_advance(left, num_new):
+                    return budget  # the partial-prefill cap is full
             if (num_new is not None and len(self.running) < self.config.max_num_seqs
                     and self.kv.allocate_slots(req, num_new, computed) is not None):
                 self.policy.pop(req)
                 self._admit(req, computed.num_tokens, now)
-                admitted.add(req.request_id)
+                if num_new > 0:  # (one admitted paused published nothing: it may yield)
+                    admitted.add(req.request_id)
+                split.count(left, num_new)
                 if num_new > 0:
                     scheduled[req.request_id] = num_new
                     budget -= num_new

@@ -293,6 +293,12 @@ class EngineCore:
             "kv_transfer": (self.kv_connector.stats_dict() if self.kv_connector is not None
                             else None),
             "num_batched_rows": s.num_batched_rows,
+            # Prefills sharing steps: partial ones summed over steps (mean: / num_steps),
+            # the most in a step, pauses of a started prefill and their total time.
+            "num_partial_prefills": s.num_partial_prefills,
+            "peak_partial_prefills": s.peak_partial_prefills,
+            "num_paused_prefills": s.num_paused_prefills,
+            "prefill_paused_s": s.prefill_paused_s,
             "max_model_len": self.max_model_len,
             "policy": self.scheduler.policy.stats(),
             "token_budget": self.token_budget_stats(),

@@ -4,11 +4,13 @@ live in config/policy.py).
 A policy owns the waiting queue's order and picks preemption victims; the
 scheduler's budget loop around it is the same for every policy:
 
-    serve running requests (in ``order_running``'s order) under the token budget
+    serve running decodes, then running short prefills (in ``order_running``'s order)
     while the policy offers a waiting request (``peek``):
         admit it if it fits (``pop``, ``on_admitted``),
         else preempt the victims ``victim_for_waiting`` names until it fits,
         else stop (head-of-line: the policy's order is never bypassed)
+    the running long prefills take the rest, at least their reserved share
+    (core/prefill_split.py; ``outranks_long_prefill`` may waive it)
 
 Policies see requests, the engine's clock (passed in) and what the scheduler
 hands them through a ``PolicyContext``; never the KV manager, never a tensor.
@@ -82,6 +84,12 @@ class SchedulingPolicy(abc.ABC):
     def order_running(self, running: list[Request]) -> list[Request]:
         """Order in which running requests get the step's token budget (default: admission)."""
         return running
+
+    def outranks_long_prefill(self, waiting: Request, running: Request) -> bool:
+        """Whether ``waiting`` may take a running long prefill's reserved share of a step
+        (core/prefill_split.py): the long prefill then pauses, keeping its blocks, while
+        such requests wait. Default: never (the share bounds every long prompt's TTFT)."""
+        return False
 
     # ---- preemption ----------------------------------------------------------------------
     def select_victim(self, running: list[Request], requester: Request) -> Request | None:

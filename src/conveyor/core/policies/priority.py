@@ -23,7 +23,9 @@ class PriorityPolicy(KeyedPolicy):
     needs a block, the least urgent running request (latest arrival within its
     class) is the victim. Running requests get the token budget most urgent first.
     Together: once room exists, a more urgent waiting request is admitted in
-    the same step; inversion lasts at most until the step that has room.
+    the same step; inversion lasts at most until the step that has room. A running
+    long prefill keeps no reserved share against a more urgent waiting request: it
+    pauses (computed blocks kept, nothing recomputed) while such requests take the step.
     """
 
     name = "priority"
@@ -33,6 +35,10 @@ class PriorityPolicy(KeyedPolicy):
 
     def order_running(self, running: list[Request]) -> list[Request]:
         return sorted(running, key=_urgency)
+
+    def outranks_long_prefill(self, waiting: Request, running: Request) -> bool:
+        # A more urgent arrival pauses a long prefill (its blocks stay) instead of sharing.
+        return waiting.priority < running.priority
 
     def select_victim(self, running: list[Request], requester: Request) -> Request | None:
         return max(running, key=_urgency, default=None)
