@@ -341,7 +341,7 @@ def _warm_up(engine, vocab_size: int) -> None:
     """A few requests through every path (prefill chunks, decode batches), then clean
     counters, so that the measured run's steps and stats are its own."""
     from conveyor.core.kv_cache_manager import PrefixCacheStats
-    from conveyor.core.scheduler import SchedulerStats
+    from conveyor.core.scheduler_stats import SchedulerStats
     from conveyor.sampling_params import SamplingParams
 
     rng = random.Random(-1)

@@ -40,7 +40,6 @@ import heapq
 import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from conveyor.config import SchedulerConfig
 from conveyor.core.budget import BudgetController, budget_mode
@@ -52,8 +51,10 @@ from conveyor.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    RequestUpdate,
     SchedulerOutput,
 )
+from conveyor.core.scheduler_stats import SchedulerStats
 from conveyor.core.speculation import DraftDecision, DraftStep, Speculation, StepOutcome
 from conveyor.costs.protocol import StepCostModel
 from conveyor.request import Request, RequestStatus
@@ -66,53 +67,6 @@ _REMOTE_KV = RequestStatus.WAITING_FOR_REMOTE_KV
 # stop_reason of a request the policy rejected because its TTFT target cannot be met any
 # more (the server answers 429 with this code).
 SLO_REJECTED = "slo_unattainable"
-
-
-@dataclass
-class RequestUpdate:
-    """What one step did to one request, for the engine's output processing."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[tuple[list[int], list[float], int, float]] | None = None
-    # With its first token: the prompt's logprobs, if it asked (entry i: prompt token i + 1).
-    prompt_logprobs: list[tuple[list[int], list[float], int, float]] | None = None
-    status: RequestStatus = RequestStatus.RUNNING
-    stop_reason: int | str | None = None
-    # The request itself (the engine core reads its counters and times into its output).
-    request: Request | None = field(default=None, repr=False)
-
-    @property
-    def finished(self) -> bool:
-        return self.status.is_finished
-
-
-@dataclass
-class SchedulerStats:
-    num_steps: int = 0
-    num_preemptions: int = 0
-    # of which made to admit a waiting request (the rest: a running request needed a block)
-    num_admission_preemptions: int = 0
-    num_rejected: int = 0  # queue full (counted by the engine) or waited too long
-    num_wait_rejected: int = 0  # rejected by max_queue_wait_s
-    num_slo_rejected: int = 0  # rejected early by the policy: TTFT target out of reach
-    num_overdue: int = 0  # promoted ahead of the policy's order by max_queue_wait_s
-    peak_running: int = 0
-    peak_waiting: int = 0
-    total_scheduled_tokens: int = 0
-    # Aggregates only: nothing here grows with the number of steps (a server runs for days).
-    num_batched_rows: int = 0  # requests summed over steps (mean batch = this / num_steps)
-    # Prompt positions computed here (a prefix hit or remote KV is not; a recomputed
-    # preempted prompt is again).
-    num_prompt_tokens_computed: int = 0
-    last_step_batch_size: int = 0
-    # Prefills sharing steps (core/prefill_split.py): partial prefills summed over steps
-    # (mean per step = this / num_steps), the most in one step, times a started prefill
-    # was paused (got no tokens while its prompt was unfinished) and the time it spent so.
-    num_partial_prefills: int = 0
-    peak_partial_prefills: int = 0
-    num_paused_prefills: int = 0
-    prefill_paused_s: float = 0.0
 
 
 class Scheduler:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from conveyor.core.kv_connector import KVConnectorMeta, KVWorkerReport
+from conveyor.request import Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
 
 
@@ -94,3 +95,22 @@ class ModelRunnerOutput:
         field(default_factory=dict))
     # The KV connector's worker half: loads written or failed, pulls served (None: none).
     kv_report: KVWorkerReport | None = None
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request, for the engine's output processing."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[int], list[float], int, float]] | None = None
+    # With its first token: the prompt's logprobs, if it asked (entry i: prompt token i + 1).
+    prompt_logprobs: list[tuple[list[int], list[float], int, float]] | None = None
+    status: RequestStatus = RequestStatus.RUNNING
+    stop_reason: int | str | None = None
+    # The request itself (the engine core reads its counters and times into its output).
+    request: Request | None = field(default=None, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.is_finished

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 from conveyor.config import EngineConfig, kv_hash_key
 from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.core.scheduler import RequestUpdate, Scheduler
-from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from conveyor.core.scheduler import Scheduler
+from conveyor.core.scheduler_output import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from conveyor.costs.protocol import StepCostModel
 from conveyor.engine.messages import (
     EngineCoreOutput,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from conveyor.config import ModelConfig
 from conveyor.core.batch_shape import batch_shape
-from conveyor.core.scheduler import RequestUpdate, Scheduler
-from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from conveyor.core.scheduler import Scheduler
+from conveyor.core.scheduler_output import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from conveyor.costs.shape import BatchShape
 
 
