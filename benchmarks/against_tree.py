@@ -24,13 +24,7 @@ import sys
 import tempfile
 
 from benchmarks.common import REPO as ROOT
-
-
-def extract_tree(rev: str, out_dir: str) -> str:
-    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", out_dir], input=archive, check=True)
-    return out_dir
+from benchmarks.common import git_extract
 
 
 def run_once(tree: str, script: str, args: list[str],
@@ -62,7 +56,7 @@ def main() -> None:
     metrics = [re.compile(m) for m in ns.metric]
     args = [a for a in ns.args if a != "--"]
     with tempfile.TemporaryDirectory(prefix="against-") as tmp:
-        base = extract_tree(ns.rev, tmp)
+        base = git_extract(ns.rev, tmp)
         here = [[] for _ in metrics]
         there = [[] for _ in metrics]
         for r in range(ns.rounds):

@@ -26,6 +26,15 @@ def traces_dir() -> str:
     return os.environ.get("CONVEYOR_TRACES", SHARED_TRACES)
 
 
+def git_extract(rev: str, out_dir: str, path: str | None = None) -> str:
+    """``path`` (the whole tree when None) of git revision ``rev`` of this repository,
+    extracted under ``out_dir``; returns where it landed."""
+    archive = subprocess.run(["git", "archive", rev, *([path] if path else [])], cwd=REPO,
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", out_dir], input=archive, check=True)
+    return os.path.join(out_dir, path) if path else out_dir
+
+
 def extract_at(rev: str, out_dir: str) -> str:
     """The kernels folder (``conveyor/kernels/cpu``, ``conveyor/model/kernels`` before it
     moved) of git revision ``rev``, extracted under ``out_dir``; returns its path."""
@@ -37,12 +46,7 @@ def extract_at(rev: str, out_dir: str) -> str:
     rel = os.path.relpath(here, top)
     listed = subprocess.run(["git", "ls-tree", "--name-only", rev, rel], cwd=top,
                             check=True, capture_output=True, text=True).stdout.strip()
-    if not listed:
-        rel = OLD_KERNELS_DIR
-    archive = subprocess.run(["git", "archive", rev, rel], cwd=top, check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", out_dir], input=archive, check=True)
-    return os.path.join(out_dir, rel)
+    return git_extract(rev, out_dir, rel if listed else OLD_KERNELS_DIR)
 
 
 def build_at(rev: str, source: str, out_dir: str, *also: str) -> ctypes.CDLL:

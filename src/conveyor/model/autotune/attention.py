@@ -35,7 +35,7 @@ _BLOCK = 16
 
 
 def measuring_enabled() -> bool:
-    return choice_cache.switched_on(envs.MEASURE_ATTENTION)
+    return envs.switched_on(envs.MEASURE_ATTENTION)
 
 
 @torch.inference_mode()

@@ -22,11 +22,6 @@ from conveyor.kernels.cpu.cpuinfo import cpu_flags, cpu_model_name
 logger = logging.getLogger(__name__)
 
 
-def switched_on(env_var: str) -> bool:
-    """Measuring is on unless ``env_var`` says 0, false, off or no."""
-    return envs.switched_on(env_var)
-
-
 def best_of(fn: Callable[[], object], repeats: int = 3) -> float:
     """The fastest of ``repeats`` timed calls, after one untimed (kernels built, buffers
     faulted in)."""

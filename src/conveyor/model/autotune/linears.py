@@ -43,7 +43,7 @@ MEASURE_ROUNDS = 2  # turns of every backend, in alternating order (the best is 
 
 
 def measuring_enabled() -> bool:
-    return choice_cache.switched_on(envs.MEASURE_LINEARS)
+    return envs.switched_on(envs.MEASURE_LINEARS)
 
 
 def rotation(shapes: list[LinearShape], counts: dict[str, int] | None, itemsize: int,
