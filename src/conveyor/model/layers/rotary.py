@@ -16,7 +16,11 @@ def rope_inv_freq(hf: dict, head_dim: int) -> torch.Tensor:
     params = {**scaling, **params}
     base = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # On the CPU always, even under ``torch.device("meta")`` (the model is built there):
+    # arithmetic on meta tensors goes through torch._refs, which imports torch._dynamo and
+    # with it triton, whose bindings print "leaked function" warnings at exit.
+    arange = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+    inv = 1.0 / (base ** (arange.float() / head_dim))
     if rope_type == "default":
         return inv
     if rope_type == "linear":
@@ -41,7 +45,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, hf: dict, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv = rope_inv_freq(hf, head_dim)
-        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv[None, :]
+        freqs = (torch.arange(max_positions, dtype=torch.int64, device=inv.device).float()[:, None]
+                 * inv[None, :])
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
