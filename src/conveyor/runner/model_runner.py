@@ -390,7 +390,8 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=self._to_device(np.concatenate(slot_chunks)),
                                  num_decodes=len(decode_ctx), prefills=prefills,
                                  decode_kernel=self.decode_kernel,
-                                 prefill_kernel=self.prefill_kernel)
+                                 prefill_kernel=self.prefill_kernel,
+                                 sliding_window=self.sliding_window)
         if decode_ctx:
             self._decode_layout(meta, decode_tables, decode_ctx)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)

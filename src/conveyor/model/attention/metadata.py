@@ -37,6 +37,8 @@ class AttentionMetadata:
     # One with a ``varlen(q, k, v, out, segments, scale)`` method takes all the fresh
     # prompts of a layer in one call (segments: ``fresh_segments()``).
     prefill_kernel: Callable | None = None
+    # The model's sliding window (None: none), for kernels that mask by position (triton).
+    sliding_window: int | None = None
     _fresh: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def fresh_segments(self) -> torch.Tensor:

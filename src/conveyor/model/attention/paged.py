@@ -27,6 +27,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, Hq, D]."""
+    unified = getattr(meta.decode_kernel, "unified", None)  # one kernel for the whole layer
+    if unified is not None:
+        return unified(q, k, v, k_cache, v_cache, meta, scale)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     nd = meta.num_decodes

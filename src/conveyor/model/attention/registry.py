@@ -1,7 +1,8 @@
 """The attention backends by name. Each backend's module is imported on first lookup; a
 backend module never imports this one.
 
-Built in, in priority order: ``native`` (the C kernels on CPU, float32 or bfloat16), then
+Built in, in priority order: ``native`` (the C kernels on CPU, float32 or bfloat16),
+``triton`` (one unified Triton kernel; CUDA, or the CPU under TRITON_INTERPRET=1), then
 ``sdpa`` (anywhere). Adding one, say FlashInfer's decode on CUDA, is a module with its
 ``AttentionBackend`` subclass and one ``attention_backends.add`` line here (or
 ``attention_backends.register`` on a class from outside)::
@@ -26,6 +27,8 @@ from conveyor.model.backend_registry import Registry
 
 attention_backends: Registry[type[AttentionBackend]] = Registry("attention")
 attention_backends.add("native", 100, "conveyor.model.attention.native:NativeAttentionBackend")
+attention_backends.add("triton", 50,
+                       "conveyor.model.attention.triton_backend:TritonAttentionBackend")
 attention_backends.add("sdpa", 0, "conveyor.model.attention.sdpa:SdpaAttentionBackend")
 
 
