@@ -8,8 +8,13 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(), torch.__version__)"
 python -m pytest -q -m gpu tests/test_gpu.py
+# Every Triton kernel built for the device's and the other targets' cubins.
+timeout 200 python scripts/triton_compile_check.py --arch sm_80,sm_90
 for model in qwen3-0.6b llama3-8b; do
-    timeout 240 python -m benchmarks.steps.gpu_decode --model "$model" --batches 1,8,64,256 --steps 10
+    for backend in triton sdpa; do
+        timeout 150 python -m benchmarks.steps.gpu_decode --model "$model" --batches 1,8,64,256 \
+            --steps 10 --attention-backend "$backend"
+    done
     timeout 120 python -m conveyor.entrypoints.cli bench --model "$model" --load-format dummy \
         --device cuda --dtype bfloat16 --num-requests 64 --input-len fixed:512 --output-len fixed:128 \
         --max-num-seqs 64

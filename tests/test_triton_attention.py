@@ -1,6 +1,7 @@
 """The ``triton`` attention backend on the CPU, under Triton's interpreter: its kernels
 against the reference attention (float32 and float16), greedy tokens equal transformers'
-through it (float32) with chunked prefill, prefix hits, preemption and a sliding window.
+through it (float32) with chunked prefill, prefix hits, preemption and a sliding window;
+and the compile check (cubins for sm_80 and sm_90, no GPU).
 
 The interpreter must be switched on before triton is imported, so where this process has
 not got it (the whole suite's run) one test reruns this file in a child process with
@@ -29,6 +30,18 @@ if not INTERPRETED:
                               text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
         assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+
+    def test_every_triton_kernel_compiles_for_sm80_and_sm90() -> None:
+        """``scripts/triton_compile_check.py`` builds cubins for both targets (ptxas
+        included) and fails on a compile error or a shared-memory overrun."""
+        root = os.path.join(os.path.dirname(__file__), "..")
+        env = dict(os.environ, PYTHONPATH=os.path.join(root, "src"))
+        proc = subprocess.run([sys.executable, os.path.join(root, "scripts",
+                                                            "triton_compile_check.py"),
+                               "--arch", "sm_80,sm_90", "--quick"], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+        assert "12 builds, 0 failed" in proc.stdout, proc.stdout
 
 else:
     from conveyor import LLM, SamplingParams

@@ -34,6 +34,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def measure(args, batch: int) -> dict:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, load_format="dummy",
+              attention_backend=args.attention_backend,
               max_num_seqs=batch, max_num_batched_tokens=max(8192, args.context),
               max_model_len=args.context + args.steps + 32,
               num_kv_blocks=batch * -(-(args.context + args.steps + 32) // 16) + 8)
@@ -73,9 +74,11 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--attention-backend", default="auto")
     args = p.parse_args()
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-    print(f"{args.model} {args.dtype} on {name}, context {args.context}, roofline at "
+    print(f"{args.model} {args.dtype} on {name}, attention {args.attention_backend}, "
+          f"context {args.context}, roofline at "
           f"{HARDWARE_PRESETS[args.hardware].memory_bandwidth_gbps:,.0f} GB/s")
     for b in (int(x) for x in args.batches.split(",")):
         r = measure(args, b)
