@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from conveyor.runner import device_sampling
 from conveyor.sampling_params import SamplingParams
 
 
@@ -50,6 +52,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._row_generator = torch.Generator(device=device)
+        self.staging = device_sampling.HostStaging(device)  # pinned inputs on CUDA
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [N, V] in the model's dtype, one row per request that samples."""
@@ -60,8 +63,8 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample_random(logits, rows, greedy)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, params))
+        # Tokens and logprobs leave the device in one copy (runner/device_sampling.py).
+        return SamplerOutput(*device_sampling.results(tokens, raw_logprobs, params))
 
     # ---- the pieces (speculative verification composes the same ones) -------------------
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]
@@ -147,6 +150,11 @@ class Sampler:
                                                     device=self.device), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        return device_sampling.apply_penalties(logits, rows, self.vocab_size, self.staging)
+
+    def _apply_penalties_per_row(self, logits: torch.Tensor, rows: list[SamplingRow]
+                                 ) -> torch.Tensor:
+        """The per-row loop ``_apply_penalties`` replaced (tests compare the two)."""
         logits = logits.clone()
         v = self.vocab_size
         for i, row in enumerate(rows):
@@ -173,6 +181,11 @@ class Sampler:
 
     def _block_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Below min_tokens, EOS and stop tokens cannot be sampled."""
+        return device_sampling.block_stops(logits, rows, self.vocab_size, self.staging)
+
+    def _block_stops_per_row(self, logits: torch.Tensor, rows: list[SamplingRow]
+                             ) -> torch.Tensor:
+        """The per-row loop ``_block_stops`` replaced (tests compare the two)."""
         logits = logits.clone()
         for i, row in enumerate(rows):
             p = row.params
@@ -194,7 +207,7 @@ class Sampler:
         greedy_tokens = logits.argmax(dim=-1)
         probs = self.probs(logits, params, greedy)
         sampled = (probs / self.noise(rows, greedy, probs)).argmax(dim=-1)
-        is_greedy = torch.tensor(greedy, device=self.device).view(n)
+        is_greedy = self.staging.to_device("greedy", np.array(greedy, dtype=np.bool_)).view(n)
         return torch.where(is_greedy, greedy_tokens, sampled)
 
     @staticmethod
@@ -207,7 +220,7 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype,
                              device=logits.device)
-        if (top_p < 1.0).any():
+        if any(p.top_p < 1.0 for p in params):  # (a host check: no device sync)
             cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             drop = cum <= (1.0 - top_p).unsqueeze(1)
             drop[:, -1] = False  # always keep the most likely token
