@@ -94,6 +94,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     distributed_timeout_s: float = 60.0
+    # Schedule step n+1 while step n runs (engine/async_steps.py); outputs are the same.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         # Parsed (and checked) at once: a bad config fails before any model loads.
@@ -202,6 +204,12 @@ class EngineArgs:
                        help="share of each step's prefill tokens the first long prefill "
                             "keeps whatever waits (its TTFT in steps stays within 1/share "
                             "of its steps alone); 1: it goes before every other prefill")
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                       default=False,
+                       help="schedule step n+1 while step n runs (its sampled tokens are "
+                            "placeholders until they arrive); the same tokens as without. "
+                            "Steps with speculative decoding or a KV connector stay "
+                            "synchronous")
         g.add_argument("--sjf-aging-s", type=float, default=0.0,
                        help="sjf: never let a request that arrived this much later go "
                             "first (0: no aging)")
@@ -310,6 +318,7 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             long_prefill_min_share=self.long_prefill_min_share,
             speculative=self.speculative,
+            async_scheduling=self.async_scheduling,
             token_budget=self.token_budget,
             slo_cost_scale=self.slo_cost_scale,
             policy=PolicyConfig(

@@ -44,6 +44,8 @@ class SchedulerConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     # Speculative decoding (None: off): the scheduler decides the draft lengths.
     speculative: SpeculativeConfig | None = None
+    # Schedule step n+1 while step n runs (engine/async_steps.py).
+    async_scheduling: bool = False
 
     @property
     def long_prefill_threshold(self) -> int:

@@ -136,6 +136,16 @@ class KVCacheManager:
                 hashes.append(parent)
         return hashes
 
+    def forget_hashes_from(self, request_id: str, num_tokens: int) -> None:
+        """Drop the memoized hashes of blocks past the first ``num_tokens`` tokens: a token
+        there changed (async scheduling's placeholder replaced by the sampled token)."""
+        keep = num_tokens // self.block_size
+        hashes = self._req_hashes.get(request_id)
+        if hashes is not None:
+            del hashes[keep:]
+        if self._num_registered.get(request_id, 0) > keep:
+            self._num_registered[request_id] = keep
+
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest cached prefix of full blocks; always leaves one token to compute. None
         for a request that still needs prompt logprobs: they come from the prompt's

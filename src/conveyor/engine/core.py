@@ -90,6 +90,12 @@ class EngineCore:
         self.num_finished = 0
         self.num_step_errors = 0  # steps that raised (the engine loop failed their requests)
         self.timings = PhaseTimings()
+        # --async-scheduling: step n+1 scheduled while step n runs (engine/async_steps.py).
+        self.async_steps = None
+        if config.scheduler.async_scheduling:
+            from conveyor.engine.async_steps import AsyncSteps
+
+            self.async_steps = AsyncSteps(self)
 
     @property
     def max_model_len(self) -> int:
@@ -180,6 +186,8 @@ class EngineCore:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        if self.async_steps is not None:
+            return self.async_steps.step()
         t0 = time.perf_counter()
         sched_out = self.schedule()
         t1 = time.perf_counter()

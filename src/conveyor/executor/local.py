@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -39,6 +40,7 @@ class LocalExecutor:
             # A transfer moves the target's layers only; a draft model's would be missing.
             raise ValueError("--kv-role prefill/decode does not support speculative decoding")
         self.kv_worker: KVConnectorWorker | None = None
+        self._steps: ThreadPoolExecutor | None = None  # async scheduling's step thread
 
     def determine_num_kv_blocks(self, cache: CacheConfig, model: ModelConfig,
                                 max_num_seqs: int) -> int:
@@ -81,6 +83,15 @@ class LocalExecutor:
         out.kv_report = worker.get_finished()
         return out
 
+    def submit_model(self, scheduler_output: SchedulerOutput) -> Future:
+        """``execute_model`` on the step thread (async scheduling): steps run one at a
+        time in submission order while the caller schedules the next."""
+        if self._steps is None:
+            self._steps = ThreadPoolExecutor(1, thread_name_prefix="conveyor-step")
+        return self._steps.submit(self.execute_model, scheduler_output)
+
     def shutdown(self) -> None:
+        if self._steps is not None:
+            self._steps.shutdown(wait=True)
         if self.kv_worker is not None:
             self.kv_worker.shutdown()
