@@ -144,11 +144,13 @@ class EngineArgs:
         g.add_argument("--device", default="auto", help="auto | cpu | cuda")
         g.add_argument("--num-threads", type=int, default=None,
                        help="torch intra-op threads (default: all cores)")
-        g.add_argument("--attention-backend", default="auto", choices=("auto", "native", "sdpa"),
+        g.add_argument("--attention-backend", default="auto",
+                       choices=("auto", "native", "sdpa", "triton"),
                        help="decode attention: native = C kernel reading the paged cache in "
                             "place (CPU, float32/bfloat16; built with the system C compiler on "
-                            "first use); sdpa = gather + SDPA (any device); auto = native where "
-                            "it applies")
+                            "first use); sdpa = gather + SDPA (any device); triton = one "
+                            "Triton kernel for the whole step (CUDA; pip install "
+                            "'conveyor[triton]'); auto = native where it applies")
         g.add_argument("--linear-backend", default="auto",
                        choices=("auto", "torch", "onednn", "native", "native-bf16"),
                        help="projections and LM head: native = conveyor's GEMM kernel with "

@@ -2,8 +2,8 @@
 backend module never imports this one.
 
 Built in, in priority order: ``native`` (the C kernels on CPU, float32 or bfloat16),
-``triton`` (one unified Triton kernel; CUDA, or the CPU under TRITON_INTERPRET=1), then
-``sdpa`` (anywhere). Adding one, say FlashInfer's decode on CUDA, is a module with its
+``sdpa`` (anywhere), then ``triton`` (one unified Triton kernel; CUDA, or the CPU under
+TRITON_INTERPRET=1). Adding one, say FlashInfer's decode on CUDA, is a module with its
 ``AttentionBackend`` subclass and one ``attention_backends.add`` line here (or
 ``attention_backends.register`` on a class from outside)::
 
@@ -27,9 +27,11 @@ from conveyor.model.backend_registry import Registry
 
 attention_backends: Registry[type[AttentionBackend]] = Registry("attention")
 attention_backends.add("native", 100, "conveyor.model.attention.native:NativeAttentionBackend")
-attention_backends.add("triton", 50,
-                       "conveyor.model.attention.triton_backend:TritonAttentionBackend")
 attention_backends.add("sdpa", 0, "conveyor.model.attention.sdpa:SdpaAttentionBackend")
+# Last: chosen by name until a GPU run has held it to the reference (no device was lent
+# when it was written; its CPU tests run it under Triton's interpreter).
+attention_backends.add("triton", -10,
+                       "conveyor.model.attention.triton_backend:TritonAttentionBackend")
 
 
 def attention_backend_names_for(device: torch.device | str, dtype: torch.dtype,
