@@ -105,3 +105,41 @@ def test_triton_kernel_matches_sdpa_on_cuda_in_half_precision(dtype) -> None:
                                                   d).decode_kernel()
     got = paged_attention(q, k, v, kc, vc, meta, d ** -0.5)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_cuda_graph_decode_steps_equal_eager_and_transformers() -> None:
+    """Decode steps replayed from CUDA graphs (triton attention, padded batch sizes) give
+    transformers' greedy tokens, as ``--enforce-eager`` does."""
+    pytest.importorskip("triton")
+    path = make_checkpoint("llama")
+    prompts = random_prompts(7, seed=17)  # 7 rows: padded to 8
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    got = {}
+    for eager in (True, False):
+        llm = LLM(path, device="cuda", dtype="float32", attention_backend="triton",
+                  num_kv_blocks=256, max_num_seqs=8, enforce_eager=eager)
+        graphs = llm.engine.runner.decode_graphs
+        assert (graphs is None) == eager
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        got[eager] = [o.outputs[0].token_ids for o in outs]
+        if not eager:
+            assert graphs.num_replays > 0 and graphs.graphs
+    assert got[True] == got[False]
+    for toks, prompt in zip(got[False], prompts):
+        assert toks == hf_greedy(path, prompt, 10)
+
+
+def test_device_sampler_on_cuda_equals_the_cpu_one() -> None:
+    """The batched sampler with pinned staging on CUDA: greedy tokens and logprobs as on
+    the CPU (same logits), penalties applied on the device."""
+    from conveyor.runner.sampler import Sampler, SamplingRow
+
+    rows = [SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=1.2,
+                                       frequency_penalty=0.3, min_tokens=2, logprobs=3),
+                        [1, 2, 3, 4], [5, 6, 5]) for _ in range(5)]
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
+    cpu = Sampler(300, torch.device("cpu"))(logits, rows)
+    gpu = Sampler(300, torch.device("cuda"))(logits.cuda(), rows)
+    assert gpu.token_ids == cpu.token_ids
+    for a, b in zip(gpu.logprobs, cpu.logprobs):
+        assert a[0] == b[0] and a[2] == b[2] and abs(a[3] - b[3]) < 1e-5

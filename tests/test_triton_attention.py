@@ -175,6 +175,26 @@ else:
             assert out.outputs[0].token_ids == hf_greedy(path, prompt, 4)
         assert llm.stats()["prefix_cache_hits"] > 0
 
+    def test_padded_static_decode_batches_of_the_cuda_graphs_match_transformers() -> None:
+        """What a CUDA graph replays (runner/decode_graphs.py), run eagerly: decode steps
+        padded to the next size through the static buffers, padding rows with no query
+        and no KV write; the tokens stay transformers'."""
+        from conveyor.runner.decode_graphs import DecodeGraphs
+
+        path = make_checkpoint("mistral")  # a sliding window too
+        llm = LLM(path, dtype="float32", attention_backend="triton", max_num_seqs=5,
+                  max_num_batched_tokens=64)
+        runner = llm.engine.runner
+        graphs = DecodeGraphs(runner, 5, 128, capture=False)
+        assert graphs.sizes == [1, 2, 4, 5]
+        runner.decode_graphs = graphs
+        prompts = random_prompts(5, lo=3, hi=30, seed=8)
+        params = [SamplingParams(max_tokens=2 + 2 * i, temperature=0.0) for i in range(5)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        for out, prompt, sp in zip(outs, prompts, params):
+            assert out.outputs[0].token_ids == hf_greedy(path, prompt, sp.max_tokens)
+        assert graphs.num_replays >= 6 and set(graphs.metas) >= {1, 2, 4}
+
     def test_triton_applies_to_what_the_interpreter_computes_right_and_comes_last() -> None:
         from conveyor.model.attention.registry import attention_backend_names_for
 

@@ -96,6 +96,8 @@ class EngineArgs:
     distributed_timeout_s: float = 60.0
     # Schedule step n+1 while step n runs (engine/async_steps.py); outputs are the same.
     async_scheduling: bool = False
+    # No CUDA graphs for decode steps (runner/decode_graphs.py: CUDA, triton attention).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         # Parsed (and checked) at once: a bad config fails before any model loads.
@@ -212,6 +214,10 @@ class EngineArgs:
                             "placeholders until they arrive); the same tokens as without. "
                             "Steps with speculative decoding or a KV connector stay "
                             "synchronous")
+        g.add_argument("--enforce-eager", action="store_true",
+                       help="no CUDA graphs: decode steps run eagerly (graphs are captured "
+                            "for decode batches at padded sizes on CUDA with "
+                            "--attention-backend triton)")
         g.add_argument("--sjf-aging-s", type=float, default=0.0,
                        help="sjf: never let a request that arrived this much later go "
                             "first (0: no aging)")

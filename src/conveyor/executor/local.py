@@ -34,6 +34,7 @@ class LocalExecutor:
                                                args.max_num_batched_tokens),
                                   speculative=args.speculative)
         self.warmup = args.warmup
+        self.enforce_eager = args.enforce_eager
         self._profile_tokens = args.max_num_batched_tokens  # a full step, for the KV sizing
         self.kv_config = args.kv_transfer_config()
         if self.kv_config.enabled and args.speculative is not None:
@@ -71,6 +72,14 @@ class LocalExecutor:
         if self.warmup:  # before any request: its K/V lands in blocks nobody owns yet
             self.runner.warmup(config.scheduler.max_num_batched_tokens,
                                config.model.max_model_len - 1)
+        if (self.device.type == "cuda" and not self.enforce_eager
+                and self.runner.attention.name == "triton"):
+            from conveyor.runner.decode_graphs import DecodeGraphs
+
+            # Contexts past 8,192 tokens run eagerly: the slot buffers stay small.
+            self.runner.decode_graphs = DecodeGraphs(
+                self.runner, config.scheduler.max_num_seqs,
+                min(config.model.max_model_len, 8192), capture=True)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         worker = self.kv_worker

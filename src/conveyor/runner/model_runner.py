@@ -123,6 +123,7 @@ class ModelRunner:
         self.timings = PhaseTimings()
         self.record_logits = False
         self.last_logits: dict[str, torch.Tensor] = {}
+        self.decode_graphs = None  # runner/decode_graphs.py's, set by the executor
 
     def _apply_backends(self, plan: BackendPlan) -> None:
         """The plan's attention kernels and elementwise ops installed, the model's linears
@@ -251,7 +252,11 @@ class ModelRunner:
                        key=lambda rid: out.num_scheduled_tokens[rid] != 1 and rid not in spec)
         input_ids, positions, meta, logits_rows = self._prepare(order, out)
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        # Decode steps through CUDA graphs where they are on (runner/decode_graphs.py).
+        graphs = self.decode_graphs
+        hidden = graphs.run(input_ids, positions, meta) if graphs is not None else None
+        if hidden is None:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
         t2 = time.perf_counter()
         self.timings.add("prepare", t1 - t0)
         self.timings.add("forward", t2 - t1)

@@ -54,6 +54,11 @@ class TritonAttention:
                              window=_window(meta) if window is None else window)
         return out
 
+    def bind(self, meta: AttentionMetadata, table: tuple) -> None:
+        """Use ``table`` (``_sequences``' layout) for ``meta``: a CUDA graph's static
+        buffers (runner/decode_graphs.py), nothing built per step."""
+        self._meta, self._table = meta, table
+
     def _sequences(self, meta: AttentionMetadata, decodes_only: bool = False) -> tuple:
         """(slot_table [S, W] int64, q_start, q_len, ctx_len, kv_lo [S] int32, max q_len):
         decode rows first (their padded slots and window starts as the runner laid them

@@ -31,12 +31,13 @@ except ImportError:  # pragma: no cover - exercised where triton is not installe
 def _write_kv(K, V, K_CACHE, V_CACHE, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh,
               stride_cs, stride_ch, stride_vcs, stride_vch,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per (token, KV head): its K and V rows copied to its slot."""
+    """One program per (token, KV head): its K and V rows copied to its slot (none for a
+    negative slot: the padding rows of a CUDA graph's batch)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(SLOTS + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
+    d_ok = d < tl.where(slot >= 0, HEAD_DIM, 0)
     k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=d_ok)
     v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=d_ok)
     tl.store(K_CACHE + slot * stride_cs + h * stride_ch + d, k, mask=d_ok)
