@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU issue's device check, one command on a bare CUDA machine (torch with CUDA,
-# transformers installed; the tree carries the rest): the gpu tests, then the decode
-# step against the HBM roofline and a short `conveyor bench` run per model shape, bf16,
-# dummy weights. Budget: under 8 minutes on an H200.
+# transformers and triton installed; the tree carries the rest): the gpu tests, the Triton
+# compile check, then per model shape (bf16, dummy weights) the decode step against the
+# HBM roofline with each attention backend (triton: CUDA graphs on) and `conveyor bench`
+# synchronous/eager against async scheduling with triton. Budget: under 8 minutes on an
+# H200 (not yet run on one: no device was lent when this was written).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -15,7 +17,10 @@ for model in qwen3-0.6b llama3-8b; do
         timeout 150 python -m benchmarks.steps.gpu_decode --model "$model" --batches 1,8,64,256 \
             --steps 10 --attention-backend "$backend"
     done
-    timeout 120 python -m conveyor.entrypoints.cli bench --model "$model" --load-format dummy \
-        --device cuda --dtype bfloat16 --num-requests 64 --input-len fixed:512 --output-len fixed:128 \
-        --max-num-seqs 64
+    # sync (eager sdpa) against async scheduling with triton attention and CUDA graphs
+    for flags in "" "--async-scheduling --attention-backend triton"; do
+        timeout 120 python -m conveyor.entrypoints.cli bench --model "$model" --load-format dummy \
+            --device cuda --dtype bfloat16 --num-requests 64 --input-len fixed:512 \
+            --output-len fixed:128 --max-num-seqs 64 $flags
+    done
 done
