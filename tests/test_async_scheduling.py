@@ -6,6 +6,8 @@ flight; and no placeholder ever outlives its step."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from test_exactness import check_exact, mixed_batch
 from test_policies_exactness import POLICY_OPTIONS, POOLS, workload
@@ -13,7 +15,15 @@ from test_policies_exactness import POLICY_OPTIONS, POOLS, workload
 from conveyor import LLM, SamplingParams
 from conveyor.core.placeholders import PLACEHOLDER
 
-from helpers import make_checkpoint
+from helpers import make_checkpoint, random_prompts
+from test_async_engine import (
+    EngineStepError,
+    collect,
+    greedy,
+    offline_greedy_case,
+    pool_is_back,
+    running,
+)
 
 
 def _run(llm: LLM, prompts, params, sched=None, abort_at: int | None = None):
@@ -98,3 +108,50 @@ def test_an_abort_while_a_step_is_in_flight() -> None:
     rest = [str(i) for i in range(1, len(prompts))]
     check_exact(path, [results[r] for r in rest], prompts[1:], params[1:])
     assert llm.stats()["kv_blocks_in_use"] == 0
+
+
+def test_streams_through_the_engine_loop_equal_offline_greedy() -> None:
+    """The server's path (AsyncEngine's engine loop) with async scheduling: concurrent
+    streams get the offline synchronous engine's tokens."""
+    prompts, lengths, want = offline_greedy_case()
+
+    async def main() -> list[list[int]]:
+        async with running(async_scheduling=True) as engine:
+            return await asyncio.gather(*(
+                collect(engine, f"r{i}", p, greedy(n)) for i, (p, n) in
+                enumerate(zip(prompts, lengths))))
+
+    assert asyncio.run(main()) == want
+
+
+def test_a_failing_step_with_one_in_flight_fails_its_requests_and_the_loop_goes_on() -> None:
+    async def main() -> None:
+        async with running(async_scheduling=True) as engine:
+            free_at_start = await engine.call(lambda e: e.kv.num_free_blocks)
+            executor = engine.core.executor
+            real_execute = executor.execute_model
+            calls = 0
+
+            def execute(sched_out):
+                nonlocal calls
+                calls += 1
+                if calls == 4:
+                    raise RuntimeError("injected fault")
+                return real_execute(sched_out)
+
+            executor.execute_model = execute  # (the step thread calls it by name)
+            results = await asyncio.wait_for(asyncio.gather(*(
+                collect(engine, f"r{i}", p, greedy(40, ignore_eos=True))
+                for i, p in enumerate(random_prompts(3))), return_exceptions=True), 60)
+            assert any(isinstance(r, EngineStepError) for r in results), results
+            for _ in range(200):
+                if await pool_is_back(engine, free_at_start):
+                    break
+                await asyncio.sleep(0.05)
+            assert await pool_is_back(engine, free_at_start)
+            assert engine.is_alive and engine.core.num_step_errors == 1
+            # New requests are served as before, with steps in flight again.
+            assert len(await collect(engine, "after", random_prompts(1)[0],
+                                     greedy(5, ignore_eos=True))) == 5
+
+    asyncio.run(main())
