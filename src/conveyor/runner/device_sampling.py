@@ -35,6 +35,7 @@ class HostStaging:
         self.device = device
         self.pinned = device.type == "cuda"
         self._buffers: dict[str, torch.Tensor] = {}
+        self._copied: dict[str, torch.cuda.Event] = {}  # each buffer's last copy
 
     def to_device(self, name: str, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(np.ascontiguousarray(array))
@@ -44,12 +45,18 @@ class HostStaging:
         if buf is None or buf.numel() < host.numel() or buf.dtype != host.dtype:
             buf = torch.empty(max(host.numel(), 1024), dtype=host.dtype, pin_memory=True)
             self._buffers[name] = buf
-        # A pinned buffer may be rewritten only once its last copy has left: the copies
-        # of one name are ordered on the stream, and the host writes after the previous
-        # step's results came back (its one sync), so the previous copy is done.
+        # A pinned buffer is rewritten only once its last copy has left (usually long
+        # done: the step's results came back since; waited for where a step stages the
+        # same name twice).
+        done = self._copied.get(name)
+        if done is not None:
+            done.synchronize()
         view = buf[:host.numel()].view(host.shape)
         view.copy_(host)
-        return view.to(self.device, non_blocking=True)
+        out = view.to(self.device, non_blocking=True)
+        event = self._copied.setdefault(name, torch.cuda.Event())
+        event.record()
+        return out
 
 
 def _padded(seqs: Sequence[Sequence[int]], fill: int) -> np.ndarray:
