@@ -12,8 +12,10 @@ python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pri
 python -m pytest -q -m gpu tests/test_gpu.py
 # Every Triton kernel built for the device's and the other targets' cubins.
 timeout 200 python scripts/triton_compile_check.py --arch sm_80,sm_90
+backends="triton sdpa"  # and flashinfer where it is installed (pip install '.[flashinfer]')
+python -c "import flashinfer" 2>/dev/null && backends="triton flashinfer sdpa"
 for model in qwen3-0.6b llama3-8b; do
-    for backend in triton sdpa; do
+    for backend in $backends; do
         timeout 150 python -m benchmarks.steps.gpu_decode --model "$model" --batches 1,8,64,256 \
             --steps 10 --attention-backend "$backend"
     done

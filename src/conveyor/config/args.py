@@ -147,7 +147,7 @@ class EngineArgs:
         g.add_argument("--num-threads", type=int, default=None,
                        help="torch intra-op threads (default: all cores)")
         g.add_argument("--attention-backend", default="auto",
-                       choices=("auto", "native", "sdpa", "triton"),
+                       choices=("auto", "native", "sdpa", "triton", "flashinfer"),
                        help="decode attention: native = C kernel reading the paged cache in "
                             "place (CPU, float32/bfloat16; built with the system C compiler on "
                             "first use); sdpa = gather + SDPA (any device); triton = one "

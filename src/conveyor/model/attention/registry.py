@@ -3,17 +3,17 @@ backend module never imports this one.
 
 Built in, in priority order: ``native`` (the C kernels on CPU, float32 or bfloat16),
 ``sdpa`` (anywhere), then ``triton`` (one unified Triton kernel; CUDA, or the CPU under
-TRITON_INTERPRET=1). Adding one, say FlashInfer's decode on CUDA, is a module with its
-``AttentionBackend`` subclass and one ``attention_backends.add`` line here (or
-``attention_backends.register`` on a class from outside)::
+TRITON_INTERPRET=1) and ``flashinfer`` (CUDA, half precision), chosen by name. Adding
+one is a module with its ``AttentionBackend`` subclass and one ``attention_backends.add``
+line here (or ``attention_backends.register`` on a class from outside)::
 
-    class FlashInferBackend(AttentionBackend):
-        name = "flashinfer"
+    class CudaOnlyBackend(AttentionBackend):
+        name = "cuda-only"
         @classmethod
         def supports(cls, device, dtype, num_heads, num_kv_heads, head_dim=None):
             return None if device.type == "cuda" else "needs a CUDA device"
         def decode_kernel(self):
-            return FlashInferDecode(self.num_heads, self.num_kv_heads)
+            return CudaOnlyDecode(self.num_heads, self.num_kv_heads)
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ attention_backends.add("sdpa", 0, "conveyor.model.attention.sdpa:SdpaAttentionBa
 # when it was written; its CPU tests run it under Triton's interpreter).
 attention_backends.add("triton", -10,
                        "conveyor.model.attention.triton_backend:TritonAttentionBackend")
+attention_backends.add("flashinfer", -20,
+                       "conveyor.model.attention.flashinfer_backend:FlashInferAttentionBackend")
 
 
 def attention_backend_names_for(device: torch.device | str, dtype: torch.dtype,

@@ -60,33 +60,13 @@ class TritonAttention:
         self._meta, self._table = meta, table
 
     def _sequences(self, meta: AttentionMetadata, decodes_only: bool = False) -> tuple:
-        """(slot_table [S, W] int64, q_start, q_len, ctx_len, kv_lo [S] int32, max q_len):
-        decode rows first (their padded slots and window starts as the runner laid them
-        out), then one row per prefill segment (a fresh prompt's slots are its own)."""
+        """``sequences.step_sequences`` as a tuple, built once per step (every layer's
+        call shares it)."""
+        from conveyor.model.attention.sequences import step_sequences
+
         if meta is self._meta and not decodes_only:
             return self._table
-        dev = meta.slot_mapping.device
-        nd = meta.num_decodes
-        segs = [] if decodes_only else meta.prefills
-        ctx = [p.length if p.ctx_slots is None else int(p.ctx_slots.numel()) for p in segs]
-        width = max([*ctx, meta.decode_slots.shape[1] if nd else 0, 1])
-        slots = torch.zeros(nd + len(segs), width, dtype=torch.int64, device=dev)
-        if nd:
-            slots[:nd, :meta.decode_slots.shape[1]] = meta.decode_slots
-        for i, p in enumerate(segs):
-            own = (meta.slot_mapping[p.start:p.start + p.length] if p.ctx_slots is None
-                   else p.ctx_slots)
-            slots[nd + i, :ctx[i]] = own
-        host = [list(range(nd)) + [p.start for p in segs], [1] * nd + [p.length for p in segs]]
-        q_start, q_len = (torch.tensor(x, dtype=torch.int32, device=dev) for x in host)
-        zeros = torch.zeros(len(segs), dtype=torch.int32, device=dev)
-        ctx_t = torch.tensor(ctx, dtype=torch.int32, device=dev)
-        if nd:
-            ctx_t = torch.cat([meta.decode_lens.to(torch.int32), ctx_t])
-            kv_lo = torch.cat([meta.decode_starts.to(torch.int32), zeros])
-        else:
-            kv_lo = zeros
-        table = (slots, q_start, q_len, ctx_t, kv_lo, max(host[1], default=1))
+        table = step_sequences(meta, decodes_only).as_tuple()
         if not decodes_only:
             self._meta, self._table = meta, table
         return table
