@@ -38,3 +38,23 @@ def test_generate_imports_no_triton_and_prints_no_leak_warnings(which) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "IMPORTED []" in proc.stdout, proc.stdout
     assert "leaked" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_asking_every_backend_whether_it_applies_imports_no_triton() -> None:
+    """``auto`` asks every registered backend, the triton and flashinfer ones included,
+    on any device: the asking imports neither."""
+    script = """
+import sys, torch
+from conveyor.model.attention.registry import attention_backend_names_for
+for device in ("cpu", "cuda"):
+    for dtype in (torch.float32, torch.float16):
+        attention_backend_names_for(device, dtype, 8, 2, 64)
+print("IMPORTED", sorted(m for m in sys.modules if m.split(".")[0] in ("triton", "flashinfer")))
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "IMPORTED []" in proc.stdout, proc.stdout

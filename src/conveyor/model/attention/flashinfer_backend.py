@@ -14,6 +14,8 @@ it to the SDPA reference in half precision, and ``scripts/gpu_check.sh`` runs th
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from conveyor.model.attention.backend import AttentionBackend
@@ -108,9 +110,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             return "needs a CUDA device"
         if dtype not in (torch.float16, torch.bfloat16):
             return "needs a float16 or bfloat16 model"
-        try:
-            import flashinfer  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("flashinfer") is None:  # (not imported: auto asks)
             return "flashinfer is not installed (pip install 'conveyor[flashinfer]')"
         return None
 

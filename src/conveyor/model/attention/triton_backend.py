@@ -10,6 +10,9 @@ kernel (the backend protocol; ``autotune`` times it so) it runs the decode rows 
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from conveyor.model.attention.backend import AttentionBackend
@@ -85,19 +88,24 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports(cls, device, dtype, num_heads, num_kv_heads, head_dim=None):
-        from conveyor.model.attention import triton_kernels as tk
-
-        if tk.triton is None:
+        # Without importing triton (auto asks every backend): a process that imports it
+        # prints its bindings' "leaked function" warnings at exit.
+        interpret = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+        if device.type != "cuda" and not interpret:
+            return "needs a CUDA device (or the CPU under TRITON_INTERPRET=1, for tests)"
+        if importlib.util.find_spec("triton") is None:
             return "triton is not installed (pip install 'conveyor[triton]')"
         if num_heads % num_kv_heads:
             return "needs the query heads a multiple of the KV heads"
         if device.type == "cuda":
             return None if dtype in (torch.float16, torch.bfloat16, torch.float32) else \
                 "needs a float16, bfloat16 or float32 model"
-        if device.type == "cpu" and tk.interpreted():
-            return None if dtype in (torch.float16, torch.float32) else \
-                "runs float32 or float16 under Triton's interpreter (its bfloat16 is wrong)"
-        return "needs a CUDA device (or the CPU under TRITON_INTERPRET=1, for tests)"
+        from conveyor.model.attention import triton_kernels as tk
+
+        if not tk.interpreted():
+            return "TRITON_INTERPRET=1 was set after triton was imported"
+        return None if dtype in (torch.float16, torch.float32) else \
+            "runs float32 or float16 under Triton's interpreter (its bfloat16 is wrong)"
 
     def decode_kernel(self) -> TritonAttention:
         return TritonAttention()
