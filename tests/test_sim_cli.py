@@ -114,6 +114,7 @@ def test_bad_options_are_clear_errors(tmp_path, capsys):
         ([*ROOFLINE, *WORKLOAD, "--hardware", "tpu9"], "neither a preset"),
         ([*ROOFLINE, *WORKLOAD, "--replicas", "0"], "--replicas must be >= 1"),
         ([*ROOFLINE, *WORKLOAD, "--find-capacity"], "needs --slo-ttft"),
+        ([*ROOFLINE, *WORKLOAD, "--async-scheduling"], "--async-scheduling is not simulated"),
         (["--model", "tiny", "--cost", profile, "--tp", "2", *WORKLOAD], "profile already"),
         (["--model", "smollm2-135m", "--cost", profile, *WORKLOAD], "hidden_size 576 vs 64"),
         (["--model", "tiny", "--cost", str(tmp_path / "none.json"), *WORKLOAD],

@@ -235,6 +235,9 @@ def _find_capacity(args: argparse.Namespace, engine_args: EngineArgs, cost,
 def _check_args(args: argparse.Namespace) -> None:
     if args.replicas < 1:
         raise WorkloadError(f"--replicas must be >= 1, got {args.replicas}")
+    if getattr(args, "async_scheduling", False):  # accepted by EngineArgs, not simulated
+        raise WorkloadError("--async-scheduling is not simulated (the simulator runs each "
+                            "step's schedule and update at virtual times of its own)")
     if args.request_rate is not None and args.time_scale != 1.0:
         raise WorkloadError("--request-rate and --time-scale both set arrival times: pass one")
     if args.find_capacity:
