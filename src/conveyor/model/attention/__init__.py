@@ -1,3 +1,4 @@
 """Attention over the paged KV cache: the step's metadata and flat-batch dispatch
 (``metadata``, ``paged``), the backends (``native``: the C kernels on CPU; ``sdpa``: the
-reference, anywhere) and their registry (``registry``)."""
+reference, anywhere; ``triton`` and ``flashinfer``: the whole step in one kernel call over
+the step's sequence table, ``sequences``) and their registry (``registry``)."""
