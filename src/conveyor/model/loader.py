@@ -51,6 +51,7 @@ def load_model(cfg: ModelConfig, device: torch.device, tp: TPShard = SINGLE
         with torch.no_grad():
             for param in model.parameters():
                 param.copy_(param.to(storage))
+    model.after_load(device)
     return model.eval().requires_grad_(False)
 
 
@@ -134,6 +135,12 @@ def _load_safetensors(model: DecoderForCausalLM, path: str, tp: TPShard = SINGLE
                 if target is None:
                     continue
                 our_name, shard = target
+                if shard == FUSED:  # Phi-3's own qkv_proj / gate_up_proj: every shard
+                    for i, (start, size) in enumerate(_fused_pieces(model, our_name)):
+                        _fill_shard(model, params[our_name], our_name, i,
+                                    f.get_slice(name), tp, start, size)
+                        filled.add(f"{our_name}#{i}")
+                    continue
                 param = params[our_name]
                 if tp.enabled:
                     tensor = _rank_slice(model, our_name, shard, f.get_slice(name), tp)
@@ -155,6 +162,40 @@ def _load_safetensors(model: DecoderForCausalLM, path: str, tp: TPShard = SINGLE
                          f"{' ...' if len(missing) > 5 else ''}")
 
 
+# A checkpoint tensor already packed as ours (Phi-3's qkv_proj and gate_up_proj).
+FUSED = -1
+
+
+def _fused_pieces(model: DecoderForCausalLM, our_name: str) -> list[tuple[int, int]]:
+    """(first row, rows) of each shard within a whole (unsharded) packed tensor."""
+    cfg = model.cfg
+    if ".qkv_proj." in our_name:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return [(0, q), (q, kv), (q + kv, kv)]
+    inter = cfg.intermediate_size
+    return [(0, inter), (inter, inter)]
+
+
+class _Rows:
+    """Rows ``[start, start + size)`` of a safetensors slice, indexed as its own tensor
+    (``_rank_slice`` then reads a rank's rows of one shard of a packed tensor)."""
+
+    def __init__(self, src, start: int, size: int) -> None:
+        self.src, self.start, self.size = src, start, size
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        lo, hi, _ = rows.indices(self.size)
+        return self.src[self.start + lo:self.start + hi]
+
+
+def _fill_shard(model: DecoderForCausalLM, param: torch.nn.Parameter, our_name: str,
+                shard: int, src, tp: TPShard, start: int, size: int) -> None:
+    """One shard of a checkpoint tensor that is packed already, read without the rest."""
+    rows = _Rows(src, start, size)
+    tensor = _rank_slice(model, our_name, shard, rows, tp) if tp.enabled else rows[:]
+    _copy_shard(model, our_name, shard, param, tensor)
+
+
 def _num_shards(name: str) -> int:
     if ".qkv_proj." in name:
         return 3
@@ -170,6 +211,8 @@ def _target(model: DecoderForCausalLM, name: str) -> tuple[str, int | None] | No
             layer, block, proj, kind = m.groups()
             packed, idx = _PACKED[proj]
             return f"layers.{layer}.{block}.{packed}.{kind}", idx
+        if m and m.group(3) in ("qkv_proj", "gate_up_proj"):
+            return name.removeprefix("model."), FUSED
         return name.removeprefix("model."), None
     if name in ("model.embed_tokens.weight", "model.norm.weight"):
         return name.removeprefix("model."), None

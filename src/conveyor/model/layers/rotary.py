@@ -9,11 +9,22 @@ import torch
 from torch import nn
 
 
-def rope_inv_freq(hf: dict, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies with the checkpoint's rope scaling (default, linear, llama3)."""
+def rope_inv_freq(hf: dict, head_dim: int, layer_type: str | None = None) -> torch.Tensor:
+    """Inverse frequencies with the checkpoint's rope scaling (default, linear, llama3).
+    ``layer_type``: where ``rope_parameters`` is keyed by layer type (Gemma 3), that
+    type's (``full_attention`` if None); Gemma 3's older configs name the local base
+    ``rope_local_base_freq``."""
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
+    if isinstance(params.get("full_attention"), dict):
+        params, scaling = dict(params[layer_type or "full_attention"]), {}
+    elif layer_type == "sliding_attention" and "rope_local_base_freq" in hf:
+        params = {"rope_theta": hf["rope_local_base_freq"], "rope_type": "default"}
+        scaling = {}
     params = {**scaling, **params}
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor "
+                         f"{params['partial_rotary_factor']}) are not supported")
     base = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -38,9 +49,10 @@ def rope_inv_freq(hf: dict, head_dim: int) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a precomputed cos/sin table."""
 
-    def __init__(self, hf: dict, head_dim: int, max_positions: int) -> None:
+    def __init__(self, hf: dict, head_dim: int, max_positions: int,
+                 layer_type: str | None = None) -> None:
         super().__init__()
-        inv = rope_inv_freq(hf, head_dim)
+        inv = rope_inv_freq(hf, head_dim, layer_type)
         freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)

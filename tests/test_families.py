@@ -1,0 +1,150 @@
+"""The families beyond Llama's four (Phi-3, Granite, OLMo 2, Gemma 2, Gemma 3 text):
+greedy token ids equal transformers' for every request, with sliding windows shorter
+than the prompts, under batching, chunked prefill, preemption, prefix-cache hits and
+either attention backend."""
+
+from __future__ import annotations
+
+import functools
+import random
+import tempfile
+
+import pytest
+import torch
+
+from conveyor import LLM, SamplingParams
+
+from helpers import hf_greedy, random_prompts
+
+_BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+FAMILIES = {
+    "phi3": ("Phi3Config", dict(sliding_window=20, tie_word_embeddings=False)),
+    "granite": ("GraniteConfig", dict(embedding_multiplier=2.0, attention_multiplier=0.2,
+                                      residual_multiplier=0.5, logits_scaling=3.0)),
+    "olmo2": ("Olmo2Config", dict()),
+    # Soft caps small enough to bite; windows shorter than most prompts.
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+                                    num_hidden_layers=3, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=5.0)),
+    "gemma3": ("Gemma3TextConfig", dict(
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=12, num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1000000.0}})),
+}
+
+
+@functools.cache
+def checkpoint(family: str) -> str:
+    """A tiny random checkpoint written by transformers (norm weights random too, so a
+    (1 + w) norm differs from a w one)."""
+    import transformers as tf
+
+    from conveyor.config.presets import save_synthetic_tokenizer
+
+    cls_name, overrides = FAMILIES[family]
+    cfg = getattr(tf, cls_name)(**{**_BASE, **overrides})
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(p + torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0.0, 0.08)
+    path = tempfile.mkdtemp(prefix=f"conveyor-{family}-")
+    model.save_pretrained(path, safe_serialization=True)
+    save_synthetic_tokenizer(path, cfg.vocab_size)
+    return path
+
+
+@functools.cache
+def reference(path: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    return hf_greedy(path, list(prompt), max_tokens)
+
+
+def _batch(n: int = 8, seed: int = 0):
+    rng = random.Random(seed)
+    prompts = random_prompts(n, lo=2, hi=50, seed=seed)
+    return prompts, [SamplingParams(max_tokens=rng.randint(1, 16), temperature=0.0)
+                     for _ in prompts]
+
+
+def _check(path: str, outs, prompts, params) -> None:
+    for i, (out, prompt, sp) in enumerate(zip(outs, prompts, params)):
+        want = reference(path, tuple(prompt), sp.max_tokens)
+        got = out.outputs[0].token_ids
+        assert got == want, f"request {i} (prompt {len(prompt)} tokens): {got} != {want}"
+
+
+def _native_missing() -> bool:
+    from conveyor.kernels import cpu as kernels
+
+    return kernels.load() is None
+
+
+CONFIGS = {
+    "default": dict(),
+    "chunked": dict(max_num_batched_tokens=13),
+    "preempt": dict(num_kv_blocks=9, block_size=8),
+    "sdpa_attention": dict(attention_backend="sdpa", max_num_batched_tokens=40),
+    "native_attention": dict(attention_backend="native", max_num_batched_tokens=40),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_matches_transformers(family: str, config: str) -> None:
+    if config == "native_attention" and _native_missing():
+        pytest.skip("native kernels unavailable")
+    path = checkpoint(family)
+    llm = LLM(path, dtype="float32", **CONFIGS[config])
+    prompts, params = _batch()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    _check(path, outs, prompts, params)
+    stats = llm.stats()
+    if config == "preempt":
+        assert stats["num_preemptions"] > 0
+    assert stats["kv_blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3"])
+def test_prefix_hits_across_windows_match_transformers(family: str) -> None:
+    """Cached prefixes longer than the window: the windowed layers' views start past
+    the cached blocks, the global layers' read them all."""
+    path = checkpoint(family)
+    rng = random.Random(7)
+    base = [rng.randrange(4, 384) for _ in range(40)]
+    prompts = [base[:19] + [12, 13], base[:40], base[:40] + [14], base[:33]]
+    params = [SamplingParams(max_tokens=6, temperature=0.0) for _ in prompts]
+    llm = LLM(path, dtype="float32", block_size=8, num_kv_blocks=64, max_num_seqs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    _check(path, outs, prompts, params)
+    assert llm.stats()["prefix_cache_hits"] > 0
+
+
+def test_layer_windows_follow_the_family_pattern() -> None:
+    from conveyor.model.models.decoder import layer_windows
+    from conveyor.model.models.registry import model_class
+
+    hf = {"sliding_window": 8}
+    assert model_class("Gemma2ForCausalLM").layer_types(hf, 4) == [
+        "sliding_attention", "full_attention"] * 2
+    types = model_class("Gemma3ForCausalLM").layer_types(hf, 7)
+    assert types == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    assert layer_windows(hf, 7, True, types) == [8] * 5 + [None, 8]
+    assert layer_windows(hf, 2, False, None) == [None, None]  # windows off by default
+
+
+def test_unsupported_rope_variants_are_refused_by_name() -> None:
+    from conveyor.model.layers.rotary import rope_inv_freq
+
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        rope_inv_freq({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+                      16)
+    with pytest.raises(ValueError, match="longrope"):
+        rope_inv_freq({"rope_parameters": {"rope_type": "longrope"}}, 16)
