@@ -27,7 +27,7 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", dict()),
     # Soft caps small enough to bite; windows shorter than most prompts.
     "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
-                                    num_hidden_layers=3, attn_logit_softcapping=2.0,
+                                    num_hidden_layers=3, attn_logit_softcapping=0.5,
                                     final_logit_softcapping=5.0)),
     "gemma3": ("Gemma3TextConfig", dict(
         head_dim=16, query_pre_attn_scalar=16, sliding_window=12, num_hidden_layers=3,
@@ -148,3 +148,29 @@ def test_unsupported_rope_variants_are_refused_by_name() -> None:
                       16)
     with pytest.raises(ValueError, match="longrope"):
         rope_inv_freq({"rope_parameters": {"rope_type": "longrope"}}, 16)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "granite", "gemma3"])
+def test_logits_match_transformers_within_1e4(family: str) -> None:
+    """Logits, not just their argmax: Gemma 2's final soft cap and Granite's scaling are
+    monotonic, invisible to greedy ids."""
+    from helpers import hf_model
+
+    path = checkpoint(family)
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=20)
+    runner = llm.engine.runner
+    runner.record_logits = True
+    for i, p in enumerate(random_prompts(3, lo=5, hi=30, seed=3)):
+        llm.engine.add_request({"prompt_token_ids": p}, SamplingParams(
+            max_tokens=4, temperature=0.0), request_id=str(i))
+    model = hf_model(path)
+    seen = 0
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        for rid, logits in runner.last_logits.items():
+            state = runner.requests[rid]
+            with torch.no_grad():
+                want = model(torch.tensor([state.tokens(0, state.num_tokens - 1)])).logits[0, -1]
+            torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
+            seen += 1
+    assert seen == 3 * 4
