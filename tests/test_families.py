@@ -35,6 +35,14 @@ FAMILIES = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0,
                                             "rope_theta": 1000000.0}})),
+    # Mixture of experts: renormalized top-2 of 4 (Mixtral), top-3 of 6 without (Qwen3).
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                      intermediate_size=48, sliding_window=20)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=6, num_experts_per_tok=3,
+                                         moe_intermediate_size=40, norm_topk_prob=False,
+                                         head_dim=32)),
+    "qwen3_moe_norm": ("Qwen3MoeConfig", dict(num_experts=6, num_experts_per_tok=2,
+                                              moe_intermediate_size=40, norm_topk_prob=True)),
 }
 
 

@@ -20,6 +20,8 @@ SUPPORTED_ARCHITECTURES = (
     "Olmo2ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 # What transformers' Auto classes fall back on when config.json names no architecture
 # (AutoConfig.for_model(...).save_pretrained() writes none).
@@ -33,6 +35,8 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "olmo2": "Olmo2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

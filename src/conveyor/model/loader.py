@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from conveyor.config import ModelConfig
 from conveyor.distributed.parallel import SINGLE, TPShard
+from conveyor.model import moe_weights
 from conveyor.model.layers.rotary import RotaryEmbedding
 from conveyor.model.models.decoder import DecoderForCausalLM
 from conveyor.model.models.registry import model_class
@@ -76,6 +77,9 @@ def _init_dummy(model: DecoderForCausalLM, seed: int, tp: TPShard = SINGLE) -> N
 def _full_shape(model: DecoderForCausalLM, name: str, param: torch.Tensor) -> tuple[int, ...]:
     cfg = model.cfg
     hd, hidden = cfg.head_dim, cfg.hidden_size
+    experts = moe_weights.full_shape(name, param, model.tp)
+    if experts is not None:
+        return experts
     if ".qkv_proj." in name:
         return ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, hidden)
     if ".gate_up_proj." in name:
@@ -93,6 +97,9 @@ def _keep_rank_part(model: DecoderForCausalLM, name: str, param: torch.Tensor,
                     full: torch.Tensor, tp: TPShard) -> None:
     """Copy this rank's part of an unsharded (packed, as ours) tensor into ``param``."""
     cfg = model.cfg
+    if moe_weights.full_shape(name, param, tp) is not None:
+        moe_weights.keep_rank_part(name, param, full, tp)
+        return
     packed = None
     if ".qkv_proj." in name:
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -131,6 +138,10 @@ def _load_safetensors(model: DecoderForCausalLM, path: str, tp: TPShard = SINGLE
     for file in _weight_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                experts = moe_weights.load_expert_tensor(name, f.get_slice(name), params, tp)
+                if experts is not None:  # into the stacked experts, in place
+                    filled.update(experts)
+                    continue
                 target = _target(model, name)
                 if target is None:
                     continue
@@ -153,6 +164,10 @@ def _load_safetensors(model: DecoderForCausalLM, path: str, tp: TPShard = SINGLE
                 filled.add(f"{our_name}#{shard}")
     expected = set()
     for name in params:
+        stacked = moe_weights.expected_keys(name, params[name])
+        if stacked is not None:
+            expected.update(stacked)
+            continue
         parts = _num_shards(name)
         expected.update(f"{name}#{i}" for i in range(parts)) if parts else expected.add(
             f"{name}#None")
@@ -206,6 +221,9 @@ def _num_shards(name: str) -> int:
 
 def _target(model: DecoderForCausalLM, name: str) -> tuple[str, int | None] | None:
     if name.startswith("model.layers."):
+        router = moe_weights.router_name(name)
+        if router is not None:
+            return router, None
         m = _LAYER.match(name)
         if m and m.group(3) in _PACKED:
             layer, block, proj, kind = m.groups()

@@ -281,9 +281,10 @@ class DecoderForCausalLM(nn.Module):
         return not (t.norm_plus_one or t.sandwich_norms or t.post_norms_only
                     or t.qk_norm_full or t.embed_scale_sqrt or t.local_rope
                     or self.embed_scale is not None or self.logits_scaling is not None
-                    or self.final_softcap is not None or self.make_mlp(0) is not None
+                    or self.final_softcap is not None
                     or any(lay.residual_multiplier is not None or lay.self_attn.softcap
-                           or not lay.mlp.fuses_silu for lay in self.layers))
+                           or type(lay.mlp) is not MLP or not lay.mlp.fuses_silu
+                           for lay in self.layers))
 
     def after_load(self, device: torch.device) -> None:
         """Once the weights are in: Gemma's (1 + w) norms folded into w (a plain RMS norm

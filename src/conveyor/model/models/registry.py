@@ -19,6 +19,8 @@ FAMILIES = {
     "Olmo2ForCausalLM": "conveyor.model.models.olmo2",
     "Gemma2ForCausalLM": "conveyor.model.models.gemma2",
     "Gemma3ForCausalLM": "conveyor.model.models.gemma3",
+    "MixtralForCausalLM": "conveyor.model.models.mixtral",
+    "Qwen3MoeForCausalLM": "conveyor.model.models.qwen3_moe",
 }
 
 

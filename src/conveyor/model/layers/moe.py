@@ -1,0 +1,89 @@
+"""The sparse mixture-of-experts block (Mixtral, Qwen3-MoE): a router picks each token's
+top-k experts, each expert a gated (SwiGLU) MLP, the outputs summed by the router's
+weights.
+
+Experts run grouped by expert, not token by token: the (token, expert) pairs are sorted
+by expert, and each active expert multiplies all of its tokens' rows at once (one GEMM
+for gate/up, one for down); the weighted outputs are added back into their tokens' rows
+expert after expert, in ascending expert order as transformers adds them, so the sums
+round alike.
+
+Weights are stacked per layer: ``w13`` [E, 2 I, H] (each expert's gate rows then up rows)
+and ``w2`` [E, H, I], transformers' own in-memory layout; the loader fills them from
+either checkpoint layout (stacked, or one tensor per expert) in place. Under tensor
+parallelism a rank holds every expert's slice of the intermediate dimension (its rows of
+gate and up, its columns of down) and the block's output is all-reduced; the router is
+replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.distributed.parallel import SINGLE, TPShard
+
+
+class SparseMoE(nn.Module):
+    """``renormalize``: the top-k weights divided by their sum (Mixtral; Qwen3-MoE's
+    ``norm_topk_prob``), else the softmax's values as they are."""
+
+    fuses_silu = True  # no packed gate_up_proj here; for the packers' check
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 renormalize: bool, act: str = "silu", tp: TPShard = SINGLE) -> None:
+        super().__init__()
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported expert activation {act!r} (SwiGLU with silu only)")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be in 1..{num_experts}")
+        self.tp = tp
+        self.hidden, self.intermediate = hidden, intermediate  # this rank's intermediate
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers computes them:
+        softmax in float32, top-k, optionally renormalized."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        weights, experts = self.route(x)
+        out = torch.zeros_like(x)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        pair_weights = weights.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            rows = tokens[start:start + n]
+            h = F.linear(x[rows], self.w13[e])
+            gate, up = h.split(self.intermediate, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.w2[e])
+            out.index_add_(0, rows, h * pair_weights[start:start + n, None])
+            start += n
+        return self.tp.all_reduce(out)
+
+
+def moe_block(hf: dict, hidden: int, tp: TPShard) -> SparseMoE:
+    """The block of a Mixtral or Qwen3-MoE config.json (Qwen3-MoE's dense layers,
+    ``mlp_only_layers`` or a ``decoder_sparse_step`` above 1, are refused by name)."""
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1) or 1) != 1:
+        raise ValueError("dense layers among the sparse ones (mlp_only_layers, "
+                         "decoder_sparse_step > 1) are not supported")
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    inter = hf.get("moe_intermediate_size") or hf["intermediate_size"]
+    return SparseMoE(hidden, tp.intermediate(int(inter)), int(experts),
+                     int(hf.get("num_experts_per_tok", 2)),
+                     bool(hf.get("norm_topk_prob", True)), hf.get("hidden_act", "silu"), tp)
