@@ -423,7 +423,7 @@ class ModelRunner:
                 self.device)
 
     def _prefill_segment(self, cursor: int, n: int, start: int, table: np.ndarray,
-                         window: int | None | str = "model") -> PrefillSegment:
+                         window: int | str | None = "model") -> PrefillSegment:
         """``window``: the layers' of this segment (``"model"``: the model-level one)."""
         ctx = start + n
         window = self.sliding_window if window == "model" else window
