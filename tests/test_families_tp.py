@@ -78,7 +78,7 @@ def test_a_checkpoint_missing_an_expert_is_refused() -> None:
         tensors = {k: f.get_tensor(k) for k in f.keys()  # noqa: SIM118
                    if k != "model.layers.1.mlp.experts.down_proj"}
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"lacks weights.*layers\.1\.mlp\.w2"):
+    with pytest.raises(ValueError, match=r"lacks weights.*layers\.1\.mlp\.experts\.0\.down_proj"):
         LLM(path, dtype="float32")
 
 

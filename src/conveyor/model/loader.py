@@ -77,9 +77,9 @@ def _init_dummy(model: DecoderForCausalLM, seed: int, tp: TPShard = SINGLE) -> N
 def _full_shape(model: DecoderForCausalLM, name: str, param: torch.Tensor) -> tuple[int, ...]:
     cfg = model.cfg
     hd, hidden = cfg.head_dim, cfg.hidden_size
-    experts = moe_weights.full_shape(name, param, model.tp)
-    if experts is not None:
-        return experts
+    expert = moe_weights.expert_full_shape(name, param, model.tp)
+    if expert is not None:
+        return expert
     if ".qkv_proj." in name:
         return ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, hidden)
     if ".gate_up_proj." in name:
@@ -97,15 +97,12 @@ def _keep_rank_part(model: DecoderForCausalLM, name: str, param: torch.Tensor,
                     full: torch.Tensor, tp: TPShard) -> None:
     """Copy this rank's part of an unsharded (packed, as ours) tensor into ``param``."""
     cfg = model.cfg
-    if moe_weights.full_shape(name, param, tp) is not None:
-        moe_weights.keep_rank_part(name, param, full, tp)
-        return
     packed = None
     if ".qkv_proj." in name:
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         packed = full.split([q, kv, kv])
     elif ".gate_up_proj." in name:
-        packed = full.split([cfg.intermediate_size] * 2)
+        packed = full.split(full.shape[0] // 2)  # an expert's intermediate, or the MLP's
     if packed is None:
         part = _rank_slice(model, name, None, full, tp)
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
@@ -138,9 +135,14 @@ def _load_safetensors(model: DecoderForCausalLM, path: str, tp: TPShard = SINGLE
     for file in _weight_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                experts = moe_weights.load_expert_tensor(name, f.get_slice(name), params, tp)
-                if experts is not None:  # into the stacked experts, in place
-                    filled.update(experts)
+                stacked = False  # experts stacked in one tensor: into each expert's own
+                for our, shard, start, whole in moe_weights.stacked_pieces(
+                        name, f.get_slice(name)):
+                    _fill_shard(model, params[our], our, shard, whole, tp, start,
+                                whole.shape[0] // (1 if shard is None else 2))
+                    filled.add(f"{our}#{shard}")
+                    stacked = True
+                if stacked:
                     continue
                 target = _target(model, name)
                 if target is None:
@@ -164,10 +166,6 @@ def _load_safetensors(model: DecoderForCausalLM, path: str, tp: TPShard = SINGLE
                 filled.add(f"{our_name}#{shard}")
     expected = set()
     for name in params:
-        stacked = moe_weights.expected_keys(name, params[name])
-        if stacked is not None:
-            expected.update(stacked)
-            continue
         parts = _num_shards(name)
         expected.update(f"{name}#{i}" for i in range(parts)) if parts else expected.add(
             f"{name}#None")
@@ -207,7 +205,10 @@ def _fill_shard(model: DecoderForCausalLM, param: torch.nn.Parameter, our_name: 
                 shard: int, src, tp: TPShard, start: int, size: int) -> None:
     """One shard of a checkpoint tensor that is packed already, read without the rest."""
     rows = _Rows(src, start, size)
-    tensor = _rank_slice(model, our_name, shard, rows, tp) if tp.enabled else rows[:]
+    if shard is None:  # a whole (unpacked) projection: _rank_slice reads its columns
+        tensor = _rank_slice(model, our_name, None, src, tp) if tp.enabled else src[:]
+    else:
+        tensor = _rank_slice(model, our_name, shard, rows, tp) if tp.enabled else rows[:]
     _copy_shard(model, our_name, shard, param, tensor)
 
 
@@ -221,9 +222,9 @@ def _num_shards(name: str) -> int:
 
 def _target(model: DecoderForCausalLM, name: str) -> tuple[str, int | None] | None:
     if name.startswith("model.layers."):
-        router = moe_weights.router_name(name)
-        if router is not None:
-            return router, None
+        expert = moe_weights.expert_target(name)
+        if expert is not None:
+            return expert
         m = _LAYER.match(name)
         if m and m.group(3) in _PACKED:
             layer, block, proj, kind = m.groups()

@@ -8,12 +8,14 @@ for gate/up, one for down); the weighted outputs are added back into their token
 expert after expert, in ascending expert order as transformers adds them, so the sums
 round alike.
 
-Weights are stacked per layer: ``w13`` [E, 2 I, H] (each expert's gate rows then up rows)
-and ``w2`` [E, H, I], transformers' own in-memory layout; the loader fills them from
-either checkpoint layout (stacked, or one tensor per expert) in place. Under tensor
-parallelism a rank holds every expert's slice of the intermediate dimension (its rows of
-gate and up, its columns of down) and the block's output is all-reduced; the router is
-replicated.
+Each expert's projections are ``nn.Linear``s (``experts.E.gate_up_proj``, gate rows then
+up rows, and ``experts.E.down_proj``), so the linear backends pack them like any other
+projection (oneDNN, conveyor's GEMM with silu(gate) * up fused in, measured per shape):
+``torch._grouped_mm`` runs on CPU but measured no faster than one GEMM per active expert
+(docs/results). The loader fills them from either checkpoint layout (stacked, or one
+tensor per expert) in place. Under tensor parallelism a rank holds every expert's slice
+of the intermediate dimension (its rows of gate and up, its columns of down) and the
+block's output is all-reduced; the router is replicated.
 """
 
 from __future__ import annotations
@@ -25,11 +27,29 @@ from torch import nn
 from conveyor.distributed.parallel import SINGLE, TPShard
 
 
+class Expert(nn.Module):
+    """One expert: packed gate/up and down projections (``MLP``'s names, so the packers
+    treat it alike)."""
+
+    fuses_silu = True
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        if not getattr(self.gate_up_proj, "applies_silu_mul", False):  # else fused in
+            h = ops.silu_mul(h, self.intermediate) if ops is not None else (
+                F.silu(h[:, :self.intermediate]) * h[:, self.intermediate:])
+        return self.down_proj(h)
+
+
 class SparseMoE(nn.Module):
     """``renormalize``: the top-k weights divided by their sum (Mixtral; Qwen3-MoE's
     ``norm_topk_prob``), else the softmax's values as they are."""
-
-    fuses_silu = True  # no packed gate_up_proj here; for the packers' check
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  renormalize: bool, act: str = "silu", tp: TPShard = SINGLE) -> None:
@@ -42,8 +62,7 @@ class SparseMoE(nn.Module):
         self.hidden, self.intermediate = hidden, intermediate  # this rank's intermediate
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.experts = nn.ModuleList(Expert(hidden, intermediate) for _ in range(num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers computes them:
@@ -68,9 +87,7 @@ class SparseMoE(nn.Module):
             if not n:
                 continue
             rows = tokens[start:start + n]
-            h = F.linear(x[rows], self.w13[e])
-            gate, up = h.split(self.intermediate, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.w2[e])
+            h = self.experts[e](x[rows], ops)
             out.index_add_(0, rows, h * pair_weights[start:start + n, None])
             start += n
         return self.tp.all_reduce(out)

@@ -14,7 +14,8 @@ class MixtralForCausalLM(DecoderForCausalLM):
     traits = FamilyTraits(sliding_window=True)
 
     def make_mlp(self, layer: int) -> nn.Module | None:
-        return moe_block({**self.cfg.hf_config, "norm_topk_prob": True},
+        return moe_block({**self.cfg.hf_config, "norm_topk_prob": True,
+                          "moe_intermediate_size": None},
                          self.cfg.hidden_size, self.tp)
 
 
