@@ -22,6 +22,14 @@ _BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=112, num_hidden_l
 
 FAMILIES = {
     "phi3": ("Phi3Config", dict(sliding_window=20, tie_word_embeddings=False)),
+    # Phi-3's longrope: short factors below the original length (every test sequence),
+    # cos/sin scaled by its attention factor (max_position_embeddings 4x the original).
+    "phi3_longrope": ("Phi3Config", dict(
+        original_max_position_embeddings=128,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0, 4.1, 5.5],
+                         "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
+                         "original_max_position_embeddings": 128})),
     "granite": ("GraniteConfig", dict(embedding_multiplier=2.0, attention_multiplier=0.2,
                                       residual_multiplier=0.5, logits_scaling=3.0)),
     "olmo2": ("Olmo2Config", dict()),
@@ -154,8 +162,22 @@ def test_unsupported_rope_variants_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         rope_inv_freq({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.75}},
                       16)
-    with pytest.raises(ValueError, match="longrope"):
-        rope_inv_freq({"rope_parameters": {"rope_type": "longrope"}}, 16)
+    with pytest.raises(ValueError, match="'yarn'"):
+        rope_inv_freq({"rope_parameters": {"rope_type": "yarn"}}, 16)
+
+
+def test_longrope_uses_long_factors_from_the_original_length_on() -> None:
+    from conveyor.model.layers.rotary import RotaryEmbedding
+
+    hf = {"max_position_embeddings": 64, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 100.0, "short_factor": [1.0, 2.0],
+        "long_factor": [3.0, 5.0], "original_max_position_embeddings": 16}}
+    rope = RotaryEmbedding(hf, 4, 64)
+    scale = (1 + torch.log(torch.tensor(4.0)) / torch.log(torch.tensor(16.0))).sqrt()
+    inv_short = 1.0 / (torch.tensor([1.0, 2.0]) * 100.0 ** torch.tensor([0.0, 0.5]))
+    inv_long = 1.0 / (torch.tensor([3.0, 5.0]) * 100.0 ** torch.tensor([0.0, 0.5]))
+    torch.testing.assert_close(rope.cos[15, :2], (15 * inv_short).cos() * scale)
+    torch.testing.assert_close(rope.cos[40, :2], (40 * inv_long).cos() * scale)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "granite", "gemma3"])
