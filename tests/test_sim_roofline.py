@@ -210,3 +210,20 @@ def test_moe_parameter_count_matches_transformers_and_costs_active_ones(arch):
     expert_bytes = 2 * dense_mlp * 4  # two layers, float32
     assert many.bytes_per_device - one.bytes_per_device == pytest.approx(
         6 * expert_bytes + 199 * (64 * 4 + model.kv_bytes_per_token * 2), rel=1e-9)
+
+
+@pytest.mark.parametrize("family", ["phi3", "granite", "olmo2", "gemma2", "gemma3"])
+def test_newer_families_parameter_count_matches_transformers(family):
+    import torch
+    import transformers
+
+    from test_families import _BASE, FAMILIES
+
+    cls_name, overrides = FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(**{**_BASE, **overrides})
+    with torch.device("meta"):
+        hf_model = transformers.AutoModelForCausalLM.from_config(cfg)
+    d = cfg.to_dict()
+    d["architectures"] = [type(hf_model).__name__]
+    assert ModelShape.from_config(model_config_from_hf(d, family)).num_params == sum(
+        p.numel() for p in hf_model.parameters())

@@ -57,6 +57,9 @@ class ModelShape:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_intermediate: int = 0
+    # Norm weights a layer has beyond two hidden-wide norms and per-head q/k norms
+    # (Gemma's post-norms, OLMo 2's q/k norms over all heads).
+    extra_norm_params: int = 0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> ModelShape:
@@ -68,8 +71,10 @@ class ModelShape:
                    attention_bias=bool(hf.get("attention_bias",
                                               cfg.architecture == "Qwen2ForCausalLM")),
                    mlp_bias=bool(hf.get("mlp_bias", False)),
-                   qk_norm=cfg.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-                   dtype_bytes=4 if cfg.dtype == "float32" else 2, **_experts(hf))
+                   qk_norm=cfg.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                                "Gemma3ForCausalLM"),
+                   dtype_bytes=4 if cfg.dtype == "float32" else 2, **_experts(hf),
+                   extra_norm_params=_extra_norms(cfg))
 
     @property
     def layer_matmul_params(self) -> int:
@@ -112,7 +117,7 @@ class ModelShape:
             n += 2 * self.intermediate + self.hidden
         if self.qk_norm:
             n += 2 * self.head_dim
-        return n
+        return n + self.extra_norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -248,3 +253,11 @@ def _experts(hf: dict) -> dict[str, int]:
     return {"num_experts": experts, "experts_per_token": int(hf.get("num_experts_per_tok", 2)),
             "expert_intermediate": int(hf.get("moe_intermediate_size")
                                        or hf["intermediate_size"])}
+
+
+def _extra_norms(cfg: ModelConfig) -> int:
+    if cfg.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        return 2 * cfg.hidden_size  # pre- and post-feedforward norms
+    if cfg.architecture == "Olmo2ForCausalLM":
+        return (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+    return 0
