@@ -204,3 +204,17 @@ def test_logits_match_transformers_within_1e4(family: str) -> None:
             torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
             seen += 1
     assert seen == 3 * 4
+
+
+def test_gemma3_older_configs_name_the_local_base_apart() -> None:
+    """transformers 4's Gemma 3 config.json: ``rope_theta`` and ``rope_scaling`` for the
+    global layers, ``rope_local_base_freq`` (unscaled) for the sliding ones."""
+    from conveyor.model.layers.rotary import rope_inv_freq
+
+    hf = {"rope_theta": 1e6, "rope_local_base_freq": 1e4,
+          "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    exponent = torch.arange(0, 16, 2, dtype=torch.int64).float() / 16
+    torch.testing.assert_close(rope_inv_freq(hf, 16, "sliding_attention"),
+                               1.0 / (1e4 ** exponent))
+    torch.testing.assert_close(rope_inv_freq(hf, 16, "full_attention"),
+                               1.0 / (1e6 ** exponent) / 8.0)
