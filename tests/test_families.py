@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
+from conveyor.distributed.parallel import SINGLE
 
 from helpers import hf_greedy, random_prompts
 
@@ -218,3 +219,40 @@ def test_gemma3_older_configs_name_the_local_base_apart() -> None:
                                1.0 / (1e4 ** exponent))
     torch.testing.assert_close(rope_inv_freq(hf, 16, "full_attention"),
                                1.0 / (1e6 ** exponent) / 8.0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_block_equals_transformers_bit_for_bit(family: str, dtype: torch.dtype) -> None:
+    """The sparse block alone on transformers' own block's weights: grouped by expert,
+    its output equals transformers' eager experts exactly, bf16 included (Mixtral scales
+    by float32 weights, Qwen3-MoE by rounded ones), and its default (``grouped_mm``:
+    ``torch._grouped_mm``) to rounding."""
+    import transformers
+
+    from conveyor.model.layers.moe import moe_block
+
+    cls_name, overrides = FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(**{**_BASE, **overrides})
+    torch.manual_seed(1)
+    theirs = transformers.AutoModelForCausalLM.from_config(
+        cfg, experts_implementation="eager").model.layers[0].mlp
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0.0, 0.1)
+    theirs = theirs.to(dtype).eval()
+    hf = cfg.to_dict()
+    if family == "mixtral":
+        hf = {**hf, "norm_topk_prob": True, "moe_intermediate_size": None}
+    ours = moe_block(hf, cfg.hidden_size, SINGLE, float32_weights=family == "mixtral")
+    ours = ours.to(dtype)
+    with torch.no_grad():
+        ours.gate.weight.copy_(theirs.gate.weight)
+        for e, expert in enumerate(ours.experts):
+            expert.gate_up_proj.weight.copy_(theirs.experts.gate_up_proj[e])
+            expert.down_proj.weight.copy_(theirs.experts.down_proj[e])
+        x = torch.randn(37, cfg.hidden_size).to(dtype)
+        assert torch.equal(ours(x), theirs(x[None])[0])
+        theirs.experts.config._experts_implementation = "grouped_mm"
+        tol = 1e-6 if dtype is torch.float32 else 2e-2
+        torch.testing.assert_close(ours(x), theirs(x[None])[0], atol=tol, rtol=0)

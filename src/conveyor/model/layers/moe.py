@@ -49,10 +49,14 @@ class Expert(nn.Module):
 
 class SparseMoE(nn.Module):
     """``renormalize``: the top-k weights divided by their sum (Mixtral; Qwen3-MoE's
-    ``norm_topk_prob``), else the softmax's values as they are."""
+    ``norm_topk_prob``), else the softmax's values as they are. ``float32_weights``: the
+    expert outputs are scaled by float32 weights and rounded after (Mixtral), else by
+    weights rounded to the activations' dtype first (Qwen3-MoE), as each one's
+    transformers code does (the same in float32)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
-                 renormalize: bool, act: str = "silu", tp: TPShard = SINGLE) -> None:
+                 renormalize: bool, act: str = "silu", tp: TPShard = SINGLE,
+                 float32_weights: bool = False) -> None:
         super().__init__()
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported expert activation {act!r} (SwiGLU with silu only)")
@@ -61,39 +65,43 @@ class SparseMoE(nn.Module):
         self.tp = tp
         self.hidden, self.intermediate = hidden, intermediate  # this rank's intermediate
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.float32_weights = float32_weights
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
         self.experts = nn.ModuleList(Expert(hidden, intermediate) for _ in range(num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers computes them:
-        softmax in float32, top-k, optionally renormalized."""
+        """(weights [T, k], expert ids [T, k]) as transformers computes them: softmax in
+        float32, top-k, optionally renormalized."""
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        return (weights if self.float32_weights else weights.to(x.dtype)), experts
 
     def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
         weights, experts = self.route(x)
         out = torch.zeros_like(x)
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        # (slot, token) pairs grouped by expert, each expert's rows in transformers' order
+        # (by slot, then token): a GEMM's last rows may round otherwise than its first.
+        flat = experts.t().reshape(-1)
+        order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // self.top_k
-        pair_weights = weights.reshape(-1)[order]
+        tokens = order % x.shape[0]
+        pair_weights = weights.t().reshape(-1)[order]
         start = 0
         for e, n in enumerate(counts):
             if not n:
                 continue
             rows = tokens[start:start + n]
             h = self.experts[e](x[rows], ops)
-            out.index_add_(0, rows, h * pair_weights[start:start + n, None])
+            out.index_add_(0, rows, (h * pair_weights[start:start + n, None]).to(out.dtype))
             start += n
         return self.tp.all_reduce(out)
 
 
-def moe_block(hf: dict, hidden: int, tp: TPShard) -> SparseMoE:
+def moe_block(hf: dict, hidden: int, tp: TPShard, float32_weights: bool = False
+              ) -> SparseMoE:
     """The block of a Mixtral or Qwen3-MoE config.json (Qwen3-MoE's dense layers,
     ``mlp_only_layers`` or a ``decoder_sparse_step`` above 1, are refused by name)."""
     if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1) or 1) != 1:
@@ -103,4 +111,5 @@ def moe_block(hf: dict, hidden: int, tp: TPShard) -> SparseMoE:
     inter = hf.get("moe_intermediate_size") or hf["intermediate_size"]
     return SparseMoE(hidden, tp.intermediate(int(inter)), int(experts),
                      int(hf.get("num_experts_per_tok", 2)),
-                     bool(hf.get("norm_topk_prob", True)), hf.get("hidden_act", "silu"), tp)
+                     bool(hf.get("norm_topk_prob", True)), hf.get("hidden_act", "silu"), tp,
+                     float32_weights)

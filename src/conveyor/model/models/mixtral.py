@@ -16,7 +16,7 @@ class MixtralForCausalLM(DecoderForCausalLM):
     def make_mlp(self, layer: int) -> nn.Module | None:
         return moe_block({**self.cfg.hf_config, "norm_topk_prob": True,
                           "moe_intermediate_size": None},
-                         self.cfg.hidden_size, self.tp)
+                         self.cfg.hidden_size, self.tp, float32_weights=True)
 
 
 MODEL = MixtralForCausalLM
