@@ -256,3 +256,10 @@ def test_moe_block_equals_transformers_bit_for_bit(family: str, dtype: torch.dty
         theirs.experts.config._experts_implementation = "grouped_mm"
         tol = 1e-6 if dtype is torch.float32 else 2e-2
         torch.testing.assert_close(ours(x), theirs(x[None])[0], atol=tol, rtol=0)
+
+
+def test_a_draft_model_with_per_layer_windows_is_refused_at_start() -> None:
+    path = checkpoint("gemma2")
+    with pytest.raises(ValueError, match="per-layer sliding windows"):
+        LLM(path, dtype="float32", speculative_config={
+            "method": "draft_model", "model": path, "num_speculative_tokens": 2})
