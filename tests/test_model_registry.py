@@ -5,6 +5,7 @@ Llama are its traits, and the kernels package stays below the model layer."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 
 import pytest
@@ -33,6 +34,18 @@ def test_families_differ_by_traits_only() -> None:
     assert model_class("MistralForCausalLM").traits == FamilyTraits(sliding_window=True)
     assert model_class("Qwen2ForCausalLM").traits == FamilyTraits(qkv_bias=True)
     assert model_class("Qwen3ForCausalLM").traits == FamilyTraits(qk_norm=True)
+    assert model_class("Phi3ForCausalLM").traits == FamilyTraits(sliding_window=True)
+    assert model_class("GraniteForCausalLM").traits == FamilyTraits()  # config multipliers
+    assert model_class("Olmo2ForCausalLM").traits == FamilyTraits(post_norms_only=True,
+                                                                  qk_norm_full=True)
+    gemma2 = FamilyTraits(sliding_window=True, norm_plus_one=True, sandwich_norms=True,
+                          embed_scale_sqrt=True)
+    assert model_class("Gemma2ForCausalLM").traits == gemma2
+    assert model_class("Gemma3ForCausalLM").traits == dataclasses.replace(
+        gemma2, qk_norm=True, local_rope=True)
+    # Mixtures of experts: their attention's traits, a sparse block from make_mlp.
+    assert model_class("MixtralForCausalLM").traits == FamilyTraits(sliding_window=True)
+    assert model_class("Qwen3MoeForCausalLM").traits == FamilyTraits(qk_norm=True)
 
 
 def test_the_kernels_package_does_not_import_the_model_layer() -> None:

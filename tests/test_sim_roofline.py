@@ -178,3 +178,52 @@ def test_unknown_hardware_and_cost_names():
         load_hardware("tpu")
     with pytest.raises(ValueError, match="roofline"):
         make_cost_model("guess", toy_model())
+
+
+@pytest.mark.parametrize("arch", ["MixtralConfig", "Qwen3MoeConfig"])
+def test_moe_parameter_count_matches_transformers_and_costs_active_ones(arch):
+    """Every expert counts in the weights (the KV pool's room); a token's FLOPs count its
+    k experts; a step reads the experts its tokens touch, k at one token, all E soon."""
+    import torch
+    import transformers
+
+    experts = ({"num_local_experts": 8} if arch == "MixtralConfig"
+               else {"num_experts": 8, "moe_intermediate_size": 48})
+    cfg = getattr(transformers, arch)(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts_per_tok=2,
+        **experts)
+    with torch.device("meta"):
+        hf_model = transformers.AutoModelForCausalLM.from_config(cfg)
+    d = cfg.to_dict()
+    d["architectures"] = [type(hf_model).__name__]
+    model = model_config_from_hf(d, "moe")
+    shape = ModelShape.from_config(model)
+    assert shape.num_params == sum(p.numel() for p in hf_model.parameters())
+    dense_mlp = 3 * 64 * shape.expert_intermediate
+    assert shape.layer_matmul_params - shape.active_layer_matmul_params == 6 * dense_mlp
+    assert shape.experts_touched(1) == pytest.approx(2.0)
+    assert shape.experts_touched(200) == pytest.approx(8.0)
+    cost = RooflineCostModel(model, TOY_HW)
+    one, many = (cost.cost(BatchShape(num_decodes=n, num_sampled=n, decode_context=n))
+                 for n in (1, 200))
+    expert_bytes = 2 * dense_mlp * 4  # two layers, float32
+    assert many.bytes_per_device - one.bytes_per_device == pytest.approx(
+        6 * expert_bytes + 199 * (64 * 4 + model.kv_bytes_per_token * 2), rel=1e-9)
+
+
+@pytest.mark.parametrize("family", ["phi3", "granite", "olmo2", "gemma2", "gemma3"])
+def test_newer_families_parameter_count_matches_transformers(family):
+    import torch
+    import transformers
+
+    from test_families import _BASE, FAMILIES
+
+    cls_name, overrides = FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(**{**_BASE, **overrides})
+    with torch.device("meta"):
+        hf_model = transformers.AutoModelForCausalLM.from_config(cfg)
+    d = cfg.to_dict()
+    d["architectures"] = [type(hf_model).__name__]
+    assert ModelShape.from_config(model_config_from_hf(d, family)).num_params == sum(
+        p.numel() for p in hf_model.parameters())

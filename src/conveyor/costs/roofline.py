@@ -22,6 +22,11 @@ and each layer adds two ring all-reduces of the T x H activations:
 
 The KV pool is what is left of ``memory * memory_utilization`` per device after
 that device's share of the weights.
+
+A mixture of experts (E experts of intermediate I, top-k) is costed by its active
+parameters: a token's FLOPs count its k experts (and the router), not all E; the bytes
+count the experts a step's T tokens touch, E * (1 - (1 - k/E)^T) of them in expectation
+under uniform routing (k at one token, all E soon after), every other weight once.
 """
 
 from __future__ import annotations
@@ -47,6 +52,14 @@ class ModelShape:
     mlp_bias: bool
     qk_norm: bool
     dtype_bytes: int
+    # A mixture of experts: E experts of intermediate ``expert_intermediate``, top-k each
+    # token (0: a dense MLP of ``intermediate``).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    # Norm weights a layer has beyond two hidden-wide norms and per-head q/k norms
+    # (Gemma's post-norms, OLMo 2's q/k norms over all heads).
+    extra_norm_params: int = 0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> ModelShape:
@@ -58,13 +71,40 @@ class ModelShape:
                    attention_bias=bool(hf.get("attention_bias",
                                               cfg.architecture == "Qwen2ForCausalLM")),
                    mlp_bias=bool(hf.get("mlp_bias", False)),
-                   qk_norm=cfg.architecture == "Qwen3ForCausalLM",
-                   dtype_bytes=4 if cfg.dtype == "float32" else 2)
+                   qk_norm=cfg.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                                "Gemma3ForCausalLM"),
+                   dtype_bytes=4 if cfg.dtype == "float32" else 2, **_experts(hf),
+                   extra_norm_params=_extra_norms(cfg))
 
     @property
     def layer_matmul_params(self) -> int:
+        """Every matmul weight of a layer (all experts of a MoE)."""
+        if self.num_experts:
+            return self._attention_params + self.num_experts * (
+                self.hidden + self.expert_params)
+        return self._attention_params + 3 * self.hidden * self.intermediate
+
+    @property
+    def active_layer_matmul_params(self) -> int:
+        """The matmul weights one token multiplies in a layer (its k experts, the router)."""
+        if self.num_experts:
+            return (self._attention_params + self.num_experts * self.hidden
+                    + self.experts_per_token * self.expert_params)
+        return self.layer_matmul_params
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def _attention_params(self) -> int:
         q, kv, h = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.hidden
-        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate
+        return h * q + 2 * h * kv + q * h
+
+    def experts_touched(self, tokens: int) -> float:
+        """Expected distinct experts a layer runs for ``tokens`` tokens (uniform routing)."""
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** tokens) if e else 0.0
 
     @property
     def layer_other_params(self) -> int:
@@ -77,7 +117,7 @@ class ModelShape:
             n += 2 * self.intermediate + self.hidden
         if self.qk_norm:
             n += 2 * self.head_dim
-        return n
+        return n + self.extra_norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -136,13 +176,16 @@ class RooflineCostModel:
         self.tp = tp
         self.cap_kv_to_useful = hardware.device_type == "cpu"
         s = self.shape
-        self._flops_per_token = 2.0 * s.num_layers * s.layer_matmul_params
+        self._flops_per_token = 2.0 * s.num_layers * s.active_layer_matmul_params
         self._flops_per_sample = 2.0 * s.hidden * s.vocab
         self._flops_per_pair = 4.0 * s.num_layers * s.num_heads * s.head_dim
         # Every weight is streamed once per step except an untied embedding table, of which
         # only the T rows looked up are read (a tied one is streamed as the LM head).
         untied_embedding = 0 if s.tied_embeddings else s.embedding_params * s.dtype_bytes
         self._weight_bytes = (s.weight_bytes - untied_embedding) / tp
+        # A MoE's experts are in _weight_bytes only as far as a step's tokens touch them.
+        self._expert_bytes = s.num_layers * s.expert_params * s.dtype_bytes / tp
+        self._weight_bytes -= self._expert_bytes * s.num_experts
         self._embed_row_bytes = s.hidden * s.dtype_bytes / tp
         self._kv_bytes = s.kv_bytes_per_token(tp)
         self._flops_per_s = tp * hardware.peak_flops(model.dtype) * hardware.compute_efficiency
@@ -160,7 +203,8 @@ class RooflineCostModel:
         flops = (self._flops_per_token * tokens + self._flops_per_sample * b.num_sampled
                  + self._flops_per_pair * (b.prefill_attention + b.decode_context))
         nbytes = (self._weight_bytes + self._embed_row_bytes * tokens
-                  + self._kv_bytes * (b.prefill_context + b.decode_context + tokens))
+                  + self._kv_bytes * (b.prefill_context + b.decode_context + tokens)
+                  + self._expert_bytes * self.shape.experts_touched(tokens))
         comm = 2 * self.shape.num_layers * (self._ar_latency + self._ar_s_per_token * tokens) \
             if self.tp > 1 else 0.0
         return RooflineBreakdown(flops, nbytes, flops / self._flops_per_s,
@@ -174,6 +218,7 @@ class RooflineCostModel:
                    ) / self._flops_per_s
         memory = (self._weight_bytes + self._embed_row_bytes * tokens
                   + self._kv_bytes * (b.prefill_context + b.decode_context + tokens)
+                  + self._expert_bytes * self.shape.experts_touched(tokens)
                   ) / self._bytes_per_s
         comm = 2 * self.shape.num_layers * (self._ar_latency + self._ar_s_per_token * tokens) \
             if self.tp > 1 else 0.0
@@ -197,3 +242,22 @@ class RooflineCostModel:
         return (f"roofline {hw.name} x tp{self.tp} ({hw.peak_tflops:g} TFLOP/s x "
                 f"{hw.compute_efficiency:g}, {hw.memory_bandwidth_gbps:g} GB/s x "
                 f"{hw.memory_efficiency:g}, {hw.step_overhead_ms:g} ms/step)")
+
+
+def _experts(hf: dict) -> dict[str, int]:
+    """A mixture of experts' shape from config.json (Mixtral's ``num_local_experts``,
+    Qwen3-MoE's ``num_experts`` and ``moe_intermediate_size``); empty for a dense model."""
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    return {"num_experts": experts, "experts_per_token": int(hf.get("num_experts_per_tok", 2)),
+            "expert_intermediate": int(hf.get("moe_intermediate_size")
+                                       or hf["intermediate_size"])}
+
+
+def _extra_norms(cfg: ModelConfig) -> int:
+    if cfg.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        return 2 * cfg.hidden_size  # pre- and post-feedforward norms
+    if cfg.architecture == "Olmo2ForCausalLM":
+        return (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+    return 0

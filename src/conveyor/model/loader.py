@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from conveyor.config import ModelConfig
 from conveyor.distributed.parallel import SINGLE, TPShard
+from conveyor.model import moe_weights
 from conveyor.model.layers.rotary import RotaryEmbedding
 from conveyor.model.models.decoder import DecoderForCausalLM
 from conveyor.model.models.registry import model_class
@@ -51,6 +52,7 @@ def load_model(cfg: ModelConfig, device: torch.device, tp: TPShard = SINGLE
         with torch.no_grad():
             for param in model.parameters():
                 param.copy_(param.to(storage))
+    model.after_load(device)
     return model.eval().requires_grad_(False)
 
 
@@ -75,6 +77,9 @@ def _init_dummy(model: DecoderForCausalLM, seed: int, tp: TPShard = SINGLE) -> N
 def _full_shape(model: DecoderForCausalLM, name: str, param: torch.Tensor) -> tuple[int, ...]:
     cfg = model.cfg
     hd, hidden = cfg.head_dim, cfg.hidden_size
+    expert = moe_weights.expert_full_shape(name, param, model.tp)
+    if expert is not None:
+        return expert
     if ".qkv_proj." in name:
         return ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, hidden)
     if ".gate_up_proj." in name:
@@ -97,7 +102,7 @@ def _keep_rank_part(model: DecoderForCausalLM, name: str, param: torch.Tensor,
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         packed = full.split([q, kv, kv])
     elif ".gate_up_proj." in name:
-        packed = full.split([cfg.intermediate_size] * 2)
+        packed = full.split(full.shape[0] // 2)  # an expert's intermediate, or the MLP's
     if packed is None:
         part = _rank_slice(model, name, None, full, tp)
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
@@ -130,10 +135,25 @@ def _load_safetensors(model: DecoderForCausalLM, path: str, tp: TPShard = SINGLE
     for file in _weight_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                stacked = False  # experts stacked in one tensor: into each expert's own
+                for our, shard, start, whole in moe_weights.stacked_pieces(
+                        name, f.get_slice(name)):
+                    _fill_shard(model, params[our], our, shard, whole, tp, start,
+                                whole.shape[0] // (1 if shard is None else 2))
+                    filled.add(f"{our}#{shard}")
+                    stacked = True
+                if stacked:
+                    continue
                 target = _target(model, name)
                 if target is None:
                     continue
                 our_name, shard = target
+                if shard == FUSED:  # Phi-3's own qkv_proj / gate_up_proj: every shard
+                    for i, (start, size) in enumerate(_fused_pieces(model, our_name)):
+                        _fill_shard(model, params[our_name], our_name, i,
+                                    f.get_slice(name), tp, start, size)
+                        filled.add(f"{our_name}#{i}")
+                    continue
                 param = params[our_name]
                 if tp.enabled:
                     tensor = _rank_slice(model, our_name, shard, f.get_slice(name), tp)
@@ -155,6 +175,43 @@ def _load_safetensors(model: DecoderForCausalLM, path: str, tp: TPShard = SINGLE
                          f"{' ...' if len(missing) > 5 else ''}")
 
 
+# A checkpoint tensor already packed as ours (Phi-3's qkv_proj and gate_up_proj).
+FUSED = -1
+
+
+def _fused_pieces(model: DecoderForCausalLM, our_name: str) -> list[tuple[int, int]]:
+    """(first row, rows) of each shard within a whole (unsharded) packed tensor."""
+    cfg = model.cfg
+    if ".qkv_proj." in our_name:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return [(0, q), (q, kv), (q + kv, kv)]
+    inter = cfg.intermediate_size
+    return [(0, inter), (inter, inter)]
+
+
+class _Rows:
+    """Rows ``[start, start + size)`` of a safetensors slice, indexed as its own tensor
+    (``_rank_slice`` then reads a rank's rows of one shard of a packed tensor)."""
+
+    def __init__(self, src, start: int, size: int) -> None:
+        self.src, self.start, self.size = src, start, size
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        lo, hi, _ = rows.indices(self.size)
+        return self.src[self.start + lo:self.start + hi]
+
+
+def _fill_shard(model: DecoderForCausalLM, param: torch.nn.Parameter, our_name: str,
+                shard: int, src, tp: TPShard, start: int, size: int) -> None:
+    """One shard of a checkpoint tensor that is packed already, read without the rest."""
+    rows = _Rows(src, start, size)
+    if shard is None:  # a whole (unpacked) projection: _rank_slice reads its columns
+        tensor = _rank_slice(model, our_name, None, src, tp) if tp.enabled else src[:]
+    else:
+        tensor = _rank_slice(model, our_name, shard, rows, tp) if tp.enabled else rows[:]
+    _copy_shard(model, our_name, shard, param, tensor)
+
+
 def _num_shards(name: str) -> int:
     if ".qkv_proj." in name:
         return 3
@@ -165,11 +222,16 @@ def _num_shards(name: str) -> int:
 
 def _target(model: DecoderForCausalLM, name: str) -> tuple[str, int | None] | None:
     if name.startswith("model.layers."):
+        expert = moe_weights.expert_target(name)
+        if expert is not None:
+            return expert
         m = _LAYER.match(name)
         if m and m.group(3) in _PACKED:
             layer, block, proj, kind = m.groups()
             packed, idx = _PACKED[proj]
             return f"layers.{layer}.{block}.{packed}.{kind}", idx
+        if m and m.group(3) in ("qkv_proj", "gate_up_proj"):
+            return name.removeprefix("model."), FUSED
         return name.removeprefix("model."), None
     if name in ("model.embed_tokens.weight", "model.norm.weight"):
         return name.removeprefix("model."), None

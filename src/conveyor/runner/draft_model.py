@@ -104,6 +104,9 @@ class DraftModelProposer(Proposer):
         self.runner = make_runner(draft, cache, device, attention_backend,
                                   linear_backend="native" if native else "auto",
                                   linear_rows=(1, 1))
+        if len(self.runner.layer_windows) > 1:  # its decode rows carry one window's starts
+            raise ValueError(f"draft model {config.model!r}: per-layer sliding windows "
+                             "(Gemma 2/3) are not supported in a draft model")
         self.native: DraftForward | None = None  # built with the KV caches
         self._native_wanted = native
         self._states: dict[str, _DraftState] = {}

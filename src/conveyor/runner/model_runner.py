@@ -36,6 +36,7 @@ from conveyor.runner.prompt_logprobs import compute_prompt_logprobs, prompt_span
 from conveyor.runner.request_state import RequestState
 from conveyor.runner.sampler import Sampler, SamplingRow
 from conveyor.runner.verify import VerifyGroup, verify
+from conveyor.runner.window_views import PrefillArgs, add_window_views
 from conveyor.sampling_params import SamplingParams
 from conveyor.spec.proposers import ProposeItem, Proposer, make_proposer
 from conveyor.timings import PhaseTimings
@@ -98,6 +99,8 @@ class ModelRunner:
         self.sampler = Sampler(model_cfg.vocab_size, device, seed=model_cfg.seed)
         self.requests: dict[str, RequestState] = {}
         self.sliding_window = self.model.sliding_window
+        # Per-layer windows (Gemma 2/3): each one's metadata view (runner/window_views.py).
+        self.layer_windows = sorted(set(self.model.layer_windows), key=lambda w: w or 0)
         # One plan of backends (model/autotune/plan.py: measured on this machine where
         # ``auto`` has a choice), then applied.
         self.backend_plan = plan_backends(self.model, ModelShape(
@@ -355,6 +358,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_ctx: list[int] = []
         prefills: list[PrefillSegment] = []
+        prefill_args: list[PrefillArgs] = []
         sampling = out.sampling_req_ids
         cursor = 0
         spec = out.scheduled_spec_tokens
@@ -389,6 +393,7 @@ class ModelRunner:
                 decode_ctx.append(ctx)
             else:
                 prefills.append(self._prefill_segment(cursor, n, start, table))
+                prefill_args.append((cursor, n, start, table))
             if rid in sampling:  # the scheduler's decision: its chunk reaches the end
                 logits_rows.append((cursor + n - 1, rid))
             cursor += n
@@ -399,6 +404,9 @@ class ModelRunner:
                                  sliding_window=self.sliding_window)
         if decode_ctx:
             self._decode_layout(meta, decode_tables, decode_ctx)
+        if len(self.layer_windows) > 1:
+            add_window_views(meta, self.sliding_window, self.layer_windows, prefill_args,
+                             decode_ctx, self._prefill_segment)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = self._to_device(np.concatenate(pos_chunks))
         return input_ids, positions, meta, logits_rows
@@ -420,10 +428,11 @@ class ModelRunner:
             meta.decode_mask = torch.from_numpy(attended(slots.shape[1], lens, starts)).to(
                 self.device)
 
-    def _prefill_segment(self, cursor: int, n: int, start: int,
-                         table: np.ndarray) -> PrefillSegment:
+    def _prefill_segment(self, cursor: int, n: int, start: int, table: np.ndarray,
+                         window: int | str | None = "model") -> PrefillSegment:
+        """``window``: the layers' of this segment (``"model"``: the model-level one)."""
         ctx = start + n
-        window = self.sliding_window
+        window = self.sliding_window if window == "model" else window
         if start == 0 and (window is None or n <= window):
             return PrefillSegment(cursor, n)  # plain causal over its own new K/V
         cols = np.arange(ctx, dtype=np.int64)

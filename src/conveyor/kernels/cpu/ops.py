@@ -493,6 +493,9 @@ class DraftForward:
         inter = layers[0].mlp.intermediate
         if getattr(model, "tp", None) is not None and model.tp.enabled:
             raise ValueError("conveyor::draft_propose: not under tensor parallelism")
+        if not getattr(model, "native_draft_ok", True):
+            raise ValueError("conveyor::draft_propose: Llama's arithmetic only (this "
+                             "family's norms, scales or MLP differ)")
         head = model.packed_lm_head
         embed = model.embed_tokens.weight
         vocab = embed.shape[0]

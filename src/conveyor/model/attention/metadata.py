@@ -40,6 +40,19 @@ class AttentionMetadata:
     # The model's sliding window (None: none), for kernels that mask by position (triton).
     sliding_window: int | None = None
     _fresh: torch.Tensor | None = field(default=None, init=False, repr=False)
+    # Per-layer sliding windows (Gemma 2/3): the step's metadata for each window a layer
+    # may have (None: full attention), the same tokens and slots with other decode starts
+    # and prefill masks. Empty where every layer has the same window (this object).
+    by_window: dict[int | None, AttentionMetadata] = field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The metadata of a layer with this window; a layer of a mixed-window model must
+        find its view (built by the runner), never fall back on another window's."""
+        view = self.by_window.get(window)
+        if view is None:
+            raise ValueError(f"no attention metadata for sliding window {window}: a model "
+                             "with per-layer windows needs the runner's by_window views")
+        return view
 
     def fresh_segments(self) -> torch.Tensor:
         """[2, S] int32: the first rows and lengths of the fresh prompts (no cached

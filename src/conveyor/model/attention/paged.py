@@ -21,17 +21,24 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.model.attention.metadata import AttentionMetadata
+from conveyor.model.attention.softcap import capped_paged_attention
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, Hq, D]."""
+                    meta: AttentionMetadata, scale: float,
+                    softcap: float | None = None) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, Hq, D].
+    ``softcap``: logits capped at that (Gemma 2). A backend with one kernel for the whole
+    layer (``unified``: triton) takes the cap and the metadata's window itself; for the
+    others ``softcap.py`` computes capped layers (no C kernel takes a cap)."""
     unified = getattr(meta.decode_kernel, "unified", None)  # one kernel for the whole layer
     if unified is not None:
-        return unified(q, k, v, k_cache, v_cache, meta, scale)
+        return unified(q, k, v, k_cache, v_cache, meta, scale, softcap=softcap)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if softcap is not None:
+        return capped_paged_attention(q, k, v, k_cache, v_cache, meta, scale, softcap)
     nd = meta.num_decodes
     if nd and not meta.prefills:
         return meta.decode_kernel(q, k_cache, v_cache, meta, scale)

@@ -39,7 +39,7 @@ def pack_linears_by(model: nn.Module, backend_of: Callable[[str, torch.Tensor], 
                 module: nn.Module = child
                 if linear_backends.get(backend).packs:
                     module = packed_linear(child.weight, child.bias, backend,
-                                           gate_up=name == "gate_up_proj")
+                                           gate_up=_fuses_silu(parent, name))
                     count += 1
                 if (few_rows > 0 and not isinstance(module, NativeLinear)
                         and not getattr(module, "applies_silu_mul", False)):
@@ -59,6 +59,12 @@ def pack_linears(model: nn.Module, backend: str = "onednn") -> int:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, packed_linear(child.weight, child.bias, backend,
-                                                    gate_up=name == "gate_up_proj"))
+                                                    gate_up=_fuses_silu(parent, name)))
                 count += 1
     return count
+
+
+def _fuses_silu(parent: nn.Module, name: str) -> bool:
+    """A gated MLP's ``gate_up_proj`` takes silu(gate) * up fused in, unless its MLP
+    says its activation is another (``fuses_silu``: Gemma's gelu-tanh)."""
+    return name == "gate_up_proj" and getattr(parent, "fuses_silu", True)

@@ -14,6 +14,13 @@ FAMILIES = {
     "MistralForCausalLM": "conveyor.model.models.mistral",
     "Qwen2ForCausalLM": "conveyor.model.models.qwen2",
     "Qwen3ForCausalLM": "conveyor.model.models.qwen3",
+    "Phi3ForCausalLM": "conveyor.model.models.phi3",
+    "GraniteForCausalLM": "conveyor.model.models.granite",
+    "Olmo2ForCausalLM": "conveyor.model.models.olmo2",
+    "Gemma2ForCausalLM": "conveyor.model.models.gemma2",
+    "Gemma3ForCausalLM": "conveyor.model.models.gemma3",
+    "MixtralForCausalLM": "conveyor.model.models.mixtral",
+    "Qwen3MoeForCausalLM": "conveyor.model.models.qwen3_moe",
 }
 
 

@@ -1,0 +1,94 @@
+"""A mixture-of-experts decode step against the dense model with the same active
+parameters per token, dummy weights, side by side in one process.
+
+The MoE is Mixtral-shaped (E experts of intermediate I, top-k routing); the dense model
+is Llama with intermediate k * I, so a token's FLOPs and the weights one token reads
+are the same. At batch 1 the two read the same bytes; as the batch grows, more experts
+are active and the MoE reads up to E / k times the dense MLP's weights. Rounds alternate
+the two models so machine noise hits both; the median step of each is printed.
+
+    python -m benchmarks.steps.moe_decode --batch 1,8,32 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.config.presets import write_checkpoint_files
+
+COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+          "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "vocab_size": 32000,
+          "max_position_embeddings": 4096, "rope_theta": 10000.0,
+          "tie_word_embeddings": False}
+
+
+def shapes(args) -> dict[str, dict]:
+    base = {**COMMON, "hidden_size": args.hidden, "num_hidden_layers": args.layers,
+            "num_attention_heads": args.hidden // 64, "num_key_value_heads": args.hidden // 128}
+    moe = {**base, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+           "intermediate_size": args.intermediate, "num_local_experts": args.experts,
+           "num_experts_per_tok": args.top_k}
+    dense = {**base, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+             "intermediate_size": args.top_k * args.intermediate}
+    return {"moe": moe, "dense": dense}
+
+
+def build(path: str, batch: int, context: int) -> LLM:
+    llm = LLM(path, dtype="float32", load_format="dummy", max_num_seqs=batch,
+              max_num_batched_tokens=max(512, batch * context), enable_prefix_caching=False)
+    rng = random.Random(0)
+    for i in range(batch):
+        llm.engine.add_request({"prompt_token_ids": [rng.randrange(10, 30000)
+                                                     for _ in range(context)]},
+                               SamplingParams(max_tokens=10_000, ignore_eos=True,
+                                              temperature=0.0), request_id=str(i))
+    for _ in range(3):  # the prefill, then the first decode steps
+        llm.engine.step()
+    return llm
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", default="1,8,32")
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--intermediate", type=int, default=1024, help="per expert")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="steps a round")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    paths = {}
+    for name, cfg in shapes(args).items():
+        paths[name] = tempfile.mkdtemp(prefix=f"conveyor-moe-bench-{name}-")
+        write_checkpoint_files(paths[name], cfg)
+    print(f"MoE: {args.experts} experts x intermediate {args.intermediate}, top-{args.top_k}; "
+          f"dense: intermediate {args.top_k * args.intermediate}; hidden {args.hidden}, "
+          f"{args.layers} layers, float32, {args.threads} threads")
+    print("batch  dense ms/step  moe ms/step  moe/dense")
+    for batch in [int(b) for b in args.batch.split(",")]:
+        llms = {name: build(path, batch, args.context) for name, path in paths.items()}
+        times: dict[str, list[float]] = {name: [] for name in llms}
+        for _ in range(args.rounds):
+            for name, llm in llms.items():
+                for _ in range(args.steps):
+                    t = time.perf_counter()
+                    llm.engine.step()
+                    times[name].append(time.perf_counter() - t)
+        d, m = (statistics.median(times[n]) * 1e3 for n in ("dense", "moe"))
+        print(f"{batch:5d}  {d:13.2f}  {m:11.2f}  {m / d:9.2f}")
+        del llms
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The sparse mixture-of-experts block (Mixtral, Qwen3-MoE): a router picks each token's
+top-k experts, each expert a gated (SwiGLU) MLP, the outputs summed by the router's
+weights.
+
+Experts run grouped by expert, not token by token: the (token, expert) pairs are sorted
+by expert, and each active expert multiplies all of its tokens' rows at once (one GEMM
+for gate/up, one for down); the weighted outputs are added back into their tokens' rows
+expert after expert, in ascending expert order as transformers adds them, so the sums
+round alike.
+
+Each expert's projections are ``nn.Linear``s (``experts.E.gate_up_proj``, gate rows then
+up rows, and ``experts.E.down_proj``), so the linear backends pack them like any other
+projection (oneDNN, conveyor's GEMM with silu(gate) * up fused in, measured per shape):
+``torch._grouped_mm`` runs on CPU but measured no faster than one GEMM per active expert
+(docs/results). The loader fills them from either checkpoint layout (stacked, or one
+tensor per expert) in place. Under tensor parallelism a rank holds every expert's slice
+of the intermediate dimension (its rows of gate and up, its columns of down) and the
+block's output is all-reduced; the router is replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.distributed.parallel import SINGLE, TPShard
+
+
+class Expert(nn.Module):
+    """One expert: packed gate/up and down projections (``MLP``'s names, so the packers
+    treat it alike)."""
+
+    fuses_silu = True
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        if not getattr(self.gate_up_proj, "applies_silu_mul", False):  # else fused in
+            h = ops.silu_mul(h, self.intermediate) if ops is not None else (
+                F.silu(h[:, :self.intermediate]) * h[:, self.intermediate:])
+        return self.down_proj(h)
+
+
+class SparseMoE(nn.Module):
+    """``renormalize``: the top-k weights divided by their sum (Mixtral; Qwen3-MoE's
+    ``norm_topk_prob``), else the softmax's values as they are. ``float32_weights``: the
+    expert outputs are scaled by float32 weights and rounded after (Mixtral), else by
+    weights rounded to the activations' dtype first (Qwen3-MoE), as each one's
+    transformers code does (the same in float32)."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 renormalize: bool, act: str = "silu", tp: TPShard = SINGLE,
+                 float32_weights: bool = False) -> None:
+        super().__init__()
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported expert activation {act!r} (SwiGLU with silu only)")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be in 1..{num_experts}")
+        self.tp = tp
+        self.hidden, self.intermediate = hidden, intermediate  # this rank's intermediate
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.float32_weights = float32_weights
+        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(Expert(hidden, intermediate) for _ in range(num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) as transformers computes them: softmax in
+        float32, top-k, optionally renormalized."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.float32_weights else weights.to(x.dtype)), experts
+
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        weights, experts = self.route(x)
+        out = torch.zeros_like(x)
+        # (slot, token) pairs grouped by expert, each expert's rows in transformers' order
+        # (by slot, then token): a GEMM's last rows may round otherwise than its first.
+        flat = experts.t().reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order % x.shape[0]
+        pair_weights = weights.t().reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            rows = tokens[start:start + n]
+            h = self.experts[e](x[rows], ops)
+            out.index_add_(0, rows, (h * pair_weights[start:start + n, None]).to(out.dtype))
+            start += n
+        return self.tp.all_reduce(out)
+
+
+def moe_block(hf: dict, hidden: int, tp: TPShard, float32_weights: bool = False
+              ) -> SparseMoE:
+    """The block of a Mixtral or Qwen3-MoE config.json (Qwen3-MoE's dense layers,
+    ``mlp_only_layers`` or a ``decoder_sparse_step`` above 1, are refused by name)."""
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1) or 1) != 1:
+        raise ValueError("dense layers among the sparse ones (mlp_only_layers, "
+                         "decoder_sparse_step > 1) are not supported")
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    inter = hf.get("moe_intermediate_size") or hf["intermediate_size"]
+    return SparseMoE(hidden, tp.intermediate(int(inter)), int(experts),
+                     int(hf.get("num_experts_per_tok", 2)),
+                     bool(hf.get("norm_topk_prob", True)), hf.get("hidden_act", "silu"), tp,
+                     float32_weights)
