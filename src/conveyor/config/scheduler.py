@@ -44,6 +44,8 @@ class SchedulerConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     # Speculative decoding (None: off): the scheduler decides the draft lengths.
     speculative: SpeculativeConfig | None = None
+    # Multi-LoRA: adapters in one step (0: LoRA off, no constraint). core/lora_gate.py.
+    max_loras: int = 0
 
     @property
     def long_prefill_threshold(self) -> int:

@@ -588,7 +588,7 @@ class Scheduler:
                 block_ids = self.kv.block_ids(rid)
                 out.new_reqs.append(NewRequestData(
                     rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
-                    block_ids, req.num_computed_tokens))
+                    block_ids, req.num_computed_tokens, req.lora_request))
                 self._blocks_sent[rid] = len(block_ids)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now

@@ -1,0 +1,99 @@
+"""The decoder's projections with LoRA: the base projection (whatever its backend) plus,
+for each adapter in the step, its delta on that adapter's rows only.
+
+Rows with no adapter never see a LoRA op, so they are exactly the base model's. A
+packed projection (qkv_proj, gate_up_proj) holds one slice per target; each target's
+delta goes into its slice of the output, before any activation (so gate/up is not fused
+with silu where LoRA is on: ``wrap_lora`` wraps before packing, and the packed module is
+then a plain projection). The delta is PEFT's ``lora_B(lora_A(x)) * scaling``, the same
+operations in the same order, added to the base output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.model.lora.adapter import LoRAAdapter
+
+
+@dataclass
+class LoRAGroup:
+    """One adapter's rows in the step's flat batch: a range when contiguous, else ids."""
+
+    adapter: LoRAAdapter
+    rows: slice | torch.Tensor
+
+
+@dataclass
+class LoRAContext:
+    """Set by the runner before each forward; every ``LoRALinear`` of the model reads it."""
+
+    groups: list[LoRAGroup] = field(default_factory=list)
+
+
+class LoRALinear(nn.Module):
+    """``base(x)`` plus each group's LoRA delta on its rows. ``slices``: (target, first
+    output column, width) of each adapted target within the base's output."""
+
+    applies_silu_mul = False
+
+    def __init__(self, base: nn.Module, layer: int, slices: list[tuple[str, int, int]],
+                 context: LoRAContext) -> None:
+        super().__init__()
+        self.base = base
+        self.layer = layer
+        self.slices = slices
+        self.context = context
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for group in self.context.groups:
+            modules = group.adapter.modules
+            xs = None
+            for target, start, width in self.slices:
+                m = modules.get((self.layer, target))
+                if m is None:
+                    continue
+                if xs is None:
+                    xs = x[group.rows]
+                delta = F.linear(F.linear(xs, m.a), m.b) * m.scaling
+                out = y[:, start:start + width] if len(self.slices) > 1 else y
+                if isinstance(group.rows, slice):
+                    out[group.rows] += delta
+                else:
+                    out.index_add_(0, group.rows, delta)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, targets={[s[0] for s in self.slices]}"
+
+
+def wrap_lora(model: nn.Module, context: LoRAContext) -> int:
+    """Wrap every decoder projection of ``model`` (a ``DecoderForCausalLM``, its linears
+    not yet packed) in a ``LoRALinear`` reading ``context``; returns how many."""
+    count = 0
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate
+        attn.qkv_proj = LoRALinear(attn.qkv_proj, i, [
+            ("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)], context)
+        attn.o_proj = LoRALinear(attn.o_proj, i, [("o_proj", 0, attn.o_proj.out_features)],
+                                 context)
+        mlp.gate_up_proj = LoRALinear(mlp.gate_up_proj, i, [
+            ("gate_proj", 0, inter), ("up_proj", inter, inter)], context)
+        mlp.down_proj = LoRALinear(mlp.down_proj, i,
+                                   [("down_proj", 0, mlp.down_proj.out_features)], context)
+        count += 4
+    return count
