@@ -5,11 +5,11 @@ prefill, preemption, prefix hits and more adapters in flight than ``max_loras``.
 from __future__ import annotations
 
 import pytest
+from lora_helpers import make_adapter, peft_greedy
 
 from conveyor import LLM, LoRARequest, SamplingParams
 
 from helpers import make_checkpoint, random_prompts
-from lora_helpers import make_adapter, peft_greedy
 
 pytest.importorskip("peft")
 

@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from conveyor.config import EngineArgs
+from conveyor.config.lora import LoRARequest
 from conveyor.engine.backend import CoreBackend, EngineInfo, EngineSink
 from conveyor.engine.core import EngineCore
 from conveyor.engine.engine_loop import EngineLoop, LocalCall, LoopCommand, LoopMessage
@@ -60,7 +61,6 @@ from conveyor.engine.messages import (
     UtilityResult,
 )
 from conveyor.engine.output_processor import OutputProcessor, fan_out
-from conveyor.config.lora import LoRARequest
 from conveyor.engine.validation import validate_lora, validate_scheduling
 from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.outputs import RequestMetrics, RequestOutput

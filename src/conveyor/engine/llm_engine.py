@@ -18,11 +18,11 @@ from collections.abc import Callable
 from typing import Any
 
 from conveyor.config import EngineArgs, EngineConfig
+from conveyor.config.lora import LoRARequest
 from conveyor.engine.core import EngineCore
 from conveyor.engine.detokenizer import load_tokenizer
 from conveyor.engine.messages import QueueFullError
 from conveyor.engine.output_processor import OutputProcessor, fan_out
-from conveyor.config.lora import LoRARequest
 from conveyor.engine.validation import validate_lora, validate_prompt, validate_scheduling
 from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.outputs import RequestMetrics, RequestOutput
