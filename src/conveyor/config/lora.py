@@ -95,3 +95,17 @@ def check_adapter(path: str, max_rank: int) -> dict:
         if cfg.get(flag):
             raise ValueError(f"adapter {path!r}: {flag} is not supported")
     return cfg
+
+
+def lora_tenant(tenant: str, lora_request: LoRARequest | None) -> str:
+    """The tenant a request counts under: its own, else its adapter's (``lora:NAME``), so
+    that the fair policy shares the engine across adapters as across tenants."""
+    if tenant == "default" and lora_request is not None:
+        return f"lora:{lora_request.lora_name}"
+    return tenant
+
+
+def lora_hash_key(extra_key: bytes, lora_id: int) -> bytes:
+    """The prefix cache's salt for an adapter's requests: its K/V differs from the base
+    model's for the same tokens, so blocks are shared only within one adapter."""
+    return extra_key if not lora_id else extra_key + b"|lora:%d" % lora_id

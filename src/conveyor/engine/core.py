@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from conveyor.config import EngineConfig, kv_hash_key
+from conveyor.config.lora import lora_tenant
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import ModelRunnerOutput, RequestUpdate, SchedulerOutput
@@ -154,7 +155,7 @@ class EngineCore:
         return Request(
             req.request_id, req.prompt_token_ids,
             params.clone(eos_token_ids=self.eos_token_ids), req.arrival_time,
-            priority=req.priority, tenant=req.tenant,
+            priority=req.priority, tenant=lora_tenant(req.tenant, req.lora_request),
             max_tokens=max_tokens, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
             kv_params=kv, lora_request=req.lora_request)
 
