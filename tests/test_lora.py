@@ -31,7 +31,7 @@ def check(llm: LLM, base: str, adapters: list[LoRARequest], n: int = 12, seed: i
           max_tokens: int = 10) -> None:
     prompts = random_prompts(n, lo=3, hi=40, seed=seed)
     loras = [None if i % 4 == 0 else adapters[i % len(adapters)] for i in range(n)]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     outs = llm.generate(prompts, params, lora_request=loras)
     differs = 0
     for i, (out, prompt, lora) in enumerate(zip(outs, prompts, loras)):
@@ -58,3 +58,29 @@ def test_greedy_equals_peft(base, adapters, config):
     check(llm, base, adapters)
     if config == "preempt":
         assert llm.stats()["num_preemptions"] > 0
+
+
+def test_prefix_hits_are_per_adapter(base, adapters):
+    """The same prompts under the base model, then adapter a1, then a1 again: a1 never
+    reads the base model's cached K/V (no hit, exact tokens), and hits its own."""
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, block_size=8)
+    prompts = random_prompts(4, lo=20, hi=40, seed=3)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    a1 = adapters[0]
+    for lora, hits in ((None, False), (a1, False), (a1, True), (None, True)):
+        outs = llm.generate(prompts, params, lora_request=lora)
+        for prompt, out in zip(prompts, outs):
+            want = peft_greedy(base, lora.lora_path if lora else None, tuple(prompt), 6)
+            assert out.outputs[0].token_ids == want
+            assert (out.num_cached_tokens > 0) == hits, (lora, out.num_cached_tokens)
+
+
+def test_bad_adapters_are_refused(base, adapters, tmp_path):
+    llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=8)
+    with pytest.raises(ValueError, match="rank 16, above --max-lora-rank 8"):
+        llm.generate([[5, 6, 7]], lora_request=adapters[1])
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        llm.generate([[5, 6, 7]], lora_request=LoRARequest("x", 9, str(tmp_path)))
+    plain = LLM(base, dtype="float32")
+    with pytest.raises(ValueError, match="--enable-lora"):
+        plain.generate([[5, 6, 7]], lora_request=adapters[0])
