@@ -79,7 +79,7 @@ def test_bad_adapters_are_refused(base, adapters, tmp_path):
     llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=8)
     with pytest.raises(ValueError, match="rank 16, above --max-lora-rank 8"):
         llm.generate([[5, 6, 7]], lora_request=adapters[1])
-    with pytest.raises(ValueError, match="no adapter_config.json"):
+    with pytest.raises(ValueError, match=r"no adapter_config\.json"):
         llm.generate([[5, 6, 7]], lora_request=LoRARequest("x", 9, str(tmp_path)))
     plain = LLM(base, dtype="float32")
     with pytest.raises(ValueError, match="--enable-lora"):

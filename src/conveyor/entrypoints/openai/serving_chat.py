@@ -63,7 +63,7 @@ MAX_TOP_LOGPROBS = 20
 
 async def create_chat_completion(state: ServerState, raw_request: Request) -> Response:
     req = parse_body(ChatCompletionRequest, await raw_request.body())
-    check_model(state, req.model)
+    lora = check_model(state, req.model)  # the adapter the model names, if one
     _check_supported(req)
     prompt = render_prompt(state, req)
     check_prompt_size(state, prompt, "messages")
@@ -74,7 +74,7 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
     request_id = random_id("chatcmpl")
     created = int(time.time())
     streams = await add_streams(state, [prompt], params, request_id,
-                                request_options(req, raw_request),
+                                request_options(req, raw_request) | {"lora_request": lora},
                                 output_kind="delta" if req.stream else "final",
                                 prompt_param="messages")
     if req.stream:

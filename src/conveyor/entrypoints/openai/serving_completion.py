@@ -58,7 +58,7 @@ from conveyor.outputs import CompletionOutput, RequestOutput
 
 async def create_completion(state: ServerState, raw_request: Request) -> Response:
     req = parse_body(CompletionRequest, await raw_request.body())
-    check_model(state, req.model)
+    lora = check_model(state, req.model)  # the adapter the model names, if one
     _check_supported(req)
     # max_tokens 0 with echo: the prompt alone; one token is generated and not shown.
     params = build_sampling_params(req, max_tokens=1 if _prompt_only(req) else req.max_tokens,
@@ -71,7 +71,7 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
     request_id = random_id("cmpl")
     created = int(time.time())
     streams = await add_streams(state, prompts, params, request_id,
-                                request_options(req, raw_request),
+                                request_options(req, raw_request) | {"lora_request": lora},
                                 output_kind="delta" if req.stream else "final")
     if req.stream:
         return sse_response(_stream(state, req, request_id, created, streams))
