@@ -84,3 +84,15 @@ def test_bad_adapters_are_refused(base, adapters, tmp_path):
     plain = LLM(base, dtype="float32")
     with pytest.raises(ValueError, match="--enable-lora"):
         plain.generate([[5, 6, 7]], lora_request=adapters[0])
+
+
+def test_tensor_parallel_2_shards_adapters(base, adapters, monkeypatch):
+    """TP = 2 (two gloo processes): each rank holds its part of every adapter, as of the
+    layer it adapts; greedy tokens still equal PEFT's for each adapter and the base."""
+    monkeypatch.setenv("CONVEYOR_MEASURE_LINEARS", "0")
+    llm = LLM(base, dtype="float32", num_threads=1, tensor_parallel_size=2,
+              enable_lora=True, max_loras=3, max_num_batched_tokens=24)
+    try:
+        check(llm, base, adapters, n=8, max_tokens=8)
+    finally:
+        llm.shutdown()
