@@ -258,6 +258,9 @@ class ModelRunner:
         # Decodes first, a request verifying drafts among them (one decode row per token).
         order = sorted(out.num_scheduled_tokens,
                        key=lambda rid: out.num_scheduled_tokens[rid] != 1 and rid not in spec)
+        if self.lora is not None:  # (then by adapter: each adapter's rows contiguous)
+            order.sort(key=lambda rid: (out.num_scheduled_tokens[rid] != 1 and rid not in spec,
+                                        self.requests[rid].lora_id))
         input_ids, positions, meta, logits_rows = self._prepare(order, out)
         if self.lora is not None:
             self.lora.set_step(lora_rows(order, out.num_scheduled_tokens, self.requests))

@@ -5,8 +5,11 @@ Rows with no adapter never see a LoRA op, so they are exactly the base model's. 
 packed projection (qkv_proj, gate_up_proj) holds one slice per target; each target's
 delta goes into its slice of the output, before any activation (so gate/up is not fused
 with silu where LoRA is on: ``wrap_lora`` wraps before packing, and the packed module is
-then a plain projection). The delta is PEFT's ``lora_B(lora_A(x)) * scaling``, the same
-operations in the same order, added to the base output.
+then a plain projection). The delta is PEFT's ``lora_B(lora_A(x)) * scaling`` added to
+the base output, computed per adapter as two products over the projection's targets at
+once (``FusedLoRA``: A stacked, B block-diagonal), the scaling and the add fused into
+the second (``addmm``): two ops per adapter and projection, on contiguous rows (the
+runner orders a step's rows by adapter).
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from conveyor.model.lora.adapter import LoRAAdapter
 
 @dataclass
 class LoRAGroup:
-    """One adapter's rows in the step's flat batch: a range when contiguous, else ids."""
+    """One adapter's rows in the step's flat batch: contiguous ranges."""
 
     adapter: LoRAAdapter
-    rows: slice | torch.Tensor
+    rows: list[slice]
 
 
 @dataclass
@@ -47,6 +50,8 @@ class LoRALinear(nn.Module):
         self.base = base
         self.layer = layer
         self.slices = slices
+        self.key = (layer, slices[0][0])
+        self.width = sum(w for _, _, w in slices)
         self.context = context
 
     @property
@@ -57,33 +62,32 @@ class LoRALinear(nn.Module):
     def out_features(self) -> int:
         return self.base.out_features
 
+    def prepare(self, adapter: LoRAAdapter) -> None:
+        """The adapter's fused form for this projection (at load, off the step's path)."""
+        adapter.fuse(self.layer, self.slices, self.width)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         for group in self.context.groups:
-            modules = group.adapter.modules
-            xs = None
-            for target, start, width in self.slices:
-                m = modules.get((self.layer, target))
-                if m is None:
-                    continue
-                if xs is None:
-                    xs = x[group.rows]
-                delta = F.linear(F.linear(xs, m.a), m.b) * m.scaling
-                out = y[:, start:start + width] if len(self.slices) > 1 else y
-                if isinstance(group.rows, slice):
-                    out[group.rows] += delta
+            f = group.adapter.fused.get(self.key)
+            if f is None:
+                continue
+            for rows in group.rows:
+                h = F.linear(x[rows], f.a)
+                if isinstance(f.scaling, float):
+                    y[rows].addmm_(h, f.b_t, alpha=f.scaling)
                 else:
-                    out.index_add_(0, group.rows, delta)
+                    y[rows] += (h @ f.b_t) * f.scaling
         return y
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, targets={[s[0] for s in self.slices]}"
 
 
-def wrap_lora(model: nn.Module, context: LoRAContext) -> int:
+def wrap_lora(model: nn.Module, context: LoRAContext) -> list[LoRALinear]:
     """Wrap every decoder projection of ``model`` (a ``DecoderForCausalLM``, its linears
-    not yet packed) in a ``LoRALinear`` reading ``context``; returns how many."""
-    count = 0
+    not yet packed) in a ``LoRALinear`` reading ``context``; returns them."""
+    out = []
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate
@@ -95,5 +99,5 @@ def wrap_lora(model: nn.Module, context: LoRAContext) -> int:
             ("gate_proj", 0, inter), ("up_proj", inter, inter)], context)
         mlp.down_proj = LoRALinear(mlp.down_proj, i,
                                    [("down_proj", 0, mlp.down_proj.out_features)], context)
-        count += 4
-    return count
+        out += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    return out

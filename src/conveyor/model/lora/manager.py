@@ -28,7 +28,7 @@ class LoRAManager:
         self.dtype = dtype
         self.tp = tp
         self.context = LoRAContext()
-        wrap_lora(model, self.context)
+        self.layers = wrap_lora(model, self.context)
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU order
         self.users: dict[int, set[str]] = {}  # adapter id -> live request ids
 
@@ -40,6 +40,8 @@ class LoRAManager:
             return held
         adapter = load_adapter(request, self.model, self.config.max_lora_rank, self.dtype,
                                self.tp)
+        for layer in self.layers:
+            layer.prepare(adapter)
         self.adapters[request.lora_int_id] = adapter
         self._evict()
         return adapter
@@ -85,12 +87,13 @@ class LoRAManager:
         for lora_id, spans in rows.items():
             adapter = self.adapters[lora_id]
             self.adapters.move_to_end(lora_id)
-            first, last = spans[0][0], spans[-1][0] + spans[-1][1]
-            if sum(n for _, n in spans) == last - first:  # one contiguous range
-                groups.append(LoRAGroup(adapter, slice(first, last)))
-            else:
-                ids = torch.cat([torch.arange(s, s + n) for s, n in spans])
-                groups.append(LoRAGroup(adapter, ids))
+            merged: list[list[int]] = []  # adjacent spans as one range
+            for start, n in spans:
+                if merged and merged[-1][1] == start:
+                    merged[-1][1] = start + n
+                else:
+                    merged.append([start, start + n])
+            groups.append(LoRAGroup(adapter, [slice(a, b) for a, b in merged]))
         self.context.groups = groups
 
     def clear_step(self) -> None:

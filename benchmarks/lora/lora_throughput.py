@@ -1,0 +1,103 @@
+"""Decode throughput with LoRA adapters in flight against the base model alone.
+
+A batch of ``--batch`` requests (short prompts, ``--max-tokens`` each, no eos) through
+``LLM.generate`` on a dummy-weight preset; the requests take 1, 4 or 16 adapters round
+robin (``--max-loras`` 16: all in one step), at each rank; output tokens per second of
+the whole run (prefill included, small here). Adapters are written as PEFT checkpoints
+(adapter_config.json + adapter_model.safetensors, random A and B, every projection).
+
+    python -m benchmarks.lora.lora_throughput --model smollm2-135m --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from conveyor import LLM, LoRARequest, SamplingParams
+from conveyor.config.presets import PRESETS
+
+TARGETS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+           "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def write_adapter(folder: str, cfg: dict, rank: int, seed: int) -> str:
+    """A PEFT LoRA checkpoint of the preset's shape, every projection targeted."""
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim", hidden // cfg["num_attention_heads"])
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
+              "o_proj": (hidden, q), "gate_proj": (inter, hidden),
+              "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for part, names in TARGETS.items():
+            for name in names:
+                out, inp = shapes[name]
+                key = f"base_model.model.model.layers.{layer}.{part}.{name}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) * 0.01
+                tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.01
+    path = os.path.join(folder, f"r{rank}-{seed}")
+    os.makedirs(path)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                   "target_modules": [n for names in TARGETS.values() for n in names]}, f)
+    return path
+
+
+def run(llm: LLM, batch: int, max_tokens: int, loras: list[LoRARequest] | None) -> float:
+    prompts = [[(7 * i + j) % 1000 + 3 for j in range(16)] for i in range(batch)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    per = [loras[i % len(loras)] for i in range(batch)] if loras else None
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, lora_request=per, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m", choices=sorted(PRESETS))
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--adapters", default="1,4,16")
+    ap.add_argument("--ranks", default="8,16")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=2, help="best of this many runs")
+    args = ap.parse_args()
+    counts = [int(x) for x in args.adapters.split(",")]
+    ranks = [int(x) for x in args.ranks.split(",")]
+    cfg = PRESETS[args.model]
+    llm = LLM(args.model, load_format="dummy", dtype="float32", enable_lora=True,
+              max_loras=max(counts), max_cpu_loras=max(counts) * len(ranks),
+              max_lora_rank=max(ranks), max_num_seqs=args.batch,
+              num_threads=args.threads)
+    print(f"# {args.model}, batch {args.batch}, {args.max_tokens} tokens each, "
+          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    with tempfile.TemporaryDirectory() as folder:
+        adapters = {r: [LoRARequest(f"r{r}-{k}", 1000 * r + k, write_adapter(folder, cfg, r, k))
+                        for k in range(max(counts))] for r in ranks}
+        run(llm, args.batch, 4, None)  # warm
+        base = max(run(llm, args.batch, args.max_tokens, None) for _ in range(args.repeats))
+        print(f"base model: {base:.1f} tok/s")
+        print("| rank | adapters in flight | tok/s | vs base |")
+        print("|---|---|---|---|")
+        for r in ranks:
+            for n in counts:
+                got = max(run(llm, args.batch, args.max_tokens, adapters[r][:n])
+                          for _ in range(args.repeats))
+                print(f"| {r} | {n} | {got:.1f} | {100 * (got / base - 1):+.1f}% |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
