@@ -57,6 +57,11 @@ def test_adapters_over_http():
                 texts.add(text_of(r))
                 assert text_of(r) == reference_text(state, base, path, 8)
             assert len(texts) == 3  # the adapters change the continuation
+            assert [r.json()["model"] for r in got] == [served, "a1", "a2", "a1"]
+            r = await client.post("/v1/chat/completions", json={
+                "model": "a1", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4, "stream": True})
+            assert r.status_code == 200 and '"model":"a1"' in r.text
 
             # Unload while a long request of a2 runs: it finishes, new ones get 404.
             long = asyncio.create_task(client.post("/v1/completions", json=body("a2", 40)))

@@ -397,3 +397,10 @@ def clamp_logprob(value: float) -> float:
 def token_text(token_id: int, logprob: Logprob) -> str:
     """The token's text; ``token_id:N`` when the model has no tokenizer (as vLLM does)."""
     return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
+
+
+def answer_model(state: ServerState, req: SamplingRequest) -> str:
+    """The model a response names: the adapter the request named, else the served model."""
+    if state.loras is not None and req.model in state.loras.adapters:
+        return req.model
+    return state.model_name

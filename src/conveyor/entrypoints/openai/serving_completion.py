@@ -33,6 +33,7 @@ from conveyor.entrypoints.openai.serving_common import (
     ClientDisconnected,
     ServerState,
     add_streams,
+    answer_model,
     build_sampling_params,
     check_model,
     check_not_aborted,
@@ -83,7 +84,7 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
         raise request_error(e) from None
     check_not_aborted(outputs)
     prompt_texts = await _echo_texts(state, req, outputs)
-    body = _response(req, request_id, created, state.model_name, outputs,
+    body = _response(req, request_id, created, answer_model(state, req), outputs,
                      prompt_texts, _first_texts(state, req, outputs)).model_dump()
     handle = kv_handle(state, req, outputs)
     if handle is not None:
@@ -273,12 +274,12 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, c
                     usage = (make_usage(sum(prompt_tokens), sum(num_tokens), sum(cached_tokens))
                              if continuous_usage else None)
                     chunk = CompletionChunk(id=request_id, created=created,
-                                            model=state.model_name, choices=[choice],
+                                            model=answer_model(state, req), choices=[choice],
                                             usage=usage)
                     yield sse(chunk.model_dump_json())
         if final_usage:
             usage = make_usage(sum(prompt_tokens), sum(num_tokens), sum(cached_tokens))
-            chunk = CompletionChunk(id=request_id, created=created, model=state.model_name,
+            chunk = CompletionChunk(id=request_id, created=created, model=answer_model(state, req),
                                     choices=[], usage=usage)
             yield sse(chunk.model_dump_json())
     except Exception as e:  # this request alone fails; the stream ends with an error event
