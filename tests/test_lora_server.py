@@ -87,3 +87,29 @@ def reference_text(state, base: str, adapter: str | None, max_tokens: int) -> st
     """PEFT's greedy tokens (transformers' without an adapter) as the server's text."""
     ids = peft_greedy(base, adapter, tuple(PROMPT), max_tokens)
     return state.engine.info.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def test_conveyor_serve_with_adapters_across_the_core_process():
+    """The real server (engine core in its own process): the adapter crosses the typed
+    messages and the config, and its answer equals PEFT's."""
+    import httpx
+
+    from server_helpers import serve
+
+    base = make_checkpoint("llama")
+    a1 = make_adapter(base, 1, r=8)
+    with serve(base, "--enable-lora", "--lora-modules", f"a1={a1}", "--max-loras", "2",
+               "--num-kv-blocks", "64", "--block-size", "8") as server:
+        r = httpx.post(server.url + "/v1/completions", json=body("a1"), timeout=120)
+        assert r.status_code == 200, r.text
+        want = peft_greedy(base, a1, tuple(PROMPT), 8)
+        tok = _tokenizer(base)
+        assert r.json()["choices"][0]["text"].strip() == tok.decode(
+            want, skip_special_tokens=True).strip()
+        assert r.json()["model"] == "a1"
+
+
+def _tokenizer(path: str):
+    from conveyor.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
