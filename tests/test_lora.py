@@ -60,6 +60,24 @@ def test_greedy_equals_peft(base, adapters, config):
         assert llm.stats()["num_preemptions"] > 0
 
 
+@pytest.mark.parametrize("chunk", [512, 13])
+def test_batched_products_equal_peft(base, adapters, monkeypatch, chunk):
+    """The batched path (the step's adapters stacked, rows padded per adapter) forced for
+    every step with an adapter: still PEFT's tokens; uneven prefill chunks fall back to the
+    per-adapter loop within the same run."""
+    from conveyor.model.lora import manager
+
+    monkeypatch.setattr(manager, "BATCH_FROM", 1)
+    calls = []
+    original = manager.batched_rows
+    monkeypatch.setattr(manager, "batched_rows",
+                        lambda groups: calls.append(r := original(groups)) or r)
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=3,
+              max_num_batched_tokens=chunk)
+    check(llm, base, adapters)
+    assert any(c is not None for c in calls)
+
+
 def test_prefix_hits_are_per_adapter(base, adapters):
     """The same prompts under the base model, then adapter a1, then a1 again: a1 never
     reads the base model's cached K/V (no hit, exact tokens), and hits its own."""

@@ -29,13 +29,16 @@ class LoRAModule:
 @dataclass
 class FusedLoRA:
     """An adapter's targets within one (packed) projection as two products: ``a`` [R, in]
-    (the targets' A stacked), ``b_t`` [R, out] (their B, transposed, block-diagonal:
-    zero where a target's rows meet another's columns or the target is absent), and the
-    scaling: one number when every target shares it, else one per output column."""
+    (the targets' A stacked, each padded with zero rows to the maximum rank, so every
+    adapter's has the same shape and a step can stack them), ``b_t`` [R, out] (their B,
+    transposed, block-diagonal: zero where a target's rows meet another's columns or the
+    target is absent), and the scaling per output column (``col_scale``), or ``alpha``
+    when every target shares it."""
 
     a: torch.Tensor
     b_t: torch.Tensor
-    scaling: float | torch.Tensor
+    col_scale: torch.Tensor
+    alpha: float | None
 
 
 @dataclass
@@ -47,31 +50,30 @@ class LoRAAdapter:
     # (layer index, first target of the projection) -> its fused form (``fuse``)
     fused: dict[tuple[int, str], FusedLoRA] = field(default_factory=dict)
 
-    def fuse(self, layer: int, slices: list[tuple[str, int, int]], out: int) -> None:
-        """Build the fused form for a projection of ``out`` columns whose targets sit at
-        ``slices`` (target, first column, width); nothing if no target is adapted."""
-        present = [(t, start, width, self.modules[(layer, t)]) for t, start, width in slices
-                   if (layer, t) in self.modules]
-        if not present:
-            return
-        ranks = [m.a.shape[0] for *_, m in present]
-        a = torch.cat([m.a for *_, m in present])
-        b_t = a.new_zeros(sum(ranks), out)
-        scales = {m.scaling for *_, m in present}
-        col_scale = a.new_zeros(out) if len(scales) > 1 else None
-        row = 0
-        for (_, start, width, m), r in zip(present, ranks):
-            b_t[row:row + r, start:start + width] = m.b.t()
-            if col_scale is not None:
-                col_scale[start:start + width] = m.scaling
-            row += r
-        self.fused[(layer, slices[0][0])] = FusedLoRA(
-            a.contiguous(), b_t.contiguous(),
-            col_scale if col_scale is not None else scales.pop())
-
     @property
     def id(self) -> int:
         return self.request.lora_int_id
+
+    def fuse(self, layer: int, slices: list[tuple[str, int, int]], out: int,
+             max_rank: int) -> None:
+        """Build the fused form for a projection of ``out`` columns whose targets sit at
+        ``slices`` (target, first column, width); nothing if no target is adapted."""
+        present = [(i, start, width, self.modules[(layer, t)])
+                   for i, (t, start, width) in enumerate(slices) if (layer, t) in self.modules]
+        if not present:
+            return
+        ref = present[0][3].a
+        a = ref.new_zeros(len(slices) * max_rank, ref.shape[1])
+        b_t = ref.new_zeros(len(slices) * max_rank, out)
+        col_scale = ref.new_zeros(out)
+        for i, start, width, m in present:
+            r = m.a.shape[0]
+            a[i * max_rank:i * max_rank + r] = m.a
+            b_t[i * max_rank:i * max_rank + r, start:start + width] = m.b.t()
+            col_scale[start:start + width] = m.scaling
+        scales = {m.scaling for *_, m in present}
+        self.fused[(layer, slices[0][0])] = FusedLoRA(
+            a, b_t, col_scale, scales.pop() if len(scales) == 1 else None)
 
 
 def _pattern_value(patterns: dict, module_name: str, default: float) -> float:

@@ -10,6 +10,12 @@ the base output, computed per adapter as two products over the projection's targ
 once (``FusedLoRA``: A stacked, B block-diagonal), the scaling and the add fused into
 the second (``addmm``): two ops per adapter and projection, on contiguous rows (the
 runner orders a step's rows by adapter).
+
+With many adapters in a step (``LoRAContext.batched``: more than ``BATCH_FROM`` and little
+padding), a projection instead stacks the step's adapters (cached while the step's adapters
+stay the same) and runs them all in two batched products over the rows padded per adapter
+(S-LoRA/Punica style, with torch ops): a fixed handful of ops whatever the number of
+adapters, where the per-adapter loop costs two each.
 """
 
 from __future__ import annotations
@@ -32,10 +38,23 @@ class LoRAGroup:
 
 
 @dataclass
+class BatchedRows:
+    """The step's adapter rows padded per adapter: ``pad`` [S, L] row ids (padding repeats
+    a real row), ``valid`` the positions of real rows in the flattened [S * L], ``rows``
+    their row ids in the same order; ``key``: the adapters' ids, in group order."""
+
+    pad: torch.Tensor
+    valid: torch.Tensor
+    rows: torch.Tensor
+    key: tuple[int, ...]
+
+
+@dataclass
 class LoRAContext:
     """Set by the runner before each forward; every ``LoRALinear`` of the model reads it."""
 
     groups: list[LoRAGroup] = field(default_factory=list)
+    batched: BatchedRows | None = None
 
 
 class LoRALinear(nn.Module):
@@ -53,6 +72,7 @@ class LoRALinear(nn.Module):
         self.key = (layer, slices[0][0])
         self.width = sum(w for _, _, w in slices)
         self.context = context
+        self._stacked: tuple | None = None  # (adapter ids, A, B^T, column scales)
 
     @property
     def in_features(self) -> int:
@@ -62,22 +82,43 @@ class LoRALinear(nn.Module):
     def out_features(self) -> int:
         return self.base.out_features
 
-    def prepare(self, adapter: LoRAAdapter) -> None:
+    def prepare(self, adapter: LoRAAdapter, max_rank: int) -> None:
         """The adapter's fused form for this projection (at load, off the step's path)."""
-        adapter.fuse(self.layer, self.slices, self.width)
+        adapter.fuse(self.layer, self.slices, self.width, max_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        if self.context.batched is not None:
+            return self._batched(x, y, self.context.batched)
         for group in self.context.groups:
             f = group.adapter.fused.get(self.key)
             if f is None:
                 continue
             for rows in group.rows:
                 h = F.linear(x[rows], f.a)
-                if isinstance(f.scaling, float):
-                    y[rows].addmm_(h, f.b_t, alpha=f.scaling)
+                if f.alpha is not None:
+                    y[rows].addmm_(h, f.b_t, alpha=f.alpha)
                 else:
-                    y[rows] += (h @ f.b_t) * f.scaling
+                    y[rows] += (h @ f.b_t) * f.col_scale
+        return y
+
+    def _batched(self, x: torch.Tensor, y: torch.Tensor, b: BatchedRows) -> torch.Tensor:
+        if self._stacked is None or self._stacked[0] != b.key:
+            fused = [g.adapter.fused.get(self.key) for g in self.context.groups]
+            if any(f is None for f in fused):  # an adapter leaves this projection alone
+                ref = next((f for f in fused if f is not None), None)
+                if ref is None:
+                    return y
+                zero = (ref.a.new_zeros(ref.a.shape), ref.b_t.new_zeros(ref.b_t.shape),
+                        ref.col_scale.new_zeros(ref.col_scale.shape))
+            stacks = [torch.stack([(f.a, f.b_t, f.col_scale)[i] if f is not None else zero[i]
+                                   for f in fused]) for i in range(3)]
+            self._stacked = (b.key, stacks[0].transpose(1, 2), stacks[1],
+                             stacks[2].unsqueeze(1))
+        _, a_t, b_t, scale = self._stacked
+        h = torch.bmm(x[b.pad], a_t)  # [S, L, R]
+        delta = torch.bmm(h, b_t) * scale  # [S, L, out]
+        y.index_add_(0, b.rows, delta.view(-1, delta.shape[-1])[b.valid])
         return y
 
     def extra_repr(self) -> str:

@@ -16,7 +16,7 @@ import torch
 from conveyor.config.lora import LoRAConfig, LoRARequest
 from conveyor.distributed.parallel import SINGLE, TPShard
 from conveyor.model.lora.adapter import LoRAAdapter, load_adapter
-from conveyor.model.lora.layers import LoRAContext, LoRAGroup, wrap_lora
+from conveyor.model.lora.layers import BatchedRows, LoRAContext, LoRAGroup, wrap_lora
 
 
 class LoRAManager:
@@ -41,7 +41,7 @@ class LoRAManager:
         adapter = load_adapter(request, self.model, self.config.max_lora_rank, self.dtype,
                                self.tp)
         for layer in self.layers:
-            layer.prepare(adapter)
+            layer.prepare(adapter, self.config.max_lora_rank)
         self.adapters[request.lora_int_id] = adapter
         self._evict()
         return adapter
@@ -94,7 +94,30 @@ class LoRAManager:
                 else:
                     merged.append([start, start + n])
             groups.append(LoRAGroup(adapter, [slice(a, b) for a, b in merged]))
+        self.context.batched = batched_rows(groups)
         self.context.groups = groups
 
     def clear_step(self) -> None:
         self.context.groups = []
+        self.context.batched = None
+
+
+# Adapters in a step from which the batched products replace the per-adapter loop, and
+# the most padding they may add (padded rows over real rows).
+BATCH_FROM = 4
+MAX_PADDING = 2.0
+
+
+def batched_rows(groups: list[LoRAGroup]) -> BatchedRows | None:
+    """The step's rows padded per adapter, or None where the per-adapter loop is better
+    (few adapters, or rows so uneven that padding would more than double the work)."""
+    if len(groups) < BATCH_FROM:
+        return None
+    rows = [torch.cat([torch.arange(s.start, s.stop) for s in g.rows]) for g in groups]
+    longest = max(len(r) for r in rows)
+    total = sum(len(r) for r in rows)
+    if longest * len(rows) > MAX_PADDING * total:
+        return None
+    pad = torch.stack([torch.cat([r, r[:1].expand(longest - len(r))]) for r in rows])
+    valid = torch.cat([torch.arange(len(r)) + i * longest for i, r in enumerate(rows)])
+    return BatchedRows(pad, valid, torch.cat(rows), tuple(g.adapter.id for g in groups))
