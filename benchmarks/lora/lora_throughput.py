@@ -4,8 +4,10 @@ A batch of ``--batch`` requests (16-token prompts, no eos) through ``LLM.generat
 dummy weights of a preset or of ``--shape HIDDEN,INTERMEDIATE,LAYERS``; the requests take
 1, 4 or 16 adapters round robin (``--max-loras`` 16: all in one step), at each rank.
 Decode tokens per second: ``batch * (max_tokens - 1)`` over the time of a
-``--max-tokens`` run less that of a one-token run (prefill and admission cancel out),
-best of ``--repeats``. Adapters are written as PEFT checkpoints (adapter_config.json +
+``--max-tokens`` run less that of a one-token run (prefill and admission cancel out).
+Each LoRA run is paired with a base run just before it, and the figure is the median
+over ``--repeats`` pairs of their ratio: on a machine shared with other jobs the load
+drifts, and only runs side by side compare. Adapters are written as PEFT checkpoints (adapter_config.json +
 adapter_model.safetensors, random A and B, every projection).
 
     python -m benchmarks.lora.lora_throughput --shape 1024,2816,8 --threads 2
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -64,14 +67,21 @@ def timed(llm: LLM, batch: int, max_tokens: int, loras: list[LoRARequest] | None
     return time.perf_counter() - start
 
 
-def run(llm: LLM, batch: int, max_tokens: int, loras: list[LoRARequest] | None,
-        repeats: int) -> float:
-    """Decode tokens per second (best of ``repeats``)."""
-    best = float("inf")
+def decode_tok_s(llm: LLM, batch: int, max_tokens: int,
+                 loras: list[LoRARequest] | None) -> float:
+    decode = timed(llm, batch, max_tokens, loras) - timed(llm, batch, 1, loras)
+    return batch * (max_tokens - 1) / decode
+
+
+def paired(llm: LLM, batch: int, max_tokens: int, loras: list[LoRARequest],
+           repeats: int) -> tuple[float, float, float]:
+    """Medians of (base tok/s, LoRA tok/s, LoRA / base) over ``repeats`` pairs."""
+    pairs = []
     for _ in range(repeats):
-        decode = timed(llm, batch, max_tokens, loras) - timed(llm, batch, 1, loras)
-        best = min(best, decode)
-    return batch * (max_tokens - 1) / best
+        base = decode_tok_s(llm, batch, max_tokens, None)
+        lora = decode_tok_s(llm, batch, max_tokens, loras)
+        pairs.append((base, lora, lora / base))
+    return tuple(statistics.median(p[i] for p in pairs) for i in range(3))
 
 
 def shaped_model(folder: str, shape: str) -> tuple[str, dict]:
@@ -100,7 +110,7 @@ def main() -> None:
     ap.add_argument("--adapters", default="1,4,16")
     ap.add_argument("--ranks", default="8,16")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=2, help="best of this many runs")
+    ap.add_argument("--repeats", type=int, default=3, help="pairs of runs per figure")
     args = ap.parse_args()
     counts = [int(x) for x in args.adapters.split(",")]
     ranks = [int(x) for x in args.ranks.split(",")]
@@ -114,21 +124,18 @@ def main() -> None:
               num_kv_blocks=args.batch * 256 // 16 + 8)
     name = f"llama {args.shape} (hidden, intermediate, layers)" if args.shape else args.model
     print(f"# {name}, batch {args.batch}, {args.max_tokens} tokens each, "
-          f"{torch.get_num_threads()} threads, best of {args.repeats}")
+          f"{torch.get_num_threads()} threads, median of {args.repeats} pairs")
     adapters = {r: [LoRARequest(f"r{r}-{k}", 1000 * r + k, write_adapter(folder, cfg, r, k))
                     for k in range(max(counts))] for r in ranks}
     timed(llm, args.batch, 4, None)  # warm
-    base = run(llm, args.batch, args.max_tokens, None, args.repeats)
-    print(f"base model: {base:.1f} decode tok/s")
-    print("| rank | adapters in flight | decode tok/s | vs base |")
-    print("|---|---|---|---|")
+    print("| rank | adapters in flight | base decode tok/s | LoRA decode tok/s | LoRA vs base |")
+    print("|---|---|---|---|---|")
     for r in ranks:
         for n in counts:
-            got = run(llm, args.batch, args.max_tokens, adapters[r][:n], args.repeats)
-            print(f"| {r} | {n} | {got:.1f} | {100 * (got / base - 1):+.1f}% |", flush=True)
-    base = run(llm, args.batch, args.max_tokens, None, args.repeats)
-    print(f"base model again: {base:.1f} decode tok/s")
-
+            base, lora, ratio = paired(llm, args.batch, args.max_tokens, adapters[r][:n],
+                                       args.repeats)
+            print(f"| {r} | {n} | {base:.1f} | {lora:.1f} | {100 * (ratio - 1):+.1f}% |",
+                  flush=True)
 
 if __name__ == "__main__":
     main()
