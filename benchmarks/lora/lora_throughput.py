@@ -7,8 +7,8 @@ Decode tokens per second: ``batch * (max_tokens - 1)`` over the time of a
 ``--max-tokens`` run less that of a one-token run (prefill and admission cancel out).
 Each LoRA run is paired with a base run just before it, and the figure is the median
 over ``--repeats`` pairs of their ratio: on a machine shared with other jobs the load
-drifts, and only runs side by side compare. Adapters are written as PEFT checkpoints (adapter_config.json +
-adapter_model.safetensors, random A and B, every projection).
+drifts, and only runs side by side compare. Adapters are written as PEFT checkpoints
+(adapter_config.json + adapter_model.safetensors, random A and B, every projection).
 
     python -m benchmarks.lora.lora_throughput --shape 1024,2816,8 --threads 2
 """
