@@ -28,17 +28,16 @@ class LoRAModule:
 
 @dataclass
 class FusedLoRA:
-    """An adapter's targets within one (packed) projection as two products: ``a`` [R, in]
-    (the targets' A stacked, each padded with zero rows to the maximum rank, so every
-    adapter's has the same shape and a step can stack them), ``b_t`` [R, out] (their B,
-    transposed, block-diagonal: zero where a target's rows meet another's columns or the
-    target is absent), and the scaling per output column (``col_scale``), or ``alpha``
-    when every target shares it."""
+    """An adapter's targets within one (packed) projection: ``a`` [n * rank, in], the
+    targets' A stacked, each in its own ``rank`` rows (``--max-lora-rank``; zero rows pad
+    a lower rank or an absent target), so every adapter's has the same shape and a step
+    can stack them; per target, ``b_t[i]`` [rank, width] its B transposed (zeros where
+    absent) and ``scaling[i]`` (0.0 where absent)."""
 
     a: torch.Tensor
-    b_t: torch.Tensor
-    col_scale: torch.Tensor
-    alpha: float | None
+    b_t: list[torch.Tensor]
+    scaling: list[float]
+    present: list[int]  # the targets adapted (indices into the projection's slices)
 
 
 @dataclass
@@ -54,26 +53,25 @@ class LoRAAdapter:
     def id(self) -> int:
         return self.request.lora_int_id
 
-    def fuse(self, layer: int, slices: list[tuple[str, int, int]], out: int,
-             max_rank: int) -> None:
-        """Build the fused form for a projection of ``out`` columns whose targets sit at
-        ``slices`` (target, first column, width); nothing if no target is adapted."""
-        present = [(i, start, width, self.modules[(layer, t)])
-                   for i, (t, start, width) in enumerate(slices) if (layer, t) in self.modules]
+    def fuse(self, layer: int, slices: list[tuple[str, int, int]], max_rank: int) -> None:
+        """Build the fused form for a projection whose targets sit at ``slices`` (target,
+        first column, width); nothing if no target is adapted."""
+        present = [i for i, (t, _, _) in enumerate(slices) if (layer, t) in self.modules]
         if not present:
             return
-        ref = present[0][3].a
+        ref = self.modules[(layer, slices[present[0]][0])].a
         a = ref.new_zeros(len(slices) * max_rank, ref.shape[1])
-        b_t = ref.new_zeros(len(slices) * max_rank, out)
-        col_scale = ref.new_zeros(out)
-        for i, start, width, m in present:
-            r = m.a.shape[0]
-            a[i * max_rank:i * max_rank + r] = m.a
-            b_t[i * max_rank:i * max_rank + r, start:start + width] = m.b.t()
-            col_scale[start:start + width] = m.scaling
-        scales = {m.scaling for *_, m in present}
-        self.fused[(layer, slices[0][0])] = FusedLoRA(
-            a, b_t, col_scale, scales.pop() if len(scales) == 1 else None)
+        b_t, scaling = [], []
+        for i, (target, _, width) in enumerate(slices):
+            b = ref.new_zeros(max_rank, width)
+            m = self.modules.get((layer, target))
+            if m is not None:
+                r = m.a.shape[0]
+                a[i * max_rank:i * max_rank + r] = m.a
+                b[:r] = m.b.t()
+            b_t.append(b)
+            scaling.append(m.scaling if m is not None else 0.0)
+        self.fused[(layer, slices[0][0])] = FusedLoRA(a, b_t, scaling, present)
 
 
 def _pattern_value(patterns: dict, module_name: str, default: float) -> float:

@@ -6,16 +6,16 @@ packed projection (qkv_proj, gate_up_proj) holds one slice per target; each targ
 delta goes into its slice of the output, before any activation (so gate/up is not fused
 with silu where LoRA is on: ``wrap_lora`` wraps before packing, and the packed module is
 then a plain projection). The delta is PEFT's ``lora_B(lora_A(x)) * scaling`` added to
-the base output, computed per adapter as two products over the projection's targets at
-once (``FusedLoRA``: A stacked, B block-diagonal), the scaling and the add fused into
-the second (``addmm``): two ops per adapter and projection, on contiguous rows (the
-runner orders a step's rows by adapter).
+the base output, computed per adapter as one product for all the projection's targets
+(``FusedLoRA``: their A stacked) and one per target into its slice, the scaling and the
+add fused into it (``addmm``): 1 + targets ops per adapter and projection, on contiguous
+rows (the runner orders a step's rows by adapter).
 
 With many adapters in a step (``LoRAContext.batched``: more than ``BATCH_FROM`` and little
 padding), a projection instead stacks the step's adapters (cached while the step's adapters
 stay the same) and runs them all in two batched products over the rows padded per adapter
 (S-LoRA/Punica style, with torch ops): a fixed handful of ops whatever the number of
-adapters, where the per-adapter loop costs two each.
+adapters, where the per-adapter loop costs 1 + targets each.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.model.lora.adapter import LoRAAdapter
+from conveyor.model.lora.adapter import FusedLoRA, LoRAAdapter
 
 
 @dataclass
@@ -72,7 +72,8 @@ class LoRALinear(nn.Module):
         self.key = (layer, slices[0][0])
         self.width = sum(w for _, _, w in slices)
         self.context = context
-        self._stacked: tuple | None = None  # (adapter ids, A, B^T, column scales)
+        self._stacked: tuple | None = None  # (adapter ids, A^T, [B^T], [scalings])
+        self.rank = 0  # --max-lora-rank, set with the first adapter
 
     @property
     def in_features(self) -> int:
@@ -84,7 +85,8 @@ class LoRALinear(nn.Module):
 
     def prepare(self, adapter: LoRAAdapter, max_rank: int) -> None:
         """The adapter's fused form for this projection (at load, off the step's path)."""
-        adapter.fuse(self.layer, self.slices, self.width, max_rank)
+        adapter.fuse(self.layer, self.slices, max_rank)
+        self.rank = max_rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -94,31 +96,39 @@ class LoRALinear(nn.Module):
             f = group.adapter.fused.get(self.key)
             if f is None:
                 continue
+            r = self.rank
             for rows in group.rows:
                 h = F.linear(x[rows], f.a)
-                if f.alpha is not None:
-                    y[rows].addmm_(h, f.b_t, alpha=f.alpha)
-                else:
-                    y[rows] += (h @ f.b_t) * f.col_scale
+                for i in f.present:
+                    _, start, width = self.slices[i]
+                    y[rows, start:start + width].addmm_(h[:, i * r:(i + 1) * r], f.b_t[i],
+                                                        alpha=f.scaling[i])
         return y
 
     def _batched(self, x: torch.Tensor, y: torch.Tensor, b: BatchedRows) -> torch.Tensor:
         if self._stacked is None or self._stacked[0] != b.key:
             fused = [g.adapter.fused.get(self.key) for g in self.context.groups]
-            if any(f is None for f in fused):  # an adapter leaves this projection alone
-                ref = next((f for f in fused if f is not None), None)
-                if ref is None:
-                    return y
-                zero = (ref.a.new_zeros(ref.a.shape), ref.b_t.new_zeros(ref.b_t.shape),
-                        ref.col_scale.new_zeros(ref.col_scale.shape))
-            stacks = [torch.stack([(f.a, f.b_t, f.col_scale)[i] if f is not None else zero[i]
-                                   for f in fused]) for i in range(3)]
-            self._stacked = (b.key, stacks[0].transpose(1, 2), stacks[1],
-                             stacks[2].unsqueeze(1))
-        _, a_t, b_t, scale = self._stacked
-        h = torch.bmm(x[b.pad], a_t)  # [S, L, R]
-        delta = torch.bmm(h, b_t) * scale  # [S, L, out]
-        y.index_add_(0, b.rows, delta.view(-1, delta.shape[-1])[b.valid])
+            ref = next((f for f in fused if f is not None), None)
+            if ref is None:
+                self._stacked = (b.key, None, [], [])
+            else:
+                zero = FusedLoRA(torch.zeros_like(ref.a),
+                                 [torch.zeros_like(t) for t in ref.b_t],
+                                 [0.0] * len(ref.b_t), [])
+                fused = [f if f is not None else zero for f in fused]
+                a_t = torch.stack([f.a for f in fused]).transpose(1, 2)  # [S, in, n * r]
+                b_ts = [torch.stack([f.b_t[i] for f in fused]) for i in range(len(ref.b_t))]
+                scales = [torch.tensor([f.scaling[i] for f in fused], dtype=ref.a.dtype
+                                       ).view(-1, 1, 1) for i in range(len(ref.b_t))]
+                self._stacked = (b.key, a_t, b_ts, scales)
+        _, a_t, b_ts, scales = self._stacked
+        if a_t is None:
+            return y
+        h = torch.bmm(x[b.pad], a_t)  # [S, L, n * r]
+        r = self.rank
+        for i, (_, start, width) in enumerate(self.slices):
+            delta = torch.bmm(h[:, :, i * r:(i + 1) * r], b_ts[i]) * scales[i]  # [S, L, w]
+            y[:, start:start + width].index_add_(0, b.rows, delta.view(-1, width)[b.valid])
         return y
 
     def extra_repr(self) -> str:
