@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.config.lora import LoRAConfig
+from conveyor.config.lora import LoRAConfig, LoRARequest
 from conveyor.distributed.parallel import TPShard
 from conveyor.runner.request_state import RequestState
 
@@ -16,9 +16,7 @@ def make_lora_manager(config: LoRAConfig | None, model, dtype: torch.dtype, tp: 
     from conveyor.model.lora.manager import LoRAManager
 
     manager = LoRAManager(config, model, dtype, tp)
-    for lora_id, (name, path) in enumerate(config.modules, start=1):
-        from conveyor.config.lora import LoRARequest
-
+    for lora_id, (name, path) in enumerate(config.modules, start=1):  # the server's ids
         manager.add(LoRARequest(name, lora_id, path))
     return manager
 

@@ -2,9 +2,9 @@
 dropped first, never one a live request uses) and each step's row groups.
 
 An adapter is read from disk when the runner first meets it (``add``: at start for
-``--lora-modules``, on a load request, else with its first request's step); a step only
-gathers row ids. ``max_loras`` adapters at most in one step: the scheduler's constraint,
-checked here.
+``--lora-modules``, else in the step that first schedules one of its requests: the one
+disk read on a step's path); a step otherwise only lays out row ranges. ``max_loras``
+adapters at most in one step: the scheduler's constraint, checked here.
 """
 
 from __future__ import annotations
@@ -45,13 +45,6 @@ class LoRAManager:
         self.adapters[request.lora_int_id] = adapter
         self._evict()
         return adapter
-
-    def remove(self, lora_id: int) -> bool:
-        """Drop a loaded adapter unless a live request uses it; whether it was dropped."""
-        if self.users.get(lora_id) or lora_id not in self.adapters:
-            return False
-        del self.adapters[lora_id]
-        return True
 
     def _evict(self) -> None:
         for lora_id in list(self.adapters):
