@@ -12,6 +12,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": "conveyor.entrypoints.llm",
     "EngineArgs": "conveyor.config",
+    "LoRARequest": "conveyor.config.lora",
     "SamplingParams": "conveyor.sampling_params",
     "CompletionOutput": "conveyor.outputs",
     "Logprob": "conveyor.outputs",

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.config.lora import LoRARequest
 from conveyor.sampling_params import SamplingParams
 
 
@@ -108,6 +109,13 @@ class Request:
     # preemption adds none twice.
     prompt_logprobs: list = field(default_factory=list)
     num_prompt_logprobs: int = 0
+    # Multi-LoRA: the adapter it runs with (None: the base model).
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id, 0 for the base model (the scheduler and the prefix cache key)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

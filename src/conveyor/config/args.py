@@ -15,6 +15,7 @@ from typing import Any
 
 from conveyor.config.cache import CacheConfig
 from conveyor.config.kv_transfer import KV_FALLBACKS, KV_ROLES, KVTransferConfig
+from conveyor.config.lora import LoRAConfig, parse_lora_modules
 from conveyor.config.model import DTYPES, ModelConfig, load_model_config
 from conveyor.config.names import POLICY_NAMES, PREDICTOR_NAMES
 from conveyor.config.policy import PolicyConfig
@@ -98,6 +99,13 @@ class EngineArgs:
     async_scheduling: bool = False
     # No CUDA graphs for decode steps (runner/decode_graphs.py: CUDA, triton attention).
     enforce_eager: bool = False
+    # Multi-LoRA (config/lora.py): adapters in one step, the largest rank, adapters kept
+    # loaded (default max_loras), and adapters served from start (name=path, or a dict).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: list[str] | dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         # Parsed (and checked) at once: a bad config fails before any model loads.
@@ -301,6 +309,18 @@ class EngineArgs:
                        default=60.0, metavar="SECONDS",
                        help="a rank that does not answer a step within this long counts "
                             "as dead: open requests fail and /health turns 503")
+        lo = parser.add_argument_group("multi-LoRA (docs/lora.md)")
+        lo.add_argument("--enable-lora", action="store_true",
+                        help="serve PEFT LoRA adapters of the base model (the request's "
+                             "model names one)")
+        lo.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="adapters served from start")
+        lo.add_argument("--max-loras", type=int, default=1,
+                        help="most adapters in one step (requests of others wait)")
+        lo.add_argument("--max-lora-rank", type=int, default=16,
+                        help="largest adapter rank accepted")
+        lo.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="adapters kept loaded (default --max-loras)")
         return parser
 
     @classmethod
@@ -329,6 +349,7 @@ class EngineArgs:
             async_scheduling=self.async_scheduling,
             token_budget=self.token_budget,
             slo_cost_scale=self.slo_cost_scale,
+            max_loras=self.max_loras if self.enable_lora else 0,
             policy=PolicyConfig(
                 sjf_aging_s=self.sjf_aging_s,
                 sjf_predictor=self.sjf_predictor,
@@ -348,6 +369,13 @@ class EngineArgs:
                 slo_tie_quantum_s=self.slo_tie_quantum_ms * ms,
             ),
         )
+
+    def lora_config(self) -> LoRAConfig | None:
+        """Multi-LoRA's options, None unless ``enable_lora``."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras,
+                          parse_lora_modules(self.lora_modules))
 
     def kv_transfer_config(self) -> KVTransferConfig:
         return KVTransferConfig(role=self.kv_role, host=self.kv_host, port=self.kv_port,

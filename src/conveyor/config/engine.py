@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.config.cache import CacheConfig
 from conveyor.config.kv_transfer import KVTransferConfig
+from conveyor.config.lora import LoRAConfig
 from conveyor.config.model import ModelConfig
 from conveyor.config.scheduler import SchedulerConfig
 
@@ -24,6 +25,7 @@ class EngineConfig:
     num_threads: int | None = None
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     tensor_parallel_size: int = 1
+    lora: LoRAConfig | None = None  # multi-LoRA (None: off)
 
 
 def resolve_engine_config(args: EngineArgs, model: ModelConfig, num_kv_blocks: int,
@@ -37,5 +39,6 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, num_kv_blocks: i
                         scheduler=args.scheduler_config(), device=device,
                         num_threads=args.num_threads,
                         kv_transfer=args.kv_transfer_config(),
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        lora=args.lora_config())
 

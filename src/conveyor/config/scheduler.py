@@ -46,6 +46,8 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
     # Schedule step n+1 while step n runs (engine/async_steps.py).
     async_scheduling: bool = False
+    # Multi-LoRA: adapters in one step (0: LoRA off, no constraint). core/lora_gate.py.
+    max_loras: int = 0
 
     @property
     def long_prefill_threshold(self) -> int:

@@ -11,6 +11,7 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
+from conveyor.config.lora import lora_hash_key
 from conveyor.core.block_pool import BlockPool
 from conveyor.request import Request
 
@@ -130,7 +131,9 @@ class KVCacheManager:
             # chain_hash on each block, without a list slice and an array per block.
             data = array("q", request.all_token_ids[done * bs:full * bs]).tobytes()
             width = bs * _INT64_BYTES
-            parent = hashes[-1] if hashes else self._root
+            # An adapter's chain starts from its own root (config/lora.py: lora_hash_key).
+            parent = hashes[-1] if hashes else (self._root if not request.lora_id else root_hash(
+                lora_hash_key(self._extra, request.lora_id)))
             for k in range(full - done):
                 parent = _hash_block(parent, data[k * width:(k + 1) * width], self._extra)
                 hashes.append(parent)

@@ -45,6 +45,7 @@ from conveyor.config import SchedulerConfig
 from conveyor.core.budget import BudgetController, budget_mode
 from conveyor.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from conveyor.core.kv_connector import KV_TRANSFER_FAILED, SchedulerKVConnector
+from conveyor.core.lora_gate import LoRAGate
 from conveyor.core.policies import PolicyContext, SchedulingPolicy, make_policy
 from conveyor.core.prefill_split import PrefillSplit
 from conveyor.core.scheduler_output import (
@@ -132,6 +133,10 @@ class Scheduler:
         self._remote: dict[str, Request] = {}
         self._remote_ready: deque[tuple[str, int]] = deque()
         self._now = 0.0  # the last time given (an abort between steps stamps with it)
+        # Multi-LoRA: max_loras adapters in run (core/lora_gate.py; None: LoRA off), and
+        # the waiting requests its gate set aside this step (with whether overdue).
+        self.lora_gate = LoRAGate(config.max_loras) if config.max_loras else None
+        self._set_aside: list[tuple[Request, bool]] = []
 
     # ---- request lifecycle ---------------------------------------------------------------
     def add_request(self, request: Request, now: float) -> None:
@@ -215,11 +220,14 @@ class Scheduler:
             for rid, error in self.connector.expire(now):
                 self._load_ended(rid, error, now)
             self._admit_remote_ready(now)
+        if self.lora_gate is not None:
+            self.lora_gate.begin_step(self.running, self.policy.waiting())
         decodes: list[Request] = []
         budget, split = self._schedule_running(scheduled, preempted, budget, now, decodes)
         if not preempted and admit_allowed:
             budget = split.reserve + self._schedule_waiting(
                 scheduled, preempted, budget - split.reserve, now, split)
+        self._restore_set_aside(now)
         budget = self._schedule_long_prefills(split, scheduled, preempted, budget, now,
                                               decodes)
         drafts = None
@@ -332,6 +340,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, now: float) -> None:
         self.running.remove(req)
+        if self.lora_gate is not None:
+            self.lora_gate.left(req)
         self.kv.free(req.request_id)
         req.spec_token_ids = []
         req.spec_proposed_len, req.spec_proposed_step = 0, -2  # (its draft K/V is gone)
@@ -354,6 +364,9 @@ class Scheduler:
         this step) so that the requests behind it pass. Returns the budget left."""
         admitted = split.admitted  # admitted in this step: never preempted for another
         while (req := self._next_waiting(now)) is not None:
+            if self.lora_gate is not None and not self.lora_gate.may_admit(req):
+                self._put_aside(req)  # its adapter cannot run this step: the scan goes on
+                continue
             if (self.connector is not None
                     and self.connector.get_num_new_matched_tokens(req) > 0):
                 if not self._start_remote_load(req, now):
@@ -498,9 +511,27 @@ class Scheduler:
         req.admitted_seq = self._admit_seq
         self._admit_seq += 1
         self.running.append(req)
+        if self.lora_gate is not None:
+            self.lora_gate.admitted(req)
         self._wait_entry.pop(req.request_id, None)
         self._overdue_ids.discard(req.request_id)
         self.policy.on_admitted(req, now)
+
+    def _put_aside(self, req: Request) -> None:
+        """Out of the waiting queue for the rest of this step (the LoRA gate refused it)."""
+        self.policy.pop(req)
+        overdue = req.request_id in self._overdue_ids
+        self._overdue_ids.discard(req.request_id)
+        self._set_aside.append((req, overdue))
+
+    def _restore_set_aside(self, now: float) -> None:
+        """Set-aside requests back at the front of the queue, in their order."""
+        for req, overdue in reversed(self._set_aside):
+            self.policy.requeue(req, now)
+            if overdue:
+                self._overdue_ids.add(req.request_id)
+                self._overdue.appendleft(req)
+        self._set_aside = []
 
     # ---- queue-wait threshold ------------------------------------------------------------
     def _track_wait(self, req: Request, now: float) -> None:
@@ -588,7 +619,7 @@ class Scheduler:
                 block_ids = self.kv.block_ids(rid)
                 out.new_reqs.append(NewRequestData(
                     rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
-                    block_ids, req.num_computed_tokens))
+                    block_ids, req.num_computed_tokens, req.lora_request))
                 self._blocks_sent[rid] = len(block_ids)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conveyor.config.lora import LoRARequest
 from conveyor.core.kv_connector import KVConnectorMeta, KVWorkerReport
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
@@ -24,6 +25,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 @dataclass

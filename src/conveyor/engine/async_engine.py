@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from conveyor.config import EngineArgs
+from conveyor.config.lora import LoRARequest
 from conveyor.engine.backend import CoreBackend, EngineInfo, EngineSink
 from conveyor.engine.core import EngineCore
 from conveyor.engine.engine_loop import EngineLoop, LocalCall, LoopCommand, LoopMessage
@@ -60,7 +61,7 @@ from conveyor.engine.messages import (
     UtilityResult,
 )
 from conveyor.engine.output_processor import OutputProcessor, fan_out
-from conveyor.engine.validation import validate_scheduling
+from conveyor.engine.validation import validate_lora, validate_scheduling
 from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
@@ -300,7 +301,8 @@ class AsyncEngine:
                           slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
                           output_kind: str = "delta",
                           timeout_s: float | None = None,
-                          kv_transfer_params: KVTransferParams | None = None
+                          kv_transfer_params: KVTransferParams | None = None,
+                          lora_request: LoRARequest | None = None
                           ) -> RequestStream:
         """Tokenize, validate and queue a request; returns its stream once the core took it.
 
@@ -314,9 +316,10 @@ class AsyncEngine:
         text, prompt_ids = tokenize_prompt(self.info.tokenizer, prompt)
         validate_request(self.info.config, self.info.tokenizer is not None, prompt_ids, params)
         validate_scheduling(priority, tenant, slo_ttft_ms, slo_tpot_ms)
+        validate_lora(self.info.config, lora_request)
         children = fan_out(request_id, prompt_ids, params, self.clock(), priority=priority,
                            tenant=tenant, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
-                           kv_transfer_params=kv_transfer_params)
+                           kv_transfer_params=kv_transfer_params, lora_request=lora_request)
         self._processor.add(request_id, text, params, children, output_kind)
         stream = RequestStream(self, request_id, output_kind)
         self._streams[request_id] = stream

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from conveyor.config import EngineConfig, kv_hash_key
+from conveyor.config.lora import lora_tenant
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import ModelRunnerOutput, RequestUpdate, SchedulerOutput
@@ -32,7 +33,12 @@ from conveyor.engine.messages import (
     QueueFullError,
     UtilityMethod,
 )
-from conveyor.engine.validation import capped_max_tokens, validate_prompt, validate_scheduling
+from conveyor.engine.validation import (
+    capped_max_tokens,
+    validate_lora,
+    validate_prompt,
+    validate_scheduling,
+)
 from conveyor.kv_transfer.connector import KVConnectorScheduler
 from conveyor.request import Request, RequestStatus
 from conveyor.spec.speculator import Speculator
@@ -110,6 +116,7 @@ class EngineCore:
                         has_tokenizer=True,  # stop strings are the front end's
                         max_queue_len=cfg.scheduler.max_queue_len)
         validate_scheduling(req.priority, req.tenant, req.slo_ttft_ms, req.slo_tpot_ms)
+        validate_lora(cfg, req.lora_request, check_files=False)
         if req.kv_transfer_params is not None:
             if req.sampling_params.prompt_logprobs is not None:
                 # A decode engine never sees the prompt's logits, and a prefill engine's
@@ -154,9 +161,9 @@ class EngineCore:
         return Request(
             req.request_id, req.prompt_token_ids,
             params.clone(eos_token_ids=self.eos_token_ids), req.arrival_time,
-            priority=req.priority, tenant=req.tenant,
+            priority=req.priority, tenant=lora_tenant(req.tenant, req.lora_request),
             max_tokens=max_tokens, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
-            kv_params=kv)
+            kv_params=kv, lora_request=req.lora_request)
 
     def abort_requests(self, request_ids: list[str], reason: str = "abort",
                        stop_reason: str | None = None) -> list[EngineCoreOutput]:

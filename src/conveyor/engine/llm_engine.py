@@ -18,11 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 from conveyor.config import EngineArgs, EngineConfig
+from conveyor.config.lora import LoRARequest
 from conveyor.engine.core import EngineCore
 from conveyor.engine.detokenizer import load_tokenizer
 from conveyor.engine.messages import QueueFullError
 from conveyor.engine.output_processor import OutputProcessor, fan_out
-from conveyor.engine.validation import validate_prompt, validate_scheduling
+from conveyor.engine.validation import validate_lora, validate_prompt, validate_scheduling
 from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
@@ -131,17 +132,19 @@ class LLMEngine:
                     priority: int = 0, tenant: str | None = None,
                     slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
                     output_kind: str = "final",
-                    kv_transfer_params: KVTransferParams | None = None) -> str:
+                    kv_transfer_params: KVTransferParams | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Validate and queue a request; raises ValueError (bad input) or QueueFullError."""
         params = params or SamplingParams()
         text, prompt_ids = self.tokenize(prompt)
         self.validate(prompt_ids, params)
         self.validate_scheduling(priority, tenant, slo_ttft_ms, slo_tpot_ms)
+        validate_lora(self.config, lora_request)
         request_id = request_id if request_id is not None else str(next(self._ids))
         now = self.clock() if arrival_time is None else arrival_time
         children = fan_out(request_id, prompt_ids, params, now, priority=priority,
                            tenant=tenant, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
-                           kv_transfer_params=kv_transfer_params)
+                           kv_transfer_params=kv_transfer_params, lora_request=lora_request)
         self.output_processor.add(request_id, text, params, children, output_kind)
         try:
             self.core.add_requests(children)

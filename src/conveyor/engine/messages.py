@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from conveyor.config import EngineConfig
+from conveyor.config.lora import LoRARequest
 from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.sampling_params import SamplingParams
 
@@ -49,6 +50,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     slo_tpot_ms: float | None = None
     # Prefill/decode disaggregation: this request's role in a KV transfer (None: none).
     kv_transfer_params: KVTransferParams | None = None
+    # Multi-LoRA: the adapter it runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
     def slo_targets_s(self, default_ttft_s: float | None, default_tpot_s: float | None
                       ) -> tuple[float | None, float | None]:

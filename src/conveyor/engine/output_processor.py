@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.config import PolicyConfig
+from conveyor.config.lora import LoRARequest
 from conveyor.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from conveyor.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from conveyor.kv_transfer.messages import KVTransferParams
@@ -29,7 +30,8 @@ OUTPUT_KINDS = ("final", "delta", "cumulative")
 def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float, *, priority: int = 0, tenant: str | None = None,
             slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
-            kv_transfer_params: KVTransferParams | None = None) -> list[EngineCoreRequest]:
+            kv_transfer_params: KVTransferParams | None = None,
+            lora_request: LoRARequest | None = None) -> list[EngineCoreRequest]:
     """The core requests of one user request: one per sample, seeds ``seed + k``."""
     n = params.n
     if kv_transfer_params is not None and n != 1:
@@ -43,7 +45,7 @@ def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams
         out.append(EngineCoreRequest(request_id if n == 1 else f"{request_id}#{k}",
                                      prompt_token_ids, child, arrival_time, priority,
                                      tenant or "default", slo_ttft_ms, slo_tpot_ms,
-                                     kv_transfer_params))
+                                     kv_transfer_params, lora_request))
     return out
 
 

@@ -55,3 +55,18 @@ def validate_scheduling(priority: int = 0, tenant: str | None = None,
                                       and not isinstance(value, bool)
                                       and math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+def validate_lora(config, lora_request, check_files: bool = True) -> None:
+    """A request's adapter (``LoRARequest`` or None) against the engine's ``EngineConfig``:
+    LoRA enabled, and (``check_files``) its adapter_config.json readable with a rank
+    within ``--max-lora-rank``. Raises ValueError naming what is wrong."""
+    if lora_request is None:
+        return
+    if config.lora is None:
+        raise ValueError(f"adapter {lora_request.lora_name!r}: this engine serves no LoRA "
+                         "adapters (start it with --enable-lora)")
+    if check_files:
+        from conveyor.config.lora import check_adapter
+
+        check_adapter(lora_request.lora_path, config.lora.max_lora_rank)

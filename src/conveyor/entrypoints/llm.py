@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from conveyor.config import EngineArgs
+from conveyor.config.lora import LoRARequest
 from conveyor.engine.llm_engine import LLMEngine, PromptType
+from conveyor.engine.validation import validate_lora
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
 
@@ -49,7 +51,9 @@ class LLM:
                  priority: Sequence[int] | None = None,
                  tenant: Sequence[str] | None = None,
                  slo_ttft_ms: Sequence[float | None] | None = None,
-                 slo_tpot_ms: Sequence[float | None] | None = None) -> list[RequestOutput]:
+                 slo_tpot_ms: Sequence[float | None] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in input order.
 
         Every prompt is validated before any work starts: a bad one raises ValueError
@@ -65,6 +69,7 @@ class LLM:
         tenants = _per_prompt(tenant, n, "tenant", None)
         ttfts = _per_prompt(slo_ttft_ms, n, "slo_ttft_ms", None)
         tpots = _per_prompt(slo_tpot_ms, n, "slo_tpot_ms", None)
+        loras = _per_prompt(lora_request, n, "lora_request", None)
         engine = self.engine
         tokenized = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
@@ -72,20 +77,22 @@ class LLM:
                 text, token_ids = engine.tokenize(prompt)
                 engine.validate(token_ids, params)
                 engine.validate_scheduling(priorities[i], tenants[i], ttfts[i], tpots[i])
+                validate_lora(engine.config, loras[i])
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
         ids = [f"offline-{next(self._ids)}" for _ in tokenized]
-        pending = list(zip(ids, tokenized, params_list, priorities, tenants, ttfts, tpots))
+        pending = list(zip(ids, tokenized, params_list, priorities, tenants, ttfts, tpots,
+                           loras))
         return self._run(ids, pending, use_tqdm)
 
     def _admit(self, pending: list[tuple]) -> None:
         """Queue pending requests while admission control (max_queue_len) has room."""
         engine = self.engine
         while pending and not engine.scheduler.queue_full(pending[0][2].n):
-            rid, prompt, sp, pr, tenant, ttft, tpot = pending.pop(0)
+            rid, prompt, sp, pr, tenant, ttft, tpot, lora = pending.pop(0)
             engine.add_request(prompt, sp, request_id=rid, priority=pr, tenant=tenant,
-                               slo_ttft_ms=ttft, slo_tpot_ms=tpot)
+                               slo_ttft_ms=ttft, slo_tpot_ms=tpot, lora_request=lora)
 
     def _run(self, ids: list[str], pending: list[tuple],
              use_tqdm: bool | None) -> list[RequestOutput]:

@@ -32,7 +32,7 @@ class LocalExecutor:
                                   args.attention_backend, args.linear_backend,
                                   linear_rows=(args.max_num_seqs,
                                                args.max_num_batched_tokens),
-                                  speculative=args.speculative)
+                                  speculative=args.speculative, lora=args.lora_config())
         self.warmup = args.warmup
         self.enforce_eager = args.enforce_eager
         self._profile_tokens = args.max_num_batched_tokens  # a full step, for the KV sizing

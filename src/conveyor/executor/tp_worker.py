@@ -83,7 +83,8 @@ class TPWorker:
         self.runner = ModelRunner(self.model_config, args.cache_config(), device,
                                   args.attention_backend, args.linear_backend,
                                   linear_rows=(args.max_num_seqs, args.max_num_batched_tokens),
-                                  speculative=args.speculative, tp=self.tp)
+                                  speculative=args.speculative, tp=self.tp,
+                                  lora=args.lora_config())
         self.warmup = args.warmup
 
     def ready(self) -> WorkerReady:

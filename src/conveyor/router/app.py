@@ -38,7 +38,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from conveyor.entrypoints.openai.errors import OpenAIError
 from conveyor.entrypoints.openai.serving_common import ClientDisconnected, until_disconnected
 from conveyor.router.health import HealthChecker, Replica
-from conveyor.router.policies import Policy, RoutingRequest, least_loaded, make_policy
+from conveyor.router.policies import (
+    Policy,
+    RoutingRequest,
+    least_loaded,
+    make_policy,
+    serving_model,
+)
 
 logger = logging.getLogger("conveyor.router")
 
@@ -142,17 +148,19 @@ class Router:
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         payload: object = None
-        if route and self.policy.needs_hashes:
+        if route:  # (the model for adapter affinity, the prompt for prefix routing)
             with contextlib.suppress(ValueError):
                 payload = json.loads(body)
         rreq = (await self.routing_request(path, payload, headers) if route
                 else RoutingRequest(None))
+        if isinstance(payload, dict) and isinstance(payload.get("model"), str):
+            rreq.model = payload["model"]
         loop = asyncio.get_running_loop()
         timeout = self.config.request_timeout_s
         deadline = None if timeout is None else loop.time() + timeout
         tried: list[Replica] = []
         while True:
-            candidates = self.in_rotation(exclude=tried)
+            candidates = serving_model(self.in_rotation(exclude=tried), rreq.model)
             if not candidates:
                 return _error(503, _no_replica_message(self.replicas),
                               "no_replica_available")

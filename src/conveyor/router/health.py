@@ -39,6 +39,8 @@ class Replica:
     num_routed: int = 0
     num_failed: int = 0
     cache: CacheIndex = field(default_factory=lambda: CacheIndex(time.monotonic))
+    # The model names it serves (its /v1/models: the base model and loaded adapters).
+    models: frozenset[str] = frozenset()
 
     # ---- ReplicaView ---------------------------------------------------------------------
     @property
@@ -140,8 +142,18 @@ class HealthChecker:
             replica.mark_down(f"/health answered {r.status_code}")
             return
         replica.mark_up()
+        await self.read_models(replica)
         if self.summaries:
             await self.read_summary(replica)
+
+    async def read_models(self, replica: Replica) -> None:
+        """The names the replica serves (adapter affinity); a failed read keeps the last."""
+        try:
+            r = await self.client.get(replica.url + "/v1/models", timeout=self.timeout_s)
+            r.raise_for_status()
+            replica.models = frozenset(str(card["id"]) for card in r.json()["data"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            logger.warning("no model list from %s: %s: %s", replica.url, type(e).__name__, e)
 
     async def read_summary(self, replica: Replica) -> None:
         """A summary waits for the replica's current step (it is read between steps): one

@@ -54,6 +54,7 @@ class RoutingRequest:
 
     prompt_token_ids: list[int] | None
     num_prompt_tokens: int = 0
+    model: str | None = None  # the body's model: the base model's name or an adapter's
     _hashes: dict[tuple[int, bytes], list[bytes]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -153,6 +154,17 @@ def make_policy(name: str) -> Policy:
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; valid: "
                          f"{', '.join(sorted(POLICIES))}") from None
+
+
+def serving_model(replicas: Sequence, model: str | None) -> list:
+    """Adapter affinity: the replicas that list ``model`` (their ``models``, from each
+    one's /v1/models) if any does, else all (the one chosen answers a 404 itself). So an
+    adapter's requests go to the replicas that have it loaded, and the policy chooses
+    among those."""
+    if model is None:
+        return list(replicas)
+    having = [r for r in replicas if model in getattr(r, "models", ())]
+    return having or list(replicas)
 
 
 def uncached_tokens(request: RoutingRequest, replica: ReplicaView) -> int:

@@ -23,6 +23,7 @@ from conveyor.config import (
     gpu_kv_cache_bytes,
     kv_blocks_for,
 )
+from conveyor.config.lora import LoRAConfig
 from conveyor.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from conveyor.distributed.parallel import SINGLE, TPShard
 from conveyor.model.attention.metadata import AttentionMetadata, PrefillSegment
@@ -32,6 +33,7 @@ from conveyor.model.loader import DTYPES, load_model
 from conveyor.runner import huge_pages
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
 from conveyor.runner.host_memory import keep_freed_host_memory
+from conveyor.runner.lora import lora_rows, make_lora_manager
 from conveyor.runner.prompt_logprobs import compute_prompt_logprobs, prompt_spans
 from conveyor.runner.request_state import RequestState
 from conveyor.runner.sampler import Sampler, SamplingRow
@@ -79,7 +81,7 @@ class ModelRunner:
                  linear_backend: str = "auto",
                  linear_rows: tuple[int, int] = (32, 512),
                  speculative: SpeculativeConfig | None = None,
-                 tp: TPShard = SINGLE) -> None:
+                 tp: TPShard = SINGLE, lora: LoRAConfig | None = None) -> None:
         """``linear_rows``: the decode and prefill row counts ``auto`` times the linear
         backends at (max_num_seqs, the token budget). ``speculative``: the proposer runs
         here, after each step's sampling; its drafts are verified at the next step.
@@ -94,6 +96,8 @@ class ModelRunner:
         self.tp = tp
         self.heads = tp.heads(model_cfg.num_heads, model_cfg.num_kv_heads)
         self.model = load_model(model_cfg, device, tp)
+        # Multi-LoRA (None: off): projections wrapped before they are packed.
+        self.lora = make_lora_manager(lora, self.model, DTYPES[model_cfg.math_dtype], tp)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(model_cfg.vocab_size, device, seed=model_cfg.seed)
@@ -228,13 +232,18 @@ class ModelRunner:
     # ---- state ---------------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
         for rid in out.finished_req_ids:
-            self.requests.pop(rid, None)
+            dropped = self.requests.pop(rid, None)
+            if self.lora is not None and dropped is not None:
+                self.lora.request_dropped(rid, dropped.lora_id)
             if self.proposer is not None and rid not in out.preempted_req_ids:
                 self.proposer.finish(rid)
         for new in out.new_reqs:
             self.requests[new.req_id] = RequestState(
                 new.req_id, new.prompt_token_ids, list(new.output_token_ids),
-                new.sampling_params, list(new.block_ids), new.num_computed_tokens)
+                new.sampling_params, list(new.block_ids), new.num_computed_tokens,
+                lora_id=new.lora_request.lora_int_id if new.lora_request else 0)
+            if self.lora is not None:
+                self.lora.request_added(new.req_id, new.lora_request)
         for cached in out.cached_reqs:
             state = self.requests[cached.req_id]
             if cached.num_kept_blocks is not None:
@@ -253,7 +262,12 @@ class ModelRunner:
         # Decodes first, a request verifying drafts among them (one decode row per token).
         order = sorted(out.num_scheduled_tokens,
                        key=lambda rid: out.num_scheduled_tokens[rid] != 1 and rid not in spec)
+        if self.lora is not None:  # (then by adapter: each adapter's rows contiguous)
+            order.sort(key=lambda rid: (out.num_scheduled_tokens[rid] != 1 and rid not in spec,
+                                        self.requests[rid].lora_id))
         input_ids, positions, meta, logits_rows = self._prepare(order, out)
+        if self.lora is not None:
+            self.lora.set_step(lora_rows(order, out.num_scheduled_tokens, self.requests))
         t1 = time.perf_counter()
         # Decode steps through CUDA graphs where they are on (runner/decode_graphs.py).
         graphs = self.decode_graphs

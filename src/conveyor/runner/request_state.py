@@ -27,6 +27,7 @@ class RequestState:
     # The last proposal's drafts and their [k, V] probabilities, where the proposer has a
     # distribution (a draft model for a random request); verified against next step.
     draft_q: tuple[list[int], torch.Tensor] | None = None
+    lora_id: int = 0  # its LoRA adapter's id (0: the base model)
 
     def append(self, tokens: list[int]) -> None:
         self.output_token_ids.extend(tokens)

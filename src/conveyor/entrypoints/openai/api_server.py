@@ -8,6 +8,7 @@
     POST /v1/completions
     POST /v1/chat/completions
     POST /tokenize, /detokenize   (vLLM's)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   (vLLM's; with --enable-lora)
 
 A body over ``--max-request-body-bytes`` is answered 413 before it is read whole or
 parsed.
@@ -23,11 +24,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hmac
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -49,6 +51,7 @@ from conveyor.entrypoints.openai.serving_common import (
     prompt_byte_cap,
 )
 from conveyor.entrypoints.openai.serving_completion import create_completion
+from conveyor.entrypoints.openai.serving_lora import LoRARegistry, lora_body
 from conveyor.entrypoints.openai.serving_tokens import detokenize, tokenize
 from conveyor.metrics import CONTENT_TYPE, EngineMetrics
 
@@ -197,7 +200,22 @@ def build_app(state: ServerState) -> FastAPI:
     async def models() -> JSONResponse:
         card = ModelCard(id=state.model_name, root=state.model_root,
                          max_model_len=state.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        adapters = [ModelCard(id=name, root=lora.lora_path, parent=state.model_name,
+                              max_model_len=state.max_model_len)
+                    for name, lora in (state.loras.adapters if state.loras else {}).items()]
+        return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(raw_request: Request) -> Response:
+        name, path = lora_body(await _json(raw_request), "lora_name", "lora_path")
+        _loras(state).load(name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(raw_request: Request) -> Response:
+        (name,) = lora_body(await _json(raw_request), "lora_name")
+        _loras(state).unload(name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -220,6 +238,20 @@ def build_app(state: ServerState) -> FastAPI:
         return await _guarded(create_chat_completion(state, raw_request), raw_request)
 
     return app
+
+
+async def _json(raw_request: Request) -> object:
+    try:
+        return json.loads(await raw_request.body())
+    except ValueError:
+        raise OpenAIError(400, "the body is not valid JSON") from None
+
+
+def _loras(state: ServerState) -> LoRARegistry:
+    if state.loras is None:
+        raise OpenAIError(400, "this server serves no LoRA adapters (start it with "
+                               "--enable-lora)")
+    return state.loras
 
 
 async def _guarded(handler: Awaitable[Response], raw_request: Request) -> Response:
@@ -255,7 +287,9 @@ def make_state(engine: AsyncEngine, *, api_key: str | None = None,
                        metrics=EngineMetrics(engine.info.max_model_len),
                        chat_template=template, request_timeout_s=request_timeout_s,
                        api_key=api_key, max_body_bytes=max_body_bytes,
-                       max_prompt_bytes=prompt_byte_cap(tokenizer, engine.info.max_model_len))
+                       max_prompt_bytes=prompt_byte_cap(tokenizer, engine.info.max_model_len),
+                       loras=(LoRARegistry(engine.info.config.lora)
+                              if engine.info.config.lora is not None else None))
 
 
 # ---- command line ------------------------------------------------------------------------

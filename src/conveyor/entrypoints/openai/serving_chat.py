@@ -36,6 +36,7 @@ from conveyor.entrypoints.openai.serving_common import (
     ClientDisconnected,
     ServerState,
     add_streams,
+    answer_model,
     build_sampling_params,
     check_model,
     check_not_aborted,
@@ -63,7 +64,7 @@ MAX_TOP_LOGPROBS = 20
 
 async def create_chat_completion(state: ServerState, raw_request: Request) -> Response:
     req = parse_body(ChatCompletionRequest, await raw_request.body())
-    check_model(state, req.model)
+    lora = check_model(state, req.model)  # the adapter the model names, if one
     _check_supported(req)
     prompt = render_prompt(state, req)
     check_prompt_size(state, prompt, "messages")
@@ -74,7 +75,7 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
     request_id = random_id("chatcmpl")
     created = int(time.time())
     streams = await add_streams(state, [prompt], params, request_id,
-                                request_options(req, raw_request),
+                                request_options(req, raw_request) | {"lora_request": lora},
                                 output_kind="delta" if req.stream else "final",
                                 prompt_param="messages")
     if req.stream:
@@ -86,7 +87,7 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
     except Exception as e:  # timeout, engine fault: this request's error, as an HTTP status
         raise request_error(e) from None
     check_not_aborted(outputs)
-    body = _response(req, request_id, created, state.model_name, outputs[0]).model_dump()
+    body = _response(req, request_id, created, answer_model(state, req), outputs[0]).model_dump()
     handle = kv_handle(state, req, outputs)
     if handle is not None:
         body["kv_transfer_params"] = handle
@@ -191,7 +192,8 @@ def _response(req: ChatCompletionRequest, request_id: str, created: int, model: 
 async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str, created: int,
                   stream: RequestStream) -> AsyncIterator[str]:
     def chunk(choices: list[ChatCompletionStreamChoice], **kw: Any) -> str:
-        return sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
+        return sse(ChatCompletionChunk(id=request_id, created=created,
+                                       model=answer_model(state, req),
                                        choices=choices, **kw).model_dump_json())
 
     finished = [False] * req.n

@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from conveyor.config.lora import LoRARequest
 from conveyor.core.kv_connector import KV_TRANSFER_FAILED
 from conveyor.engine.async_engine import AsyncEngine, RequestStream
 from conveyor.engine.llm_engine import PromptType
@@ -30,6 +31,7 @@ from conveyor.entrypoints.openai.protocol import (
     SamplingRequest,
     UsageInfo,
 )
+from conveyor.entrypoints.openai.serving_lora import LoRARegistry
 from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.metrics import EngineMetrics
 from conveyor.outputs import Logprob, RequestOutput
@@ -61,6 +63,8 @@ class ServerState:
     # whatever it says: refused before tokenizing it (None: no such bound is known).
     max_prompt_bytes: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Multi-LoRA: the adapters a request's model may name (None: LoRA off).
+    loras: LoRARegistry | None = None
 
 
 def max_token_bytes(tokenizer: Any) -> int | None:
@@ -103,7 +107,10 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def check_model(state: ServerState, name: str | None) -> None:
+def check_model(state: ServerState, name: str | None) -> LoRARequest | None:
+    """404 unless ``name`` is the served model or a loaded adapter; the adapter, if one."""
+    if state.loras is not None and name in state.loras.adapters:
+        return state.loras.adapters[name]
     if name is not None and name != state.model_name:
         raise OpenAIError(404, f"the model {name!r} does not exist; this server serves "
                                f"{state.model_name!r}", param="model", code="model_not_found")
@@ -390,3 +397,10 @@ def clamp_logprob(value: float) -> float:
 def token_text(token_id: int, logprob: Logprob) -> str:
     """The token's text; ``token_id:N`` when the model has no tokenizer (as vLLM does)."""
     return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
+
+
+def answer_model(state: ServerState, req: SamplingRequest) -> str:
+    """The model a response names: the adapter the request named, else the served model."""
+    if state.loras is not None and req.model in state.loras.adapters:
+        return req.model
+    return state.model_name

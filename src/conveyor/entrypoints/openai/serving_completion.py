@@ -33,6 +33,7 @@ from conveyor.entrypoints.openai.serving_common import (
     ClientDisconnected,
     ServerState,
     add_streams,
+    answer_model,
     build_sampling_params,
     check_model,
     check_not_aborted,
@@ -58,7 +59,7 @@ from conveyor.outputs import CompletionOutput, RequestOutput
 
 async def create_completion(state: ServerState, raw_request: Request) -> Response:
     req = parse_body(CompletionRequest, await raw_request.body())
-    check_model(state, req.model)
+    lora = check_model(state, req.model)  # the adapter the model names, if one
     _check_supported(req)
     # max_tokens 0 with echo: the prompt alone; one token is generated and not shown.
     params = build_sampling_params(req, max_tokens=1 if _prompt_only(req) else req.max_tokens,
@@ -71,7 +72,7 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
     request_id = random_id("cmpl")
     created = int(time.time())
     streams = await add_streams(state, prompts, params, request_id,
-                                request_options(req, raw_request),
+                                request_options(req, raw_request) | {"lora_request": lora},
                                 output_kind="delta" if req.stream else "final")
     if req.stream:
         return sse_response(_stream(state, req, request_id, created, streams))
@@ -83,7 +84,7 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
         raise request_error(e) from None
     check_not_aborted(outputs)
     prompt_texts = await _echo_texts(state, req, outputs)
-    body = _response(req, request_id, created, state.model_name, outputs,
+    body = _response(req, request_id, created, answer_model(state, req), outputs,
                      prompt_texts, _first_texts(state, req, outputs)).model_dump()
     handle = kv_handle(state, req, outputs)
     if handle is not None:
@@ -273,12 +274,12 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, c
                     usage = (make_usage(sum(prompt_tokens), sum(num_tokens), sum(cached_tokens))
                              if continuous_usage else None)
                     chunk = CompletionChunk(id=request_id, created=created,
-                                            model=state.model_name, choices=[choice],
+                                            model=answer_model(state, req), choices=[choice],
                                             usage=usage)
                     yield sse(chunk.model_dump_json())
         if final_usage:
             usage = make_usage(sum(prompt_tokens), sum(num_tokens), sum(cached_tokens))
-            chunk = CompletionChunk(id=request_id, created=created, model=state.model_name,
+            chunk = CompletionChunk(id=request_id, created=created, model=answer_model(state, req),
                                     choices=[], usage=usage)
             yield sse(chunk.model_dump_json())
     except Exception as e:  # this request alone fails; the stream ends with an error event
