@@ -19,6 +19,7 @@ from conveyor.config.model import DTYPES, ModelConfig, load_model_config
 from conveyor.config.names import POLICY_NAMES, PREDICTOR_NAMES
 from conveyor.config.policy import PolicyConfig
 from conveyor.config.presets import PRESETS, resolve_model_path
+from conveyor.config.quantization import QUANTIZATION_CHOICES
 from conveyor.config.scheduler import TOKEN_BUDGET_MODES, SchedulerConfig
 from conveyor.config.speculative import SpeculativeConfig
 
@@ -94,6 +95,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     distributed_timeout_s: float = 60.0
+    # Quantized weights (config/quantization.py): None, int8 (at load), or the checkpoint's
+    # format; the checkpoint's quantization_config is read whatever this says.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         # Parsed (and checked) at once: a bad config fails before any model loads.
@@ -285,6 +289,10 @@ class EngineArgs:
                        default=60.0, metavar="SECONDS",
                        help="a rank that does not answer a step within this long counts "
                             "as dead: open requests fail and /health turns 503")
+        g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
+                       help="int8: weight-only int8 per output channel, quantized at load "
+                            "(LM head included); a checkpoint's quantization_config "
+                            "(compressed-tensors, gptq, awq) is read without it")
         return parser
 
     @classmethod
@@ -351,7 +359,8 @@ class EngineArgs:
                                  load_format="dummy" if is_preset else self.load_format,
                                  seed=self.seed, max_model_len=self.max_model_len,
                                  tokenizer=self.tokenizer,
-                                 served_model_name=self.served_model_name or self.model)
+                                 served_model_name=self.served_model_name or self.model,
+                                 quantization=self.quantization)
 
 
 

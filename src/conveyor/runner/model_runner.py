@@ -29,6 +29,7 @@ from conveyor.model.attention.metadata import AttentionMetadata, PrefillSegment
 from conveyor.model.attention.registry import select_attention_backend
 from conveyor.model.autotune.plan import BackendPlan, ModelShape, plan_backends
 from conveyor.model.loader import DTYPES, load_model
+from conveyor.model.quant.apply import quantize_model
 from conveyor.runner import huge_pages
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
 from conveyor.runner.host_memory import keep_freed_host_memory
@@ -93,6 +94,11 @@ class ModelRunner:
         self.tp = tp
         self.heads = tp.heads(model_cfg.num_heads, model_cfg.num_kv_heads)
         self.model = load_model(model_cfg, device, tp)
+        # Quantized projections in place first (model/quant/apply.py); the float ones left
+        # are planned below.
+        linear_backend = quantize_model(self.model, model_cfg.quantization, device,
+                                        DTYPES[model_cfg.math_dtype], linear_rows,
+                                        linear_backend, tp)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(model_cfg.vocab_size, device, seed=model_cfg.seed)

@@ -1,0 +1,126 @@
+/*
+ * y = x @ dequant(W)^T (+ bias) for float32 x and an int8 or int4 weight, the weight
+ * widened to float32 in registers (never written back dequantised): a decode step reads
+ * one or two bytes per weight for 1-32 rows, which is what it is bound by.
+ *
+ * W is [N, K] integers: bits 8, int8 row-major; bits 4, two per byte along K (the low
+ * nibble holds the even k), unsigned 0..15. scales and zeros are [N, K / group] floats;
+ * zeros (NULL: none) are subtracted from the integer before the scale, as the checkpoint
+ * formats dequantise: w = (q - zero) * scale. Per group and row the products
+ * x * (q - zero) are summed in float32 (exact integers times floats), the group's sum is
+ * then multiplied by its scale: the same value as x @ w up to float32 rounding and order.
+ *
+ * Rows are taken four at a time over each weight row (the weight row's bytes converted
+ * once per four rows); threads split the output columns.
+ */
+#include <stdint.h>
+#include <stddef.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define ROWS 4
+
+int qgemm_f32_simd(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline float q_at(const uint8_t* wrow, int bits, int k) {
+    if (bits == 8) return (float)((const int8_t*)wrow)[k];
+    const uint8_t b = wrow[k >> 1];
+    return (float)((k & 1) ? (b >> 4) : (b & 15));
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 q8_load(const uint8_t* p) {  /* 8 int8 -> 8 floats */
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+static inline __m256 q4_load(const uint8_t* p) {  /* 4 bytes = 8 nibbles -> 8 floats */
+    int32_t word;
+    __builtin_memcpy(&word, p, 4);
+    const __m128i dup = _mm_shuffle_epi8(_mm_cvtsi32_si128(word),
+                                         _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1,
+                                                       -1, -1, -1, -1, -1));
+    __m256i v = _mm256_cvtepu8_epi32(dup);
+    v = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    v = _mm256_and_si256(v, _mm256_set1_epi32(15));
+    return _mm256_cvtepi32_ps(v);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* rows r0..r0+nr (nr <= ROWS) of x against weight row n */
+static void q_rows(const float* x, int ldx, int nr, int K, const uint8_t* wrow, int bits,
+                   const float* srow, const float* zrow, int group, float* out) {
+    const int groups = K / group;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (group % 8 == 0) {
+        __m256 tot[ROWS];
+        for (int r = 0; r < ROWS; r++) tot[r] = _mm256_setzero_ps();
+        for (int g = 0; g < groups; g++) {
+            __m256 acc[ROWS];
+            for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+            const __m256 z = _mm256_set1_ps(zrow ? zrow[g] : 0.0f);
+            for (int k = g * group; k < (g + 1) * group; k += 8) {
+                __m256 w = bits == 8 ? q8_load(wrow + k) : q4_load(wrow + (k >> 1));
+                w = _mm256_sub_ps(w, z);
+                for (int r = 0; r < nr; r++)
+                    acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)r * ldx + k), w,
+                                             acc[r]);
+            }
+            const __m256 s = _mm256_set1_ps(srow[g]);
+            for (int r = 0; r < nr; r++) tot[r] = _mm256_fmadd_ps(acc[r], s, tot[r]);
+        }
+        for (int r = 0; r < nr; r++) out[r] = hsum(tot[r]);
+        return;
+    }
+#endif
+    for (int r = 0; r < nr; r++) {
+        const float* xr = x + (size_t)r * ldx;
+        float tot = 0.0f;
+        for (int g = 0; g < groups; g++) {
+            const float z = zrow ? zrow[g] : 0.0f;
+            float acc = 0.0f;
+            for (int k = g * group; k < (g + 1) * group; k++)
+                acc += xr[k] * (q_at(wrow, bits, k) - z);
+            tot += acc * srow[g];
+        }
+        out[r] = tot;
+    }
+}
+
+/* Returns 0, or -1 for arguments it does not take. */
+int qgemm_f32(const float* x, int M, int K, int ldx, const void* w, int bits, int N,
+              const float* scales, const float* zeros, int group, const float* bias,
+              float* y, int ldy) {
+    if (M < 0 || N <= 0 || K <= 0 || group <= 0 || K % group || (bits != 8 && bits != 4)
+        || (bits == 4 && K % 2))
+        return -1;
+    const int groups = K / group;
+    const size_t wstride = bits == 8 ? (size_t)K : (size_t)K / 2;
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint8_t* wrow = (const uint8_t*)w + n * wstride;
+        const float* srow = scales + (size_t)n * groups;
+        const float* zrow = zeros ? zeros + (size_t)n * groups : NULL;
+        for (int r0 = 0; r0 < M; r0 += ROWS) {
+            const int nr = M - r0 < ROWS ? M - r0 : ROWS;
+            float out[ROWS];
+            q_rows(x + (size_t)r0 * ldx, ldx, nr, K, wrow, bits, srow, zrow, group, out);
+            for (int r = 0; r < nr; r++)
+                y[(size_t)(r0 + r) * ldy + n] = out[r] + (bias ? bias[n] : 0.0f);
+        }
+    }
+    return 0;
+}
