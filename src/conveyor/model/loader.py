@@ -13,13 +13,13 @@ import os
 import re
 
 import torch
-from safetensors import safe_open
 
 from conveyor.config import ModelConfig
 from conveyor.distributed.parallel import SINGLE, TPShard
 from conveyor.model.layers.rotary import RotaryEmbedding
 from conveyor.model.models.decoder import DecoderForCausalLM
 from conveyor.model.models.registry import model_class
+from conveyor.model.quant.load import keep_quantized, open_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,8 +127,9 @@ def _weight_files(path: str) -> list[str]:
 def _load_safetensors(model: DecoderForCausalLM, path: str, tp: TPShard = SINGLE) -> None:
     params = dict(model.named_parameters())
     filled: set[str] = set()
-    for file in _weight_files(path):
-        with safe_open(file, framework="pt") as f:
+    files = _weight_files(path)
+    for file in files:
+        with open_weights(file, files, model.cfg) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 target = _target(model, name)
                 if target is None:
@@ -142,6 +143,7 @@ def _load_safetensors(model: DecoderForCausalLM, path: str, tp: TPShard = SINGLE
                         param = param.data.narrow(0, 0, tensor.shape[0])
                 else:
                     tensor = f.get_tensor(name)
+                tensor = keep_quantized(model, our_name, shard, tensor, param.dtype)
                 _copy_shard(model, our_name, shard, param, tensor)
                 filled.add(f"{our_name}#{shard}")
     expected = set()

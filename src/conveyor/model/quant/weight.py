@@ -49,6 +49,10 @@ class QuantWeight:
             self.zero[rows] if self.zero is not None else None)
         if cols != slice(None):
             start, stop, _ = cols.indices(self.q.shape[1])
+            if self.group == self.q.shape[1]:  # one scale per row: it holds for any slice
+                return replace(self, q=q[:, start:stop].contiguous(), scale=scale.contiguous(),
+                               zero=zero.contiguous() if zero is not None else None,
+                               group=stop - start)
             if start % self.group or (stop - start) % self.group:
                 raise ValueError(f"tensor parallelism splits input columns {start}:{stop} "
                                  f"across groups of {self.group}: unsupported")
