@@ -100,3 +100,20 @@ def test_unsupported_compressed_tensors_schemes_are_refused(tmp_path):
         (dst / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ValueError, match=match):
             LLM(str(dst), dtype="float32")
+
+
+@pytest.mark.parametrize("method,act_order", [("gptq", False), ("gptq", True),
+                                              ("awq", False)])
+@pytest.mark.parametrize("backend", ["native-int", "dequant"])
+def test_gptq_awq_greedy_matches_dequantised(method, act_order, backend, monkeypatch):
+    from gptq_awq_checkpoints import write_checkpoint as write_packed
+
+    from conveyor.kernels.cpu import quant
+
+    if backend == "native-int" and not quant.simd():
+        pytest.skip("no AVX2 build of the quantized kernel")
+    monkeypatch.setenv("CONVEYOR_QUANT_LINEAR", backend)
+    path, ref = write_packed(method, act_order)
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=13)
+    _check(llm, ref, seed=2, n=6)
+    assert _quantized_modules(llm)

@@ -199,12 +199,17 @@ def _read_gptq_awq(f: QuantizedFile, prefix: str, method: str) -> QuantWeight:
     k = q.shape[0]
     groups = scales.shape[0]
     group = k // groups
+    perm = None
     if f._has(f"{prefix}.g_idx"):
         g_idx = f._get(f"{prefix}.g_idx").to(torch.int64)
         if not torch.equal(g_idx, torch.arange(k) // group):
-            raise ValueError(f"{method}: act-order (desc_act, a permuted g_idx) is not "
-                             f"supported yet ({prefix})")
+            # act-order: columns sorted by group, so that each group is contiguous
+            perm = torch.argsort(g_idx, stable=True)
+            if not torch.equal(g_idx[perm], torch.arange(k) // group):
+                raise ValueError(f"{method}: g_idx of {prefix} does not give every group "
+                                 f"{group} columns")
+            q = q[perm]  # q is [K, N]: its rows are input columns
     if bits == 8:  # unsigned 0..255: held as int8 with both sides moved by 128
         q, zeros = q - 128, zeros - 128
     return QuantWeight(q.T.contiguous().to(torch.int8), scales.T.contiguous(),
-                       zeros.T.contiguous().to(torch.float32), bits, group)
+                       zeros.T.contiguous().to(torch.float32), bits, group, perm)

@@ -54,12 +54,15 @@ class NativeQuantLinear(_QuantLinear):
         self.scales = weight.scale.to(torch.float32).contiguous()
         self.zeros = zero.to(torch.float32).contiguous() if zero is not None else None
         self.bias = _bias(bias)
+        self.perm = weight.perm  # act-order: x's columns in the weight's order
         qkernel.check_weight(self.qweight, self.bits, self.scales, self.zeros, self.group,
                              self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
         if x2.dtype != torch.float32 or x2.stride(-1) != 1:
             x2 = x2.to(torch.float32).contiguous()
         y = qkernel.qgemm(x2, self.qweight, self.bits, self.scales, self.zeros, self.group,

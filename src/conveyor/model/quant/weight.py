@@ -21,6 +21,9 @@ class QuantWeight:
     zero: torch.Tensor | None  # [N, K // group] float32, None: 0
     bits: int
     group: int  # input columns per scale; K for one scale per output row
+    # Act-order (GPTQ desc_act): column j of ``q`` is input column perm[j], the columns
+    # sorted by group so that groups are contiguous; None: the identity.
+    perm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, k = self.q.shape
@@ -39,7 +42,10 @@ class QuantWeight:
         q = self.q.to(torch.float32)
         if self.zero is not None:
             q = q - self.zero.repeat_interleave(self.group, dim=1)
-        return (q * self.scale.repeat_interleave(self.group, dim=1)).to(dtype)
+        w = q * self.scale.repeat_interleave(self.group, dim=1)
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w.to(dtype)
 
     def __getitem__(self, index) -> QuantWeight:
         """Rows (``w[a:b]``), input columns (``w[:, a:b]``, on group boundaries) or the
@@ -48,6 +54,9 @@ class QuantWeight:
         q, scale, zero = self.q[rows], self.scale[rows], (
             self.zero[rows] if self.zero is not None else None)
         if cols != slice(None):
+            if self.perm is not None:
+                raise ValueError("act-order (g_idx) weights split by input columns (tensor "
+                                 "parallelism's row-parallel layers) are not supported")
             start, stop, _ = cols.indices(self.q.shape[1])
             if self.group == self.q.shape[1]:  # one scale per row: it holds for any slice
                 return replace(self, q=q[:, start:stop].contiguous(), scale=scale.contiguous(),
@@ -70,9 +79,13 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
            or (p.zero is None) != (first.zero is None) for p in parts):
         raise ValueError("packed projections quantized differently (bits, group size or "
                          "zero points) are not supported")
+    if any((p.perm is None) != (first.perm is None)
+           or (p.perm is not None and not torch.equal(p.perm, first.perm)) for p in parts):
+        raise ValueError("packed projections (Q/K/V or gate/up) with different act-order "
+                         "permutations are not supported")
     return QuantWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                        torch.cat([p.zero for p in parts]) if first.zero is not None else None,
-                       first.bits, first.group)
+                       first.bits, first.group, first.perm)
 
 
 def quantize_int8(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> QuantWeight:
