@@ -60,32 +60,62 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* rows 0..NR of x against one weight row; NR, BITS and ZERO are constants at each call
+ * site (always inlined), so the accumulators stay in registers and the loops unroll. */
+static inline __attribute__((always_inline)) void
+q_rows_simd(const float* x, int ldx, int K, const uint8_t* wrow, const float* srow,
+            const float* zrow, int group, float* out, const int NR, const int BITS,
+            const int ZERO) {
+    const int groups = K / group;
+    __m256 tot0 = _mm256_setzero_ps(), tot1 = tot0, tot2 = tot0, tot3 = tot0;
+    for (int g = 0; g < groups; g++) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const __m256 z = _mm256_set1_ps(ZERO ? zrow[g] : 0.0f);
+        const float* xk = x + (size_t)g * group;
+        const uint8_t* wk = wrow + (BITS == 8 ? (size_t)g * group : (size_t)g * group / 2);
+        for (int k = 0; k < group; k += 8) {
+            __m256 w = BITS == 8 ? q8_load(wk + k) : q4_load(wk + (k >> 1));
+            if (ZERO) w = _mm256_sub_ps(w, z);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + k), w, a0);
+            if (NR > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + ldx + k), w, a1);
+            if (NR > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 2 * (size_t)ldx + k), w, a2);
+            if (NR > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 3 * (size_t)ldx + k), w, a3);
+        }
+        const __m256 s = _mm256_set1_ps(srow[g]);
+        tot0 = _mm256_fmadd_ps(a0, s, tot0);
+        if (NR > 1) tot1 = _mm256_fmadd_ps(a1, s, tot1);
+        if (NR > 2) tot2 = _mm256_fmadd_ps(a2, s, tot2);
+        if (NR > 3) tot3 = _mm256_fmadd_ps(a3, s, tot3);
+    }
+    out[0] = hsum(tot0);
+    if (NR > 1) out[1] = hsum(tot1);
+    if (NR > 2) out[2] = hsum(tot2);
+    if (NR > 3) out[3] = hsum(tot3);
+}
+
+#define Q_ROWS_CASE(BITS, ZERO)                                                          \
+    switch (nr) {                                                                        \
+    case 1: q_rows_simd(x, ldx, K, wrow, srow, zrow, group, out, 1, BITS, ZERO); break;  \
+    case 2: q_rows_simd(x, ldx, K, wrow, srow, zrow, group, out, 2, BITS, ZERO); break;  \
+    case 3: q_rows_simd(x, ldx, K, wrow, srow, zrow, group, out, 3, BITS, ZERO); break;  \
+    default: q_rows_simd(x, ldx, K, wrow, srow, zrow, group, out, 4, BITS, ZERO); break; \
+    }
+#endif
+
 /* rows r0..r0+nr (nr <= ROWS) of x against weight row n */
 static void q_rows(const float* x, int ldx, int nr, int K, const uint8_t* wrow, int bits,
                    const float* srow, const float* zrow, int group, float* out) {
-    const int groups = K / group;
 #if defined(__AVX2__) && defined(__FMA__)
     if (group % 8 == 0) {
-        __m256 tot[ROWS];
-        for (int r = 0; r < ROWS; r++) tot[r] = _mm256_setzero_ps();
-        for (int g = 0; g < groups; g++) {
-            __m256 acc[ROWS];
-            for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
-            const __m256 z = _mm256_set1_ps(zrow ? zrow[g] : 0.0f);
-            for (int k = g * group; k < (g + 1) * group; k += 8) {
-                __m256 w = bits == 8 ? q8_load(wrow + k) : q4_load(wrow + (k >> 1));
-                w = _mm256_sub_ps(w, z);
-                for (int r = 0; r < nr; r++)
-                    acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)r * ldx + k), w,
-                                             acc[r]);
-            }
-            const __m256 s = _mm256_set1_ps(srow[g]);
-            for (int r = 0; r < nr; r++) tot[r] = _mm256_fmadd_ps(acc[r], s, tot[r]);
-        }
-        for (int r = 0; r < nr; r++) out[r] = hsum(tot[r]);
+        if (bits == 8 && zrow) { Q_ROWS_CASE(8, 1) }
+        else if (bits == 8) { Q_ROWS_CASE(8, 0) }
+        else if (zrow) { Q_ROWS_CASE(4, 1) }
+        else { Q_ROWS_CASE(4, 0) }
         return;
     }
 #endif
+    const int groups = K / group;
     for (int r = 0; r < nr; r++) {
         const float* xr = x + (size_t)r * ldx;
         float tot = 0.0f;
