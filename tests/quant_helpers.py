@@ -14,9 +14,10 @@ from safetensors.torch import load_file, save_file
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def dequantised_copy(path: str, dequant, head: bool = False) -> str:
-    """A copy of float checkpoint ``path`` whose projection weights (and, with ``head``,
-    its LM head, untied from the embedding) are ``dequant(weight)``."""
+def dequantised_copy(path: str, dequant, head=None) -> str:
+    """A copy of float checkpoint ``path`` whose projection weights are
+    ``dequant(weight)`` and, with ``head`` (a function like it, or True: ``dequant``), its
+    LM head, untied from the embedding, ``head(weight)``."""
     out = tempfile.mkdtemp(prefix="conveyor-deq-")
     for name in os.listdir(path):
         if not name.endswith(".safetensors"):
@@ -31,8 +32,9 @@ def dequantised_copy(path: str, dequant, head: bool = False) -> str:
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
     if head:
+        head = dequant if head is True else head
         weight = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
-        tensors["lm_head.weight"] = dequant(weight).contiguous()
+        tensors["lm_head.weight"] = head(weight).contiguous()
         cfg["tie_word_embeddings"] = False
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(cfg, f)

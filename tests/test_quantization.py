@@ -14,22 +14,33 @@ from conveyor import LLM, SamplingParams
 from helpers import hf_greedy, make_checkpoint, random_prompts
 
 
-@functools.cache
-def _reference_path(arch: str) -> str:
-    return dequantised_copy(make_checkpoint(arch), int8_dequant, head=True)
+def _int4_dequant(weight: torch.Tensor) -> torch.Tensor:
+    from conveyor.model.quant.apply import int4_group
+    from conveyor.model.quant.weight import quantize_int4
+
+    return quantize_int4(weight, int4_group(weight.shape[1])).dequantize()
 
 
 @functools.cache
-def _reference(arch: str, prompt: tuple[int, ...], n: int) -> list[int]:
-    return hf_greedy(_reference_path(arch), list(prompt), n)
+def _reference_path(arch: str, method: str = "int8") -> str:
+    # (the LM head in int8 under int4 too)
+    return dequantised_copy(make_checkpoint(arch),
+                            int8_dequant if method == "int8" else _int4_dequant,
+                            head=int8_dequant)
 
 
-def _check(llm, arch: str, seed: int = 0, n: int = 8) -> None:
+@functools.cache
+def _reference(arch: str, prompt: tuple[int, ...], n: int, method: str = "int8"
+               ) -> list[int]:
+    return hf_greedy(_reference_path(arch, method), list(prompt), n)
+
+
+def _check(llm, arch: str, seed: int = 0, n: int = 8, method: str = "int8") -> None:
     prompts = random_prompts(n, lo=2, hi=50, seed=seed)
     params = [SamplingParams(max_tokens=4 + i % 9, temperature=0.0) for i in range(n)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for i, (out, p, sp) in enumerate(zip(outs, prompts, params)):
-        want = _reference(arch, tuple(p), sp.max_tokens)
+        want = _reference(arch, tuple(p), sp.max_tokens, method)
         assert out.outputs[0].token_ids == want, f"request {i}"
 
 
@@ -48,6 +59,13 @@ def test_int8_greedy_matches_dequantised_reference(arch, config):
     kinds = {type(m).__name__ for m in llm.engine.runner.model.modules()}
     assert "Linear" not in kinds, kinds  # every projection quantized
     assert "QuantLinear" in type(llm.engine.runner.model.packed_lm_head).__mro__[1].__name__
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_int4_greedy_matches_dequantised_reference(arch):
+    llm = LLM(make_checkpoint(arch), dtype="float32", quantization="int4",
+              max_num_batched_tokens=13)
+    _check(llm, arch, method="int4")
 
 
 @pytest.mark.parametrize("backend", ["native-int", "dequant"])

@@ -2,6 +2,8 @@
 ``quantization_config`` (no torch).
 
 ``int8``: weight-only int8 per output row, quantized at load from any float checkpoint.
+``int4``: weight-only int4 in groups (128 input columns where that divides the row, else
+64 or 32), asymmetric, the LM head in int8 (as ``int8``).
 A checkpoint with a ``quantization_config`` is read in its own format
 (``compressed-tensors``, ``gptq``, ``awq``); ``--quantization`` may name that format or
 be left unset, and naming another is an error, as is a format not supported.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-ON_THE_FLY = ("int8",)
+ON_THE_FLY = ("int8", "int4")
 CHECKPOINT_FORMATS = ("compressed-tensors", "gptq", "awq")
 QUANTIZATION_CHOICES = (*ON_THE_FLY, *CHECKPOINT_FORMATS)
 KV_CACHE_DTYPES = ("auto",)
@@ -29,7 +31,7 @@ def resolve_quantization(hf: dict[str, Any], requested: str | None) -> str | Non
     if not qc:
         if requested in CHECKPOINT_FORMATS:
             raise ValueError(f"--quantization {requested}: the checkpoint has no "
-                             "quantization_config (a float checkpoint takes int8)")
+                             "quantization_config (a float checkpoint takes int8 or int4)")
         return requested
     method = str(qc.get("quant_method", "")).lower().replace("_", "-")
     if method not in CHECKPOINT_FORMATS:

@@ -2,9 +2,9 @@
 
 Where the weights come from: a pre-quantized checkpoint's (the loader leaves them in
 ``model.quant_weights``: our parameter name -> shard -> ``QuantWeight``, the float
-parameters holding their dequantised values), or ``--quantization int8``, which
-quantizes every projection and the LM head per output row (a small model's tied head is
-a quarter of its weights). Each weight shape gets the quantized backend measured fastest
+parameters holding their dequantised values), or ``--quantization int8`` / ``int4``,
+which quantize every projection (int8 per output row; int4 in groups, ``int4_group``)
+and the LM head in int8 per row (a small model's tied head is a quarter of its weights). Each weight shape gets the quantized backend measured fastest
 on this machine (``autotune/linears.py``'s measurement and cache; one candidate: no
 measurement), unless ``CONVEYOR_QUANT_LINEAR`` names one.
 """
@@ -17,11 +17,12 @@ import os
 import torch
 from torch import nn
 
+from conveyor.config.quantization import ON_THE_FLY
 from conveyor.distributed.parallel import TPShard
 from conveyor.model.autotune import linears as linear_choice
 from conveyor.model.linear.shape import LinearShape
 from conveyor.model.quant.backends import Scheme, candidates, quant_linear_backends
-from conveyor.model.quant.weight import QuantWeight, cat_rows, quantize_int8
+from conveyor.model.quant.weight import QuantWeight, cat_rows, quantize_int4, quantize_int8
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ def quantize_model(model: nn.Module, method: str | None, device: torch.device,
             key = f"layers.{mod_name}.{name}.weight"
             if method == "int8":
                 qw = _quantize_rows(child.weight, tp if name in _ROW_PARALLEL else None)
+            elif method == "int4":
+                qw = quantize_int4(child.weight, int4_group(child.weight.shape[1]))
             elif key in stored:
                 parts = stored[key]
                 qw = cat_rows([parts[i] for i in sorted(parts, key=lambda s: s or 0)])
@@ -53,13 +56,13 @@ def quantize_model(model: nn.Module, method: str | None, device: torch.device,
             sites.append((parent, name, qw, child.bias,
                           LinearShape(*child.weight.shape, gate_up=name == "gate_up_proj")))
     head = None
-    if method == "int8":
+    if method in ON_THE_FLY:
         head = quantize_int8(model.lm_head_weight)
         sites.append((model, "packed_lm_head", head, None,
                       LinearShape(*head.shape, lm_head=True)))
         if linear_backend not in ("auto", "torch"):
             raise ValueError(f"--linear-backend {linear_backend} chooses float kernels; "
-                             "with --quantization int8 every projection is quantized "
+                             f"with --quantization {method} every projection is quantized "
                              "(leave it at auto)")
     choice = _choose(sites, device, dtype, rows)
     for parent, name, qw, bias, shape in sites:
@@ -73,6 +76,12 @@ def quantize_model(model: nn.Module, method: str | None, device: torch.device,
                 " and the LM head" if head is not None else "",
                 sorted(set(choice.values())))
     return "torch" if head is not None else linear_backend
+
+
+def int4_group(in_features: int) -> int:
+    """``--quantization int4``'s group size for a row of ``in_features``: 128 where it
+    divides the row, else 64, else 32, else the whole row."""
+    return next((g for g in (128, 64, 32) if in_features % g == 0), in_features)
 
 
 def _quantize_rows(weight: torch.Tensor, tp: TPShard | None) -> QuantWeight:
