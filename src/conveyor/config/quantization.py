@@ -16,7 +16,8 @@ from typing import Any
 ON_THE_FLY = ("int8", "int4")
 CHECKPOINT_FORMATS = ("compressed-tensors", "gptq", "awq")
 QUANTIZATION_CHOICES = (*ON_THE_FLY, *CHECKPOINT_FORMATS)
-KV_CACHE_DTYPES = ("auto",)
+# The KV pool's element type (model/quant/kv_cache.py); fp8 is fp8_e4m3, as in vLLM.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 def resolve_quantization(hf: dict[str, Any], requested: str | None) -> str | None:
@@ -41,3 +42,12 @@ def resolve_quantization(hf: dict[str, Any], requested: str | None) -> str | Non
         raise ValueError(f"--quantization {requested} on a checkpoint quantized with "
                          f"{method}: leave it unset or name {method}")
     return method
+
+
+def resolve_kv_cache_dtype(name: str | None) -> str:
+    """``auto`` (the compute dtype), ``fp8_e4m3``, ``fp8_e5m2`` or ``int8``."""
+    name = name or "auto"
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {name!r}")
+    return "fp8_e4m3" if name == "fp8" else name

@@ -4,9 +4,10 @@ Where the weights come from: a pre-quantized checkpoint's (the loader leaves the
 ``model.quant_weights``: our parameter name -> shard -> ``QuantWeight``, the float
 parameters holding their dequantised values), or ``--quantization int8`` / ``int4``,
 which quantize every projection (int8 per output row; int4 in groups, ``int4_group``)
-and the LM head in int8 per row (a small model's tied head is a quarter of its weights). Each weight shape gets the quantized backend measured fastest
-on this machine (``autotune/linears.py``'s measurement and cache; one candidate: no
-measurement), unless ``CONVEYOR_QUANT_LINEAR`` names one.
+and the LM head in int8 per row (a small model's tied head is a quarter of its
+weights). Each weight shape gets the quantized backend measured fastest on this machine
+(``autotune/linears.py``'s measurement and cache; one candidate: no measurement),
+unless ``CONVEYOR_QUANT_LINEAR`` names one.
 """
 
 from __future__ import annotations
