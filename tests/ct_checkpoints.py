@@ -25,6 +25,9 @@ SCHEMES = {
                             group_size=16), None, "pack-quantized"),
     "w4a16-asym-channel": (dict(num_bits=4, type="int", symmetric=False, strategy="channel"),
                            None, "pack-quantized"),
+    "w8a8-dynamic": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+                     dict(num_bits=8, type="int", symmetric=True, strategy="token",
+                          dynamic=True), "int-quantized"),
 }
 
 
@@ -85,4 +88,24 @@ def write_checkpoint(scheme: str, arch: str = "qwen3") -> tuple[str, str]:
     compressor.update_config(out)
     ref = tempfile.mkdtemp(prefix=f"conveyor-ct-ref-{scheme}-")
     reference.save_pretrained(ref, safe_serialization=True)
+    if aargs:
+        _fake_quantize_inputs(ref, QuantizationArgs(**aargs))
     return out, ref
+
+
+def _fake_quantize_inputs(ref: str, args) -> None:
+    """The reference model (``helpers.hf_model``'s cached instance of ``ref``) with every
+    projection's input fake-quantized by compressed-tensors' own dynamic scheme."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    from helpers import hf_model
+
+    def hook(module, inputs):
+        x = inputs[0]
+        scale, zero = compute_dynamic_scales_and_zp(x, args, module)
+        return (fake_quantize(x, scale, zero, args),)
+
+    for name, m in hf_model(ref).named_modules():
+        if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"):
+            m.register_forward_pre_hook(hook)

@@ -39,6 +39,35 @@ def _quantized_modules(llm) -> set[str]:
             if "QuantLinear" in type(m).__mro__[1].__name__}
 
 
+# W8A8: a row's int8 activations come from its float values by rounding, so a rounding
+# error in the hidden state (float sums in the reference, exact integer sums here) can
+# flip one activation's rounding and move a logit. Stated bound: a request may leave the
+# reference's greedy path only where the reference itself nearly ties, the token taken
+# within W8A8_TIE of its best logit (tiny random models have such near-ties).
+W8A8_TIE = 0.02
+
+
+def _check_w8a8(llm, ref: str, n: int = 8) -> None:
+    import torch
+
+    from helpers import hf_model
+
+    prompts = random_prompts(n, lo=2, hi=50, seed=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(max_tokens=10, temperature=0.0)] * n)
+    left = 0
+    for out, p in zip(outs, prompts):
+        got, want = out.outputs[0].token_ids, _reference(ref, tuple(p), 10)
+        if got == want:
+            continue
+        left += 1
+        i = next(j for j in range(len(want)) if got[j] != want[j])
+        with torch.no_grad():
+            logits = hf_model(ref)(torch.tensor([p + want[:i]])).logits[0, -1]
+        assert logits.max() - logits[got[i]] <= W8A8_TIE, (p, i)
+    assert left <= n // 4
+
+
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_compressed_tensors_greedy_matches_dequantised(scheme):
     path, ref = write_checkpoint(scheme)
@@ -47,6 +76,11 @@ def test_compressed_tensors_greedy_matches_dequantised(scheme):
     assert cfg["quant_method"] == "compressed-tensors"
     llm = LLM(path, dtype="float32", max_num_batched_tokens=13, num_kv_blocks=10,
               block_size=8)
+    if SCHEMES[scheme][1] is not None:  # quantized activations
+        _check_w8a8(llm, ref)
+        assert llm.stats()["num_preemptions"] > 0
+        assert _quantized_modules(llm) == {"W8A8Linear"}
+        return
     _check(llm, ref)
     assert _quantized_modules(llm), "the projections should run quantized"
     assert llm.stats()["num_preemptions"] > 0
@@ -88,7 +122,7 @@ def test_unsupported_compressed_tensors_schemes_are_refused(tmp_path):
     path, _ = write_checkpoint("w8a16")
     for change, match in [
         (lambda g: g.update(input_activations={"num_bits": 8, "type": "int",
-                                               "strategy": "token", "dynamic": True}),
+                                               "strategy": "tensor", "dynamic": False}),
          "input activations"),
         (lambda g: g["weights"].update(type="float"), "float 8-bit"),
         (lambda g: g.update(format="nvfp4-pack-quantized"), "nvfp4"),

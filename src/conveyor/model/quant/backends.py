@@ -20,7 +20,12 @@ from torch import nn
 from conveyor.kernels.cpu import quant as qkernel
 from conveyor.model.backend_registry import Registry
 from conveyor.model.linear.backend import LinearBackend
-from conveyor.model.quant.linear import DequantLinear, Int8MMLinear, NativeQuantLinear
+from conveyor.model.quant.linear import (
+    DequantLinear,
+    Int8MMLinear,
+    NativeQuantLinear,
+    W8A8Linear,
+)
 from conveyor.model.quant.weight import QuantWeight, quantize_int4, quantize_int8
 
 
@@ -32,18 +37,23 @@ class Scheme:
     bits: int
     group: int = 0
     zero: bool = False
+    act_int8: bool = False  # W8A8: int8 activations per token too
 
     @property
     def tag(self) -> str:
-        return f"w{self.bits}g{self.group}{'z' if self.zero else ''}"
+        return f"w{self.bits}g{self.group}{'z' if self.zero else ''}" + (
+            "a8" if self.act_int8 else "")
 
     @staticmethod
     def of(w: QuantWeight) -> Scheme:
-        return Scheme(w.bits, 0 if w.group == w.shape[1] else w.group, w.zero is not None)
+        return Scheme(w.bits, 0 if w.group == w.shape[1] else w.group, w.zero is not None,
+                      w.act_int8)
 
     def quantize(self, weight: torch.Tensor) -> QuantWeight:
         if self.bits == 8 and not self.group and not self.zero:
-            return quantize_int8(weight)
+            from dataclasses import replace
+
+            return replace(quantize_int8(weight), act_int8=self.act_int8)
         if self.bits == 4:
             return quantize_int4(weight, self.group or weight.shape[1],
                                  symmetric=not self.zero)
@@ -78,6 +88,8 @@ class NativeQuantBackend(QuantLinearBackend):
 
     @classmethod
     def supports(cls, scheme, device, dtype):
+        if scheme.act_int8:
+            return "weight-only (int8 activations: torch-w8a8)"
         if device.type != "cpu" or qkernel.load() is None:
             return "needs the native kernels built, on CPU"
         if not qkernel.simd():
@@ -111,8 +123,25 @@ class TorchInt8MMBackend(QuantLinearBackend):
 class DequantBackend(QuantLinearBackend):
     name = "dequant"
 
+    @classmethod
+    def supports(cls, scheme, device, dtype):
+        return "weight-only (int8 activations: torch-w8a8)" if scheme.act_int8 else None
+
     def make_linear(self, weight, bias, gate_up=False) -> nn.Module:
         return DequantLinear(self.weight(weight), bias)
+
+
+class W8A8Backend(QuantLinearBackend):
+    name = "torch-w8a8"
+
+    @classmethod
+    def supports(cls, scheme, device, dtype):
+        if scheme != Scheme(8, act_int8=True):
+            return "takes W8A8: symmetric int8 weights per row, int8 activations per token"
+        return None
+
+    def make_linear(self, weight, bias, gate_up=False) -> nn.Module:
+        return W8A8Linear(self.weight(weight), bias)
 
 
 quant_linear_backends: Registry[type[QuantLinearBackend]] = Registry("quantized linear")
@@ -120,6 +149,7 @@ quant_linear_backends.add("native-int", 20, "conveyor.model.quant.backends:Nativ
 quant_linear_backends.add("torch-int8mm", 10,
                           "conveyor.model.quant.backends:TorchInt8MMBackend")
 quant_linear_backends.add("dequant", 0, "conveyor.model.quant.backends:DequantBackend")
+quant_linear_backends.add("torch-w8a8", 5, "conveyor.model.quant.backends:W8A8Backend")
 
 
 def candidates(scheme: Scheme, device: torch.device, dtype: torch.dtype) -> list[str]:

@@ -10,10 +10,11 @@ slices a tensor, and keeps it for the quantized modules.
 compressed-tensors (``quant_method: compressed-tensors``): formats ``pack-quantized``
 (``weight_packed`` int32, ``weight_shape``, ``weight_scale``, packed
 ``weight_zero_point`` where asymmetric), ``int-quantized`` / ``naive-quantized``
-(``weight`` int8); strategies channel, group and tensor; weight-only (W8A16, W4A16).
+(``weight`` int8); strategies channel, group and tensor; weight-only (W8A16, W4A16) and
+W8A8 with dynamic per-token int8 activations.
 Unpacking is compressed-tensors' own (``unpack_from_int32``). Not supported, with an
-error naming it: quantized input activations (W8A8), float formats (fp8, nvfp4, mx),
-act-order ``weight_g_idx``.
+error naming it: other quantized activations (static, per tensor, fp8), float formats
+(fp8, nvfp4, mx), act-order ``weight_g_idx``.
 
 GPTQ and AWQ (``quant_method: gptq`` / ``awq``): int4 (and GPTQ int8) in int32 words,
 eight 4-bit values a word from the low bits; GPTQ ``qweight`` [K/8, N] packed along K,
@@ -110,10 +111,11 @@ def check_compressed_tensors(qc: dict[str, Any]) -> None:
     for name, group in (qc.get("config_groups") or {}).items():
         w = group.get("weights") or {}
         gfmt = group.get("format") or fmt
-        if group.get("input_activations"):
+        act = group.get("input_activations")
+        if act and not _w8a8_dynamic(w, act):
             raise ValueError(f"compressed-tensors group {name!r}: quantized input "
-                             "activations (W8A8) are not supported yet; weight-only "
-                             "schemes (W8A16, W4A16) are")
+                             "activations are supported as W8A8 only (int8 weights per "
+                             "channel, int8 activations per token, dynamic, symmetric)")
         if w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8):
             raise ValueError(f"compressed-tensors group {name!r}: {w.get('type')} "
                              f"{w.get('num_bits')}-bit weights are not supported (int4, "
@@ -129,20 +131,28 @@ def check_compressed_tensors(qc: dict[str, Any]) -> None:
                              "yet")
 
 
+def _w8a8_dynamic(w: dict[str, Any], act: dict[str, Any]) -> bool:
+    return (w.get("num_bits") == 8 and w.get("symmetric", True)
+            and w.get("strategy") == "channel" and act.get("num_bits") == 8
+            and act.get("type", "int") == "int" and act.get("strategy") == "token"
+            and bool(act.get("dynamic")) and act.get("symmetric", True))
+
+
 def _ct_args(qc: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """The weights' arguments of the config group whose targets match ``prefix``."""
+    """The config group whose targets match ``prefix``."""
     for group in (qc.get("config_groups") or {}).values():
         for target in group.get("targets", []):
             if target == "Linear" or (target.startswith("re:") and re.match(
                     target[3:], prefix)) or prefix.endswith(target):
-                return group["weights"]
+                return group
     raise ValueError(f"compressed-tensors: no config group targets {prefix!r}")
 
 
 def _read_compressed_tensors(f: QuantizedFile, prefix: str) -> QuantWeight:
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    args = _ct_args(f.qc, prefix)
+    group_cfg = _ct_args(f.qc, prefix)
+    args = group_cfg["weights"]
     bits = int(args["num_bits"])
     scale = f._get(f"{prefix}.weight_scale").to(torch.float32)
     if f._has(f"{prefix}.weight_packed"):
@@ -163,7 +173,7 @@ def _read_compressed_tensors(f: QuantizedFile, prefix: str) -> QuantWeight:
         if zero.shape[1] == 1 and scale.shape[1] == 1 and not bool(zero.any()):
             zero = None
     return QuantWeight(q.to(torch.int8).contiguous(), scale, zero, bits,
-                       k // scale.shape[1])
+                       k // scale.shape[1], act_int8=bool(group_cfg.get("input_activations")))
 
 
 def _unpack_int32(words: torch.Tensor, bits: int, dim: int,

@@ -103,3 +103,34 @@ class DequantLinear(_QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.dequantize(torch.float32).to(x.dtype)
         return F.linear(x, w, self.bias.to(x.dtype) if self.bias is not None else None)
+
+
+class W8A8Linear(_QuantLinear):
+    """W8A8: each row of x quantized to int8 (absmax / 127.5, round half to even, clamp
+    to -128..127: compressed-tensors' dynamic per-token scheme), then an int8 x int8 ->
+    int32 matmul (``torch._int_mm``: exact sums), scaled by both scales."""
+
+    kind = "w8a8 int_mm"
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
+        super().__init__(weight)
+        if weight.bits != 8 or weight.zero is not None or weight.group != weight.shape[1]:
+            raise ValueError("W8A8 takes symmetric int8 weights with one scale per row")
+        self.qweight_t = weight.q.T.contiguous()  # [K, N]
+        self.scales = weight.scale[:, 0].to(torch.float32).contiguous()
+        self.bias = _bias(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.float32)
+        scale = x2.abs().amax(dim=1, keepdim=True) / 127.5
+        scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+        xq = torch.round(x2 / scale).clamp_(-128, 127).to(torch.int8)
+        if xq.shape[0] <= 16:  # (torch._int_mm wants more than 16 rows on some builds)
+            acc = (xq.to(torch.int32) @ self.qweight_t.to(torch.int32))
+        else:
+            acc = torch._int_mm(xq, self.qweight_t)
+        y = acc.to(torch.float32) * scale * self.scales
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*lead, self.out_features)

@@ -24,6 +24,9 @@ class QuantWeight:
     # Act-order (GPTQ desc_act): column j of ``q`` is input column perm[j], the columns
     # sorted by group so that groups are contiguous; None: the identity.
     perm: torch.Tensor | None = None
+    # W8A8: each input row quantized to int8 on the fly (symmetric, absmax / 127.5, as
+    # compressed-tensors' dynamic per-token scheme), integer products summed exactly.
+    act_int8: bool = False
 
     def __post_init__(self) -> None:
         n, k = self.q.shape
@@ -85,7 +88,7 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
                          "permutations are not supported")
     return QuantWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                        torch.cat([p.zero for p in parts]) if first.zero is not None else None,
-                       first.bits, first.group, first.perm)
+                       first.bits, first.group, first.perm, first.act_int8)
 
 
 def quantize_int8(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> QuantWeight:
