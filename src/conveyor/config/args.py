@@ -20,6 +20,7 @@ from conveyor.config.model import DTYPES, ModelConfig, load_model_config
 from conveyor.config.names import POLICY_NAMES, PREDICTOR_NAMES
 from conveyor.config.policy import PolicyConfig
 from conveyor.config.presets import PRESETS, resolve_model_path
+from conveyor.config.quantization import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from conveyor.config.scheduler import TOKEN_BUDGET_MODES, SchedulerConfig
 from conveyor.config.speculative import SpeculativeConfig
 
@@ -106,6 +107,12 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: list[str] | dict[str, str] | None = None
+    # Quantized weights (config/quantization.py): None, int8 (at load), or the checkpoint's
+    # format; the checkpoint's quantization_config is read whatever this says.
+    quantization: str | None = None
+    # The KV pool's elements: auto, fp8 (fp8_e4m3), fp8_e5m2 or int8 (per-token, per-head
+    # scales; model/quant/kv_cache.py).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         # Parsed (and checked) at once: a bad config fails before any model loads.
@@ -126,6 +133,9 @@ class EngineArgs:
             # a slice of the heads each.
             raise ValueError(f"--kv-role {self.kv_role} does not support tensor "
                              "parallelism or the Ray executor yet")
+        if self.kv_cache_dtype != "auto" and self.kv_role != "both":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} does not support "
+                             f"--kv-role {self.kv_role} (the transfer moves plain pools)")
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be > 0, "
                              f"got {self.distributed_timeout_s}")
@@ -321,6 +331,14 @@ class EngineArgs:
                         help="largest adapter rank accepted")
         lo.add_argument("--max-cpu-loras", type=int, default=None,
                         help="adapters kept loaded (default --max-loras)")
+        g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
+                       help="int8: weight-only int8 per output channel, quantized at load "
+                            "(LM head included); a checkpoint's quantization_config "
+                            "(compressed-tensors, gptq, awq) is read without it")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="the KV pool's elements: auto (the compute dtype), or one "
+                            "byte (fp8 = fp8_e4m3, fp8_e5m2, int8) with a scale per token "
+                            "and KV head; runs on the sdpa attention backend")
         return parser
 
     @classmethod
@@ -396,7 +414,9 @@ class EngineArgs:
                                  load_format="dummy" if is_preset else self.load_format,
                                  seed=self.seed, max_model_len=self.max_model_len,
                                  tokenizer=self.tokenizer,
-                                 served_model_name=self.served_model_name or self.model)
+                                 served_model_name=self.served_model_name or self.model,
+                                 quantization=self.quantization,
+                                 kv_cache_dtype=self.kv_cache_dtype)
 
 
 

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.config.quantization import resolve_kv_cache_dtype, resolve_quantization
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
@@ -64,6 +66,11 @@ class ModelConfig:
     # The arithmetic's (and the KV cache's) dtype when it differs from the weights' dtype:
     # float32 on bf16-rounded weights for a CPU without bf16 instructions (model/dtypes.py).
     compute_dtype: str | None = None
+    # Quantized weights (config/quantization.py): int8 at load, or the checkpoint's format.
+    quantization: str | None = None
+    # The KV pool's elements: auto (the compute dtype) or one byte plus a float32 scale
+    # per token and head (fp8_e4m3, fp8_e5m2, int8; model/quant/kv_cache.py).
+    kv_cache_dtype: str = "auto"
 
     @property
     def math_dtype(self) -> str:
@@ -79,6 +86,8 @@ class ModelConfig:
     @property
     def kv_bytes_per_token(self) -> int:
         itemsize = 4 if self.math_dtype == "float32" else 2
+        if self.kv_cache_dtype != "auto":  # one byte an element, a float32 scale a head
+            return 2 * self.num_layers * self.num_kv_heads * (self.head_dim + 4)
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
@@ -86,14 +95,19 @@ class ModelConfig:
 def kv_hash_key(model: ModelConfig) -> bytes:
     """What the prefix cache's block hashes are salted with: the same tokens under another
     checkpoint, arithmetic dtype, weights or seed have other K/V."""
-    return f"{model.path}|{model.math_dtype}|{model.load_format}|{model.seed}".encode()
+    return (f"{model.path}|{model.math_dtype}|{model.load_format}|{model.seed}"
+            + (f"|{model.quantization}" if model.quantization else "")
+            + (f"|kv:{model.kv_cache_dtype}" if model.kv_cache_dtype != "auto" else "")
+            ).encode()
 
 
 
 def load_model_config(path: str, *, dtype: str = "auto", load_format: str = "auto",
                       seed: int = 0, max_model_len: int | None = None,
                       tokenizer: str | None = None,
-                      served_model_name: str | None = None) -> ModelConfig:
+                      served_model_name: str | None = None,
+                      quantization: str | None = None,
+                      kv_cache_dtype: str = "auto") -> ModelConfig:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise ValueError(f"no config.json in {path!r}: --model must be a Hugging Face "
@@ -110,14 +124,17 @@ def load_model_config(path: str, *, dtype: str = "auto", load_format: str = "aut
     tok = tokenizer or (path if _has_tokenizer(path) else None)
     return model_config_from_hf(hf, path, dtype=dtype, load_format=load_format, seed=seed,
                                 max_model_len=max_model_len, tokenizer=tok,
-                                served_model_name=served_model_name, extra_eos=extra_eos)
+                                served_model_name=served_model_name, extra_eos=extra_eos,
+                                quantization=quantization, kv_cache_dtype=kv_cache_dtype)
 
 
 def model_config_from_hf(hf: dict[str, Any], path: str, *, dtype: str = "auto",
                          load_format: str = "auto", seed: int = 0,
                          max_model_len: int | None = None, tokenizer: str | None = None,
                          served_model_name: str | None = None,
-                         extra_eos: list[int] | tuple[int, ...] = ()) -> ModelConfig:
+                         extra_eos: list[int] | tuple[int, ...] = (),
+                         quantization: str | None = None,
+                         kv_cache_dtype: str = "auto") -> ModelConfig:
     """A ModelConfig from a parsed config.json (no file access: the simulator uses it)."""
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -159,6 +176,8 @@ def model_config_from_hf(hf: dict[str, Any], path: str, *, dtype: str = "auto",
         intermediate_size=hf["intermediate_size"], max_position_embeddings=max_pos,
         max_model_len=max_model_len or max_pos, eos_token_ids=eos_ids, tokenizer=tokenizer,
         served_model_name=served_model_name or path,
+        quantization=resolve_quantization(hf, quantization),
+        kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype),
     )
 
 

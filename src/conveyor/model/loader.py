@@ -13,7 +13,6 @@ import os
 import re
 
 import torch
-from safetensors import safe_open
 
 from conveyor.config import ModelConfig
 from conveyor.distributed.parallel import SINGLE, TPShard
@@ -21,6 +20,7 @@ from conveyor.model import moe_weights
 from conveyor.model.layers.rotary import RotaryEmbedding
 from conveyor.model.models.decoder import DecoderForCausalLM
 from conveyor.model.models.registry import model_class
+from conveyor.model.quant.load import keep_quantized, open_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -132,8 +132,9 @@ def _weight_files(path: str) -> list[str]:
 def _load_safetensors(model: DecoderForCausalLM, path: str, tp: TPShard = SINGLE) -> None:
     params = dict(model.named_parameters())
     filled: set[str] = set()
-    for file in _weight_files(path):
-        with safe_open(file, framework="pt") as f:
+    files = _weight_files(path)
+    for file in files:
+        with open_weights(file, files, model.cfg) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 stacked = False  # experts stacked in one tensor: into each expert's own
                 for our, shard, start, whole in moe_weights.stacked_pieces(
@@ -162,6 +163,7 @@ def _load_safetensors(model: DecoderForCausalLM, path: str, tp: TPShard = SINGLE
                         param = param.data.narrow(0, 0, tensor.shape[0])
                 else:
                     tensor = f.get_tensor(name)
+                tensor = keep_quantized(model, our_name, shard, tensor, param.dtype)
                 _copy_shard(model, our_name, shard, param, tensor)
                 filled.add(f"{our_name}#{shard}")
     expected = set()

@@ -30,6 +30,8 @@ from conveyor.model.attention.metadata import AttentionMetadata, PrefillSegment
 from conveyor.model.attention.registry import select_attention_backend
 from conveyor.model.autotune.plan import BackendPlan, ModelShape, plan_backends
 from conveyor.model.loader import DTYPES, load_model
+from conveyor.model.quant.apply import quantize_model
+from conveyor.model.quant.kv_cache import attention_backend_for, quantized_kv_caches
 from conveyor.runner import huge_pages
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
 from conveyor.runner.host_memory import keep_freed_host_memory
@@ -96,6 +98,12 @@ class ModelRunner:
         self.tp = tp
         self.heads = tp.heads(model_cfg.num_heads, model_cfg.num_kv_heads)
         self.model = load_model(model_cfg, device, tp)
+        # Quantized projections in place first (model/quant/apply.py); the float ones left
+        # are planned below.
+        linear_backend = quantize_model(self.model, model_cfg.quantization, device,
+                                        DTYPES[model_cfg.math_dtype], linear_rows,
+                                        linear_backend, tp)
+        attention_backend = attention_backend_for(model_cfg.kv_cache_dtype, attention_backend)
         # Multi-LoRA (None: off): projections wrapped before they are packed.
         self.lora = make_lora_manager(lora, self.model, DTYPES[model_cfg.math_dtype], tp)
         self.num_blocks = 0
@@ -161,7 +169,10 @@ class ModelRunner:
             num_blocks = num_blocks_for(self.cache_cfg, self.cfg, self.device, max_num_seqs)
         dtype = DTYPES[self.cfg.math_dtype]
         shape = (num_blocks * self.block_size, self.heads.num_kv_heads, self.cfg.head_dim)
-        if self.device.type == "cpu":
+        if self.cfg.kv_cache_dtype != "auto":  # one byte an element (model/quant/kv_cache.py)
+            self.kv_caches = quantized_kv_caches(self.cfg.num_layers, *shape,
+                                                 self.cfg.kv_cache_dtype, dtype, self.device)
+        elif self.device.type == "cpu":
             # One pool for every layer's K and V, on huge pages where the OS takes the
             # advice (runner/huge_pages.py: a decode step's scattered block reads)
             pool, advised = huge_pages.zeros((self.cfg.num_layers, 2, *shape), dtype)

@@ -108,7 +108,8 @@ def _plan_few_rows(counts: dict[LinearShape, int], linear: str, shape: ModelShap
     lib = native_gemm_lib() if device.type == "cpu" else None
     # (a bf16 checkpoint computed in float32 reads bf16 weights already: native-bf16)
     if dtype not in (torch.float32, torch.bfloat16) or shape.weight_dtype is not None \
-            or lib is None or linear.startswith("native"):
+            or lib is None or linear.startswith("native") \
+            or all(s.lm_head for s in counts):  # (projections quantized: no float ones)
         return 0, None
     many = select_linear_backend(linear, device, dtype, shape.weight_dtype)
     return few_rows.choose(counts, linear, many, lib, dtype, decode_rows), lib

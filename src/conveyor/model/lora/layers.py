@@ -141,6 +141,15 @@ def wrap_lora(model: nn.Module, context: LoRAContext) -> list[LoRALinear]:
     out = []
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        # The delta adds to a float projection's output; experts and quantized modules
+        # have no such single projection here yet: refused, never half-applied.
+        if not hasattr(mlp, "gate_up_proj"):
+            raise ValueError("LoRA adapters on a mixture-of-experts model "
+                             f"({type(model).__name__}) are not supported")
+        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if not isinstance(proj, nn.Linear):
+                raise ValueError("LoRA adapters over quantized projections (--quantization "
+                                 "or a quantized checkpoint) are not supported")
         q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate
         attn.qkv_proj = LoRALinear(attn.qkv_proj, i, [
             ("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)], context)

@@ -1,0 +1,89 @@
+"""Decode steps of one model in bf16, int8 and int4 weights, side by side in one run.
+
+Each variant is an engine of the same shape (dummy weights) with ``batch`` requests
+prefilled; then rounds of ``steps`` decode steps per variant, the variants taking turns
+(so a burst of load on a shared machine hits all of them), the median step of the best
+round kept. tokens/s = batch / step.
+
+    python -m benchmarks.quant.decode_quant --model smollm2-135m --batch 1 8 32
+
+bf16 is the bfloat16 checkpoint as conveyor runs it on this CPU (computed in float32
+where the CPU lacks bf16 arithmetic, reading bf16 weights: native-bf16); int8 and int4
+are ``--quantization int8`` / ``int4`` on the same checkpoint (every projection and the
+LM head quantized; kernels measured at start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.kernels.cpu.cpuinfo import cpu_model_name
+
+VARIANTS = {"bf16": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
+
+
+def build(model: str, batch: int, context: int, steps: int, rounds: int, **kw) -> LLM:
+    llm = LLM(model, dtype="bfloat16", load_format="dummy", max_num_seqs=batch,
+              max_num_batched_tokens=max(512, batch * context),
+              num_kv_blocks=batch * (-(-(context + steps * rounds + 40) // 16)) + 8, **kw)
+    rng = random.Random(0)
+    for i in range(batch):
+        llm.engine.add_request({"prompt_token_ids": [rng.randrange(10, 1000)
+                                                     for _ in range(context)]},
+                               SamplingParams(max_tokens=100_000, ignore_eos=True,
+                                              temperature=0.0), request_id=str(i))
+    while llm.engine.scheduler.num_waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in llm.engine.scheduler.running):
+        llm.engine.step()
+    llm.engine.step()
+    return llm
+
+
+def time_steps(llm: LLM, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        llm.engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"# {args.model}, dummy weights, context {args.context}, "
+          f"{torch.get_num_threads()} threads, {cpu_model_name()}")
+    print("| batch | " + " | ".join(f"{v} step ms | {v} tok/s" for v in args.variants)
+          + " | " + " | ".join(f"{v}/bf16" for v in args.variants if v != "bf16") + " |")
+    for batch in args.batch:
+        llms = {v: build(args.model, batch, args.context, args.steps, args.rounds,
+                         **VARIANTS[v]) for v in args.variants}
+        best = dict.fromkeys(llms, float("inf"))
+        for r in range(args.rounds):
+            for v in (list(llms) if r % 2 == 0 else list(llms)[::-1]):
+                best[v] = min(best[v], time_steps(llms[v], args.steps))
+        cells = [f"{1e3 * best[v]:.2f} | {batch / best[v]:.1f}" for v in llms]
+        ratios = [f"{best['bf16'] / best[v]:.2f}x" for v in llms
+                  if v != "bf16" and "bf16" in best]
+        print(f"| {batch} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |",
+              flush=True)
+        del llms
+
+
+if __name__ == "__main__":
+    main()

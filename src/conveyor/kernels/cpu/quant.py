@@ -1,0 +1,122 @@
+"""The quantized-weight GEMM (``quant_gemm.c``): its own small library, built and cached
+as the main one is (same compiler, flags and cache root), so that a change to it does not
+rebuild or re-key the others' kernels.
+
+``qgemm`` checks every argument before handing pointers to C. None from ``load()``
+where the kernels are off (``CONVEYOR_NATIVE_KERNELS=0``) or cannot be built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+
+import torch
+
+from conveyor import envs
+from conveyor.kernels import cpu as kernels
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "quant_gemm.c")
+_PTR, _I32 = ctypes.c_void_p, ctypes.c_int
+
+
+def _key(flags: list[str]) -> str:
+    digest = hashlib.sha256(" ".join(flags).encode() + kernels._cpu_key().encode())
+    with open(_SOURCE, "rb") as f:
+        digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The library, built on first use; None if kernels are off or it does not build."""
+    if not kernels.native_kernels_enabled() or platform.system() != "Linux":
+        return None
+    compiler = kernels.find_compiler()
+    if compiler is None:
+        return None
+    flags = [*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())]
+    path = os.path.join(envs.cache_root(), "kernels", "quant-" + _key(flags),
+                        "libconveyor_quant.so")
+    try:
+        if not os.path.isfile(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            subprocess.run([compiler, *flags, "-shared", _SOURCE, "-o", tmp, "-lm"],
+                           check=True, capture_output=True, text=True)
+            os.replace(tmp, path)  # atomic: concurrent builders never see half a file
+        lib = ctypes.CDLL(path)
+    except (OSError, subprocess.CalledProcessError) as e:
+        logger.warning("quantized GEMM kernel disabled: %s",
+                       (getattr(e, "stderr", "") or str(e)).strip()[:500])
+        return None
+    lib.qgemm_f32.restype = ctypes.c_int
+    lib.qgemm_f32.argtypes = [_PTR, _I32, _I32, _I32, _PTR, _I32, _I32, _PTR, _PTR, _I32,
+                              _PTR, _PTR, _I32]
+    lib.qgemm_f32_simd.restype = ctypes.c_int
+    lib.qgemm_f32_simd.argtypes = []
+    return lib
+
+
+def simd() -> bool:
+    """Whether the build has the AVX2 + FMA body (else the portable scalar one)."""
+    lib = load()
+    return bool(lib is not None and lib.qgemm_f32_simd())
+
+
+def check_weight(qweight: torch.Tensor, bits: int, scales: torch.Tensor,
+                 zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None
+                 ) -> tuple[int, int]:
+    """(N, K) of a weight ``qgemm`` takes, or ValueError naming what is wrong."""
+    if bits not in (4, 8):
+        raise ValueError(f"conveyor::qgemm: bits must be 4 or 8, got {bits}")
+    want = torch.int8 if bits == 8 else torch.uint8
+    if qweight.dtype != want or qweight.dim() != 2 or not qweight.is_contiguous() \
+            or qweight.device.type != "cpu":
+        raise ValueError(f"conveyor::qgemm: a {bits}-bit weight must be a contiguous 2-D "
+                         f"{want} CPU tensor, got {qweight.dtype} {tuple(qweight.shape)}")
+    n, k = qweight.shape[0], qweight.shape[1] * (2 if bits == 4 else 1)
+    if group <= 0 or k % group:
+        raise ValueError(f"conveyor::qgemm: group {group} does not divide K = {k}")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()
+                              or tuple(t.shape) != (n, k // group)):
+            raise ValueError(f"conveyor::qgemm: {name} must be contiguous float32 "
+                             f"[{n}, {k // group}], got {t.dtype} {tuple(t.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)
+                             or not bias.is_contiguous()):
+        raise ValueError(f"conveyor::qgemm: bias must be contiguous float32 [{n}]")
+    return n, k
+
+
+def qgemm(x: torch.Tensor, qweight: torch.Tensor, bits: int, scales: torch.Tensor,
+          zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None, n: int,
+          k: int, lib=None) -> torch.Tensor:
+    """``x @ dequant(W).T + bias`` for float32 x [M, K] (rows unit-stride); the weight
+    checked once by ``check_weight`` (its N, K given)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 \
+            or x.device.type != "cpu":
+        raise ValueError(f"conveyor::qgemm: x must be float32 [M, {k}] on CPU with unit "
+                         f"column stride, got {x.dtype} {tuple(x.shape)}")
+    lib = lib or load()
+    if lib is None:
+        raise RuntimeError("conveyor::qgemm: the quantized GEMM is not built "
+                           + kernels.why_unavailable())
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m == 0:
+        return y
+    rc = lib.qgemm_f32(x.data_ptr(), m, k, x.stride(0), qweight.data_ptr(), bits, n,
+                       scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
+                       group, bias.data_ptr() if bias is not None else None,
+                       y.data_ptr(), n)
+    if rc != 0:
+        raise ValueError("conveyor::qgemm: the kernel refused its arguments")
+    return y

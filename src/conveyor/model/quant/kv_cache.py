@@ -1,0 +1,89 @@
+"""A quantized KV cache (``--kv-cache-dtype fp8_e4m3 | fp8_e5m2 | int8``): one byte per
+element, and one float32 scale per written token and KV head (its absmax over the head's
+``head_dim`` values over the format's largest value), so that every head of every token
+uses the format's whole range and a token's stored bytes depend on that token alone
+(not on the batch it was written in).
+
+``QuantizedKV`` stands in for a layer's K or V pool where attention reads it: written
+with ``index_copy_`` (quantized), read by indexing (dequantised to the compute dtype).
+Only the gathering attention path reads a pool that way (``sdpa``: the decode gather and
+the prefill context); the native kernels read plain pools, so a quantized cache runs on
+``sdpa`` (``attention_backend_for``). Fresh prompts attend to their own K/V unquantized,
+as vLLM's do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The pool's element type and its largest finite value.
+FORMATS = {"int8": (torch.int8, 127.0),
+           "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
+           "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
+SCALE_BYTES = 4  # per token and KV head
+
+
+def bytes_per_element(kv_cache_dtype: str, compute_itemsize: int, head_dim: int) -> float:
+    """What one K or V element costs in the pool, its share of the scale included."""
+    if kv_cache_dtype == "auto":
+        return compute_itemsize
+    return 1 + SCALE_BYTES / head_dim
+
+
+def attention_backend_for(kv_cache_dtype: str, attention_backend: str) -> str:
+    """The attention backend a quantized cache runs on (``sdpa``); ValueError if another
+    is asked for."""
+    if kv_cache_dtype == "auto":
+        return attention_backend
+    if attention_backend not in ("auto", "sdpa"):
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} runs on the sdpa attention "
+                         f"backend only (the {attention_backend} kernels read plain pools)")
+    return "sdpa"
+
+
+class QuantizedKV:
+    """A ``[num_slots, num_kv_heads, head_dim]`` pool of one-byte elements with a
+    ``[num_slots, num_kv_heads]`` float32 scale."""
+
+    def __init__(self, num_slots: int, num_heads: int, head_dim: int, kv_cache_dtype: str,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        storage, self.qmax = FORMATS[kv_cache_dtype]
+        self.kind = kv_cache_dtype
+        self.data = torch.zeros(num_slots, num_heads, head_dim, dtype=storage, device=device)
+        self.scale = torch.ones(num_slots, num_heads, dtype=torch.float32, device=device)
+        self.dtype = dtype  # what reads return (the compute dtype)
+        self.device = torch.device(device)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def element_size(self) -> int:
+        return self.data.element_size()
+
+    def numel(self) -> int:
+        return self.data.numel()
+
+    def index_copy_(self, dim: int, index: torch.Tensor, x: torch.Tensor) -> QuantizedKV:
+        assert dim == 0
+        x = x.to(torch.float32)
+        scale = (x.abs().amax(dim=-1) / self.qmax).clamp_min(1e-12)  # [T, H]
+        y = x / scale.unsqueeze(-1)
+        q = torch.round(y).clamp_(-127, 127).to(torch.int8) if self.kind == "int8" \
+            else y.to(self.data.dtype)
+        # (as bytes: CPU index ops do not take float8 tensors)
+        self.data.view(torch.uint8).index_copy_(0, index, q.view(torch.uint8))
+        self.scale.index_copy_(0, index, scale)
+        return self
+
+    def __getitem__(self, index) -> torch.Tensor:
+        data = self.data.view(torch.uint8)[index].view(self.data.dtype)
+        return (data.to(torch.float32) * self.scale[index].unsqueeze(-1)).to(self.dtype)
+
+
+def quantized_kv_caches(num_layers: int, num_slots: int, num_heads: int, head_dim: int,
+                        kv_cache_dtype: str, dtype: torch.dtype, device: torch.device
+                        ) -> list[tuple[QuantizedKV, QuantizedKV]]:
+    return [(QuantizedKV(num_slots, num_heads, head_dim, kv_cache_dtype, dtype, device),
+             QuantizedKV(num_slots, num_heads, head_dim, kv_cache_dtype, dtype, device))
+            for _ in range(num_layers)]

@@ -1,0 +1,136 @@
+"""The modules that compute ``x @ dequant(W).T + bias`` from a ``QuantWeight``.
+
+- ``NativeQuantLinear``: conveyor's kernel (``kernels/cpu/quant_gemm.c``), int8 or int4
+  (nibbles) widened in registers, float32 sums; x in any float dtype, computed in float32.
+- ``Int8MMLinear``: torch's ``_weight_int8pack_mm`` (int8, one scale per row); fast on
+  this project's AVX2 CPU for bfloat16 x only.
+- ``DequantLinear``: the weight dequantised on every call, then ``F.linear``: portable (any
+  device, dtype, format), the fallback, and at prefill sizes the dequantisation is a
+  small share of the call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.kernels.cpu import quant as qkernel
+from conveyor.model.quant.weight import QuantWeight
+
+
+def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return bias.detach().to(torch.float32).contiguous() if bias is not None else None
+
+
+class _QuantLinear(nn.Module):
+    applies_silu_mul = False
+    kind = ""
+
+    def __init__(self, weight: QuantWeight) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.bits, self.group = weight.bits, weight.group
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int{self.bits} group {self.group}, {self.kind}")
+
+
+class NativeQuantLinear(_QuantLinear):
+    kind = "native"
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, lib=None) -> None:
+        super().__init__(weight)
+        self.lib = lib or qkernel.load()
+        q, zero = weight.q, weight.zero
+        if weight.bits == 4:
+            if int(q.min()) < 0:  # signed -8..7: stored as 0..15 with the zero moved by 8
+                q = q + 8
+                zero = (zero if zero is not None else torch.zeros_like(weight.scale)) + 8
+            u = q.to(torch.uint8)
+            q = (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+        self.qweight = q.contiguous()
+        self.scales = weight.scale.to(torch.float32).contiguous()
+        self.zeros = zero.to(torch.float32).contiguous() if zero is not None else None
+        self.bias = _bias(bias)
+        self.perm = weight.perm  # act-order: x's columns in the weight's order
+        qkernel.check_weight(self.qweight, self.bits, self.scales, self.zeros, self.group,
+                             self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        if x2.dtype != torch.float32 or x2.stride(-1) != 1:
+            x2 = x2.to(torch.float32).contiguous()
+        y = qkernel.qgemm(x2, self.qweight, self.bits, self.scales, self.zeros, self.group,
+                          self.bias, self.out_features, self.in_features, self.lib)
+        return y.to(x.dtype).view(*lead, self.out_features)
+
+
+class Int8MMLinear(_QuantLinear):
+    kind = "torch int8mm"
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__(weight)
+        if weight.bits != 8 or weight.zero is not None or weight.group != weight.shape[1]:
+            raise ValueError("torch's int8 matmul takes symmetric int8 with one scale per "
+                             "output row")
+        self.qweight = weight.q.contiguous()
+        self.scales = weight.scale[:, 0].to(dtype).contiguous()
+        self.bias = bias.detach().to(dtype) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).contiguous(),
+                                               self.qweight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+
+class DequantLinear(_QuantLinear):
+    kind = "dequantise per call"
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
+        super().__init__(weight)
+        self.weight = weight
+        self.bias = bias.detach() if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.dequantize(torch.float32).to(x.dtype)
+        return F.linear(x, w, self.bias.to(x.dtype) if self.bias is not None else None)
+
+
+class W8A8Linear(_QuantLinear):
+    """W8A8: each row of x quantized to int8 (absmax / 127.5, round half to even, clamp
+    to -128..127: compressed-tensors' dynamic per-token scheme), then an int8 x int8 ->
+    int32 matmul (``torch._int_mm``: exact sums), scaled by both scales."""
+
+    kind = "w8a8 int_mm"
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
+        super().__init__(weight)
+        if weight.bits != 8 or weight.zero is not None or weight.group != weight.shape[1]:
+            raise ValueError("W8A8 takes symmetric int8 weights with one scale per row")
+        self.qweight_t = weight.q.T.contiguous()  # [K, N]
+        self.scales = weight.scale[:, 0].to(torch.float32).contiguous()
+        self.bias = _bias(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.float32)
+        scale = x2.abs().amax(dim=1, keepdim=True) / 127.5
+        scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+        xq = torch.round(x2 / scale).clamp_(-128, 127).to(torch.int8)
+        if xq.shape[0] <= 16:  # (torch._int_mm wants more than 16 rows on some builds)
+            acc = (xq.to(torch.int32) @ self.qweight_t.to(torch.int32))
+        else:
+            acc = torch._int_mm(xq, self.qweight_t)
+        y = acc.to(torch.float32) * scale * self.scales
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*lead, self.out_features)

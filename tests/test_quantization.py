@@ -1,0 +1,135 @@
+"""Quantized weights: ``--quantization int8`` and the kernels behind it. Greedy ids equal
+transformers' on the dequantised float32 model, whatever the batching and the kernel."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from quant_helpers import dequantised_copy, int8_dequant
+
+from conveyor import LLM, SamplingParams
+
+from helpers import hf_greedy, make_checkpoint, random_prompts
+
+
+def _int4_dequant(weight: torch.Tensor) -> torch.Tensor:
+    from conveyor.model.quant.apply import int4_group
+    from conveyor.model.quant.weight import quantize_int4
+
+    return quantize_int4(weight, int4_group(weight.shape[1])).dequantize()
+
+
+@functools.cache
+def _reference_path(arch: str, method: str = "int8") -> str:
+    # (the LM head in int8 under int4 too)
+    return dequantised_copy(make_checkpoint(arch),
+                            int8_dequant if method == "int8" else _int4_dequant,
+                            head=int8_dequant)
+
+
+@functools.cache
+def _reference(arch: str, prompt: tuple[int, ...], n: int, method: str = "int8"
+               ) -> list[int]:
+    return hf_greedy(_reference_path(arch, method), list(prompt), n)
+
+
+def _check(llm, arch: str, seed: int = 0, n: int = 8, method: str = "int8") -> None:
+    prompts = random_prompts(n, lo=2, hi=50, seed=seed)
+    params = [SamplingParams(max_tokens=4 + i % 9, temperature=0.0) for i in range(n)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for i, (out, p, sp) in enumerate(zip(outs, prompts, params)):
+        want = _reference(arch, tuple(p), sp.max_tokens, method)
+        assert out.outputs[0].token_ids == want, f"request {i}"
+
+
+CONFIGS = {
+    "default": dict(),
+    "chunked": dict(max_num_batched_tokens=13),
+    "preempt": dict(num_kv_blocks=8, block_size=8),
+}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_int8_greedy_matches_dequantised_reference(arch, config):
+    llm = LLM(make_checkpoint(arch), dtype="float32", quantization="int8", **CONFIGS[config])
+    _check(llm, arch)
+    kinds = {type(m).__name__ for m in llm.engine.runner.model.modules()}
+    assert "Linear" not in kinds, kinds  # every projection quantized
+    assert "QuantLinear" in type(llm.engine.runner.model.packed_lm_head).__mro__[1].__name__
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_int4_greedy_matches_dequantised_reference(arch):
+    llm = LLM(make_checkpoint(arch), dtype="float32", quantization="int4",
+              max_num_batched_tokens=13)
+    _check(llm, arch, method="int4")
+
+
+@pytest.mark.parametrize("backend", ["native-int", "dequant"])
+def test_int8_each_kernel(backend, monkeypatch):
+    from conveyor.kernels.cpu import quant
+
+    if backend == "native-int" and not quant.simd():
+        pytest.skip("no AVX2 build of the quantized kernel")
+    monkeypatch.setenv("CONVEYOR_QUANT_LINEAR", backend)
+    llm = LLM(make_checkpoint("qwen3"), dtype="float32", quantization="int8",
+              max_num_batched_tokens=17)
+    _check(llm, "qwen3", seed=3, n=5)
+
+
+@pytest.mark.parametrize("bits,group,zero", [(8, 0, False), (8, 32, True), (4, 32, True),
+                                              (4, 64, False), (4, 0, True)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 37])
+def test_native_kernel_equals_dequantised_matmul(bits, group, zero, rows):
+    from conveyor.kernels.cpu import quant
+    from conveyor.model.quant.linear import NativeQuantLinear
+    from conveyor.model.quant.weight import QuantWeight, quantize_int4, quantize_int8
+
+    if quant.load() is None:
+        pytest.skip("native kernels unavailable")
+    gen = torch.Generator().manual_seed(bits * 100 + group + rows)
+    w = torch.randn(40, 128, generator=gen)
+    if bits == 4:
+        qw = quantize_int4(w, group or 128, symmetric=not zero)
+    else:
+        qw = quantize_int8(w)
+        if group:
+            g = 128 // group
+            qw = QuantWeight(qw.q, qw.scale.expand(-1, g).contiguous(),
+                             torch.randint(-3, 3, (40, g), generator=gen).float() if zero
+                             else None, 8, group)
+    bias = torch.randn(40, generator=gen)
+    x = torch.randn(rows, 128, generator=gen)
+    want = x.double() @ qw.dequantize().double().T + bias.double()
+    got = NativeQuantLinear(qw, bias)(x)
+    # float32 sums of exact products: within float32 rounding of the exact result
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_quantization_errors(tmp_path):
+    import json
+    import shutil
+
+    from conveyor.config.quantization import resolve_quantization
+
+    with pytest.raises(ValueError, match="no quantization_config"):
+        resolve_quantization({}, "gptq")
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes'"):
+        resolve_quantization({"quantization_config": {"quant_method": "bitsandbytes"}}, None)
+    with pytest.raises(ValueError, match="quantized with gptq"):
+        resolve_quantization({"quantization_config": {"quant_method": "gptq"}}, "int8")
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_quantization({}, "fp4")
+    src = make_checkpoint("qwen3")
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="bitsandbytes"):
+        LLM(str(path), dtype="float32")
+    with pytest.raises(ValueError, match="linear-backend"):
+        LLM(src, dtype="float32", quantization="int8", linear_backend="onednn")
