@@ -114,3 +114,16 @@ def test_tensor_parallel_2_shards_adapters(base, adapters, monkeypatch):
         check(llm, base, adapters, n=8, max_tokens=8)
     finally:
         llm.shutdown()
+
+
+def test_lora_over_quantized_projections_is_refused(base):
+    """The delta adds to a float projection; over int8 weights it would be half-applied."""
+    with pytest.raises(ValueError, match="quantized projections"):
+        LLM(base, dtype="float32", enable_lora=True, quantization="int8")
+
+
+def test_lora_on_a_mixture_of_experts_model_is_refused():
+    from test_families import checkpoint
+
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        LLM(checkpoint("mixtral"), dtype="float32", enable_lora=True)
