@@ -19,6 +19,8 @@ class LocalExecutor:
     (``determine_num_kv_blocks``: from what memory is left) and allocated by ``initialize``,
     which also runs the start-up warmup step."""
 
+    supports_structured_outputs = True  # the runner masks logits by grammar (runner/grammar.py)
+
     def __init__(self, args: EngineArgs) -> None:
         self.device = resolve_device(args.device)
         if args.num_threads:

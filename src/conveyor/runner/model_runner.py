@@ -31,6 +31,7 @@ from conveyor.model.autotune.plan import BackendPlan, ModelShape, plan_backends
 from conveyor.model.loader import DTYPES, load_model
 from conveyor.runner import huge_pages
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
+from conveyor.runner.grammar import Grammars
 from conveyor.runner.host_memory import keep_freed_host_memory
 from conveyor.runner.prompt_logprobs import compute_prompt_logprobs, prompt_spans
 from conveyor.runner.request_state import RequestState
@@ -97,6 +98,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(model_cfg.vocab_size, device, seed=model_cfg.seed)
         self.requests: dict[str, RequestState] = {}
+        # Structured outputs: a grammar matcher per constrained request (runner/grammar.py).
+        self.grammars = Grammars(model_cfg.tokenizer, model_cfg.vocab_size,
+                                 model_cfg.eos_token_ids)
         self.sliding_window = self.model.sliding_window
         # One plan of backends (model/autotune/plan.py: measured on this machine where
         # ``auto`` has a choice), then applied.
@@ -225,12 +229,16 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for rid in out.finished_req_ids:
             self.requests.pop(rid, None)
+            self.grammars.drop(rid)
             if self.proposer is not None and rid not in out.preempted_req_ids:
                 self.proposer.finish(rid)
         for new in out.new_reqs:
             self.requests[new.req_id] = RequestState(
                 new.req_id, new.prompt_token_ids, list(new.output_token_ids),
                 new.sampling_params, list(new.block_ids), new.num_computed_tokens)
+            if new.sampling_params.structured_outputs is not None:
+                self.grammars.add(new.req_id, new.sampling_params.structured_outputs,
+                                  new.output_token_ids)
         for cached in out.cached_reqs:
             state = self.requests[cached.req_id]
             if cached.num_kept_blocks is not None:
@@ -271,6 +279,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[idx])  # [N, vocab]
         t3 = time.perf_counter()
         self.timings.add("logits", t3 - t2)
+        constrained = [(i, rid) for i, (_, rid) in enumerate(logits_rows) if rid in self.grammars]
+        if constrained:
+            # Constrained requests never carry drafts (``_propose``): one row each.
+            assert not any(rid in spec for _, rid in constrained), "drafts under a grammar"
+            logits = self.grammars.mask(logits, constrained)
         if spec:
             self._verify(logits, logits_rows, spec, result)
         else:
@@ -285,6 +298,8 @@ class ModelRunner:
                 result.sampled_token_ids[state.req_id] = [token]
                 if lp is not None:
                     result.logprobs[state.req_id] = [lp]
+        for _, rid in constrained:
+            self.grammars.accept(rid, result.sampled_token_ids[rid])
         t4 = time.perf_counter()
         self.timings.add("sample", t4 - t3)
         if out.num_spec_wanted and self.proposer is not None:
@@ -329,6 +344,8 @@ class ModelRunner:
         items = []
         for rid, k in out.num_spec_wanted.items():
             state = self.requests.get(rid)
+            if rid in self.grammars:
+                continue  # no drafts under a grammar: each step samples one masked token
             if state is not None and rid in result.sampled_token_ids:
                 items.append(ProposeItem(rid, state.token_ids(), k, state.block_ids,
                                          state.params, len(state.prompt_token_ids)))

@@ -1,0 +1,143 @@
+"""The runner's grammar matchers (llguidance): one per constrained request.
+
+- A constraint compiles on a worker thread when its request first reaches the runner
+  (usually its prefill step), so the compile overlaps the prefill instead of stalling a
+  step; compiled grammars are cached by ``StructuredOutputsParams.key()`` and each request
+  gets a copy of the cached matcher (the lexer automaton llguidance builds lazily is
+  shared by the copies).
+- Each step, every constrained row's allowed tokens are filled into one int32 bitmask for
+  the batch and applied to the logits in one vectorized pass (``mask``).
+- A matcher advances on the tokens the step accepted (``accept``). After a preemption the
+  request comes back as new with its output so far: a fresh copy replays it, so the
+  matcher is right whatever happened in between; each sample of n > 1 is its own request.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from conveyor.structured_outputs import StructuredOutputsParams
+
+# Compiled grammars kept (oldest dropped first): schemas repeat across requests.
+CACHE_SIZE = 256
+
+
+class GrammarError(RuntimeError):
+    """A matcher refused a token the sampler was allowed to pick (a bug, never input)."""
+
+
+class Grammars:
+    def __init__(self, tokenizer_path: str | None, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._tokenizer = None
+        self._compiled: OrderedDict[str, Future] = OrderedDict()
+        # Request id -> its matcher, or (the compile's future, output tokens to replay).
+        self._matchers: dict[str, object] = {}
+        self._executor = None
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._matchers
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, req_id: str, params: StructuredOutputsParams, output_token_ids: list[int]
+            ) -> None:
+        """Start (or reuse) the compile of ``params``; the matcher is made at first use."""
+        key = params.key()
+        with self._lock:
+            future = self._compiled.get(key)
+            if future is None:
+                future = self._pool.submit(self._compile, params)
+                self._compiled[key] = future
+                while len(self._compiled) > CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
+        self._matchers[req_id] = (future, list(output_token_ids))
+
+    def drop(self, req_id: str) -> None:
+        self._matchers.pop(req_id, None)
+
+    def ready(self, req_id: str) -> bool:
+        entry = self._matchers.get(req_id)
+        return not isinstance(entry, tuple) or entry[0].done()
+
+    def accept(self, req_id: str, tokens: list[int]) -> None:
+        matcher = self._matcher(req_id)
+        if matcher.is_stopped() and all(t in self.eos_token_ids for t in tokens):
+            return  # the grammar ended and its mask let only EOS through: the request stops
+        if not matcher.consume_tokens(tokens):
+            raise GrammarError(f"request {req_id}: the grammar refused tokens {tokens} "
+                               f"({matcher.get_error()})")
+
+    # ---- the step ------------------------------------------------------------------------
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, str]]) -> torch.Tensor:
+        """float32 logits with every token a row's grammar forbids at -inf. ``rows``:
+        (logits row, request id) of the constrained rows; one bitmask for all of them,
+        filled by llguidance's parallel executor, applied in one pass."""
+        import llguidance
+        import llguidance.torch as lt
+
+        logits = logits.float()
+        if not rows:
+            return logits
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.empty((len(rows), words), dtype=torch.int32)
+        lt.fill_next_token_bitmask_par(
+            self._executor, [(self._matcher(rid), j) for j, (_, rid) in enumerate(rows)],
+            bitmask)
+        allowed = ((bitmask.unsqueeze(-1) >> self._bits) & 1).view(len(rows), -1)
+        allowed = allowed[:, :logits.shape[1]].bool().to(logits.device)
+        if not bool(allowed.any(dim=1).all()):
+            bad = [rid for j, (_, rid) in enumerate(rows) if not bool(allowed[j].any())]
+            raise GrammarError(f"no token is allowed for {bad}")
+        idx = torch.tensor([i for i, _ in rows], device=logits.device)
+        logits = logits.clone()
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        return logits
+
+    # ---- compile -------------------------------------------------------------------------
+    def _matcher(self, req_id: str):
+        entry = self._matchers[req_id]
+        if isinstance(entry, tuple):
+            future, replay = entry
+            template = future.result()  # raises the compile's error, if any
+            entry = template.deep_copy()
+            if replay and not entry.consume_tokens(replay):
+                raise GrammarError(f"request {req_id}: its output so far does not match "
+                                   f"its grammar ({entry.get_error()})")
+            self._matchers[req_id] = entry
+        return entry
+
+    def _compile(self, params: StructuredOutputsParams):
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), params.grammar_text())
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error()}")
+        matcher.compute_bitmask()  # builds the first state's automaton here, not in a step
+        return matcher
+
+    def _llg_tokenizer(self):
+        # On the compile thread only: built once, at the first constrained request.
+        if self._tokenizer is None:
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            if self.tokenizer_path is None:
+                raise ValueError("structured_outputs need a tokenizer; this model has none")
+            hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+        return self._tokenizer
