@@ -109,10 +109,6 @@ def _check_supported(req: ChatCompletionRequest) -> None:
         if m.content is None and not (m.role == "assistant" and _calls_a_tool(m)):
             raise OpenAIError(400, f"messages[{i}]: a {m.role} message needs 'content'",
                               param=f"messages[{i}].content")
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise OpenAIError(400, "response_format other than text (structured output) is not "
-                               "supported", param="response_format")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs set to true",

@@ -30,6 +30,7 @@ from conveyor.entrypoints.openai.protocol import (
     SamplingRequest,
     UsageInfo,
 )
+from conveyor.entrypoints.openai.structured import structured_outputs_of
 from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.metrics import EngineMetrics
 from conveyor.outputs import Logprob, RequestOutput
@@ -132,7 +133,8 @@ def build_sampling_params(req: SamplingRequest, max_tokens: int | None,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
         prompt_logprobs=max(asked) if asked else None, logit_bias=parse_logit_bias(req),
-        expected_output_tokens=req.expected_output_tokens)
+        expected_output_tokens=req.expected_output_tokens,
+        structured_outputs=structured_outputs_of(req))
     optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     min_p=req.min_p, presence_penalty=req.presence_penalty,
                     frequency_penalty=req.frequency_penalty,
