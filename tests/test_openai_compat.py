@@ -109,8 +109,8 @@ def test_the_seed_is_honoured(server: ServerProcess) -> None:
 REFUSED = [
     ("/v1/completions", {"prompt": "ba", "logit_bias": {"5": -101}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": -1}, "prompt_logprobs"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
-     "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema",
+     "json_schema": {"name": "x", "schema": {"type": "object", "if": {}}}}}, "response_format"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}],
                               "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
