@@ -233,6 +233,7 @@ class ChatChoiceLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # as vLLM: [] when none
 
 
 class ChatCompletionChoice(_Response):
@@ -256,6 +257,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # (entrypoints/openai/tool_calls.py)
 
 
 class ChatCompletionStreamChoice(_Response):

@@ -62,6 +62,10 @@ class ServerState:
     # whatever it says: refused before tokenizing it (None: no such bound is known).
     max_prompt_bytes: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Tool calling (entrypoints/openai/tool_calls.py): --tool-call-parser, and whether
+    # tool_choice "auto" is served (--enable-auto-tool-choice).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
 
 def max_token_bytes(tokenizer: Any) -> int | None:
