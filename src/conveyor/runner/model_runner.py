@@ -284,6 +284,9 @@ class ModelRunner:
             # Constrained requests never carry drafts (``_propose``): one row each.
             assert not any(rid in spec for _, rid in constrained), "drafts under a grammar"
             logits = self.grammars.mask(logits, constrained)
+            now = time.perf_counter()
+            self.timings.add("grammar_mask", now - t3)
+            t3 = now
         if spec:
             self._verify(logits, logits_rows, spec, result)
         else:
@@ -298,8 +301,11 @@ class ModelRunner:
                 result.sampled_token_ids[state.req_id] = [token]
                 if lp is not None:
                     result.logprobs[state.req_id] = [lp]
-        for _, rid in constrained:
-            self.grammars.accept(rid, result.sampled_token_ids[rid])
+        if constrained:
+            t_accept = time.perf_counter()
+            for _, rid in constrained:
+                self.grammars.accept(rid, result.sampled_token_ids[rid])
+            self.timings.add("grammar_accept", time.perf_counter() - t_accept)
         t4 = time.perf_counter()
         self.timings.add("sample", t4 - t3)
         if out.num_spec_wanted and self.proposer is not None:
