@@ -173,3 +173,15 @@ def test_fields_a_grammar_cannot_honour_with_it_are_refused(field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(structured_outputs=SO(regex="a"), **{field: {"ignore_eos": True,
                                                                    "min_tokens": 2}[field]})
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_is_refused_at_add() -> None:
+    # The synthetic WordPiece tokenizer has no byte form of its tokens: refused before any
+    # step, instead of failing the step (and its batch-mates) later.
+    from helpers import make_checkpoint
+
+    llm = LLM(make_checkpoint("llama"), dtype="float32", num_kv_blocks=32)
+    with pytest.raises(ValueError, match="structured_outputs are not supported here"):
+        llm.generate(["ba"], SamplingParams(structured_outputs=SO(choice=["ba"])))
+    assert llm.generate(["ba"], SamplingParams(max_tokens=3, ignore_eos=True)
+                        )[0].outputs[0].token_ids

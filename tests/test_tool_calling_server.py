@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+
 from server_helpers import ServerProcess, serve
 from structured_helpers import byte_checkpoint
 

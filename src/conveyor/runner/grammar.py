@@ -40,7 +40,9 @@ class Grammars:
         self.eos_token_ids = list(eos_token_ids)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
-        self._tokenizer = None
+        # llguidance's view of the vocabulary, built in the background from the start: a
+        # tokenizer it cannot read is known before any request is accepted.
+        self._tokenizer: Future = self._pool.submit(self._llg_tokenizer)
         self._compiled: OrderedDict[str, Future] = OrderedDict()
         # Request id -> its matcher, or (the compile's future, output tokens to replay).
         self._matchers: dict[str, object] = {}
@@ -49,6 +51,14 @@ class Grammars:
         # the seconds a step waited for a compile still running at its first sample.
         self.compile_s: list[float] = []
         self.wait_s = 0.0
+
+    def unsupported(self) -> str | None:
+        """Why this model cannot take structured outputs (None: it can)."""
+        try:
+            self._tokenizer.result()
+        except Exception as e:  # llguidance cannot read the tokenizer, or there is none
+            return str(e)
+        return None
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._matchers
@@ -139,7 +149,7 @@ class Grammars:
     def _compile(self, params: StructuredOutputsParams):
         import llguidance
 
-        tokenizer = self._llg_tokenizer()
+        tokenizer = self._tokenizer.result()
         t0 = time.perf_counter()
         matcher = llguidance.LLMatcher(tokenizer, params.grammar_text())
         if matcher.is_error():
@@ -149,14 +159,11 @@ class Grammars:
         return matcher
 
     def _llg_tokenizer(self):
-        # On the compile thread only: built once, at the first constrained request.
-        if self._tokenizer is None:
-            import llguidance.hf
-            from transformers import AutoTokenizer
+        import llguidance.hf
+        from transformers import AutoTokenizer
 
-            if self.tokenizer_path is None:
-                raise ValueError("structured_outputs need a tokenizer; this model has none")
-            hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
-        return self._tokenizer
+        if self.tokenizer_path is None:
+            raise ValueError("this model has no tokenizer")
+        hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
+                                            eos_token=self.eos_token_ids or None)
