@@ -128,20 +128,29 @@ def test_under_preemption() -> None:
         check(kind, out.outputs[0].text)
 
 
-def test_with_speculative_decoding_on() -> None:
-    # Constrained requests take no drafts (each step samples one masked token); free-text
-    # requests in the same batch still speculate.
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_with_speculative_decoding_on(method: str) -> None:
+    # Drafts are checked against the grammar: each draft position's row is masked after
+    # the drafts before it, a refused draft is rejected, the matcher rolls back and then
+    # advances on what verification kept. Free text rides along and still speculates.
     llm = LLM(byte_checkpoint(), dtype="float32", num_kv_blocks=128, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "adaptive": False})
-    kinds = ["json", "regex", "choice", "grammar"]
+    kinds = ["json", "regex", "choice", "grammar", "json", "json"]
+    prompt = '{"name":"ab","age":1,"tags":["a"],"ok":true} '  # JSON to copy drafts from
     free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    outs = llm.generate([f"ab ab ab {i}" for i in range(4)] + ["ab ab ab ab ab"],
-                        [params(k) for k in kinds] + [free])
+    outs = llm.generate([prompt * 2 + str(i) for i in range(len(kinds))] + ["ab ab ab ab"],
+                        [params(k, seed=i) for i, k in enumerate(kinds)] + [free])
     for kind, out in zip(kinds, outs):
         assert out.outputs[0].finish_reason == "stop"
         check(kind, out.outputs[0].text)
     assert len(outs[-1].outputs[0].token_ids) == 40
+    # Constrained requests alone: their drafts were verified, some kept.
+    before = llm.stats()["spec_decode"]["num_accepted_tokens"]
+    outs = llm.generate([prompt * 2] * 4, [params("json", seed=10 + i) for i in range(4)])
+    for out in outs:
+        check("json", out.outputs[0].text)
+    assert llm.stats()["spec_decode"]["num_accepted_tokens"] > before
 
 
 @pytest.mark.parametrize("fields, named", [

@@ -88,17 +88,24 @@ class Grammars:
 
     def accept(self, req_id: str, tokens: list[int]) -> None:
         matcher = self._matcher(req_id)
-        if matcher.is_stopped() and all(t in self.eos_token_ids for t in tokens):
-            return  # the grammar ended and its mask let only EOS through: the request stops
-        if not matcher.consume_tokens(tokens):
-            raise GrammarError(f"request {req_id}: the grammar refused tokens {tokens} "
-                               f"({matcher.get_error()})")
+        for token in tokens:
+            if matcher.is_stopped() and token in self.eos_token_ids:
+                return  # the grammar ended and its mask let only EOS through: it stops
+            if not matcher.consume_token(token):
+                raise GrammarError(f"request {req_id}: the grammar refused token {token} "
+                                   f"of {tokens} ({matcher.get_error()})")
 
     # ---- the step ------------------------------------------------------------------------
-    def mask(self, logits: torch.Tensor, rows: list[tuple[int, str]]) -> torch.Tensor:
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, str]],
+             drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
         """float32 logits with every token a row's grammar forbids at -inf. ``rows``:
-        (logits row, request id) of the constrained rows; one bitmask for all of them,
-        filled by llguidance's parallel executor, applied in one pass."""
+        (logits row, request id) of the constrained rows, a request's rows consecutive;
+        one bitmask for all of them, applied in one pass. The first row of each request
+        is filled by llguidance's parallel executor; a request verifying ``drafts`` has a
+        row per draft position, each filled after the drafts before it (its matcher
+        advances over them, then rolls back: the step accepts what verification keeps).
+        A draft the grammar refuses gets probability 0 at its row, so it is rejected; the
+        rows after it repeat that row's mask (they are never sampled from)."""
         import llguidance
         import llguidance.torch as lt
 
@@ -109,9 +116,13 @@ class Grammars:
             self._executor = llguidance.LLExecutor()
         words = (self.vocab_size + 31) // 32
         bitmask = torch.empty((len(rows), words), dtype=torch.int32)
+        firsts = [j for j, (_, rid) in enumerate(rows) if j == 0 or rows[j - 1][1] != rid]
         lt.fill_next_token_bitmask_par(
-            self._executor, [(self._matcher(rid), j) for j, (_, rid) in enumerate(rows)],
-            bitmask)
+            self._executor, [(self._matcher(rows[j][1]), j) for j in firsts], bitmask)
+        for j in firsts:
+            rid = rows[j][1]
+            if drafts and drafts.get(rid):
+                self._fill_drafts(self._matcher(rid), drafts[rid], bitmask, j)
         words_np = bitmask.numpy()
         empty = ~words_np.any(axis=1)
         if empty.any():
@@ -130,6 +141,22 @@ class Grammars:
             idx = torch.tensor(order, device=logits.device)
             logits[idx] = logits[idx].masked_fill_(banned, float("-inf"))
         return logits
+
+    @staticmethod
+    def _fill_drafts(matcher, drafts: list[int], bitmask: torch.Tensor, first: int) -> None:
+        import llguidance.torch as lt
+
+        # Only the prefix the grammar takes is consumed: a refused token would leave the
+        # matcher in error, which no rollback undoes.
+        valid = matcher.validate_tokens(drafts)
+        for k in range(len(drafts)):
+            row = first + k + 1
+            if k < valid and matcher.consume_token(drafts[k]):
+                lt.fill_next_token_bitmask(matcher, bitmask, row)
+            else:
+                bitmask[row] = bitmask[row - 1]
+        if valid:
+            matcher.rollback(valid)
 
     # ---- compile -------------------------------------------------------------------------
     def _matcher(self, req_id: str):

@@ -281,9 +281,9 @@ class ModelRunner:
         self.timings.add("logits", t3 - t2)
         constrained = [(i, rid) for i, (_, rid) in enumerate(logits_rows) if rid in self.grammars]
         if constrained:
-            # Constrained requests never carry drafts (``_propose``): one row each.
-            assert not any(rid in spec for _, rid in constrained), "drafts under a grammar"
-            logits = self.grammars.mask(logits, constrained)
+            # A request verifying drafts has a row per draft position: each masked by its
+            # grammar after the drafts before it.
+            logits = self.grammars.mask(logits, constrained, spec)
             now = time.perf_counter()
             self.timings.add("grammar_mask", now - t3)
             t3 = now
@@ -303,7 +303,7 @@ class ModelRunner:
                     result.logprobs[state.req_id] = [lp]
         if constrained:
             t_accept = time.perf_counter()
-            for _, rid in constrained:
+            for rid in dict.fromkeys(rid for _, rid in constrained):  # once per request
                 self.grammars.accept(rid, result.sampled_token_ids[rid])
             self.timings.add("grammar_accept", time.perf_counter() - t_accept)
         t4 = time.perf_counter()
@@ -350,8 +350,6 @@ class ModelRunner:
         items = []
         for rid, k in out.num_spec_wanted.items():
             state = self.requests.get(rid)
-            if rid in self.grammars:
-                continue  # no drafts under a grammar: each step samples one masked token
             if state is not None and rid in result.sampled_token_ids:
                 items.append(ProposeItem(rid, state.token_ids(), k, state.block_ids,
                                          state.params, len(state.prompt_token_ids)))
