@@ -131,15 +131,15 @@ class Grammars:
         # The banned tokens in one pass: bit i of word j is token 32 j + i (little-endian
         # words, unpacked least significant bit first), then one masked fill in place (the
         # logits are this step's own).
-        banned = np.unpackbits((~words_np).view(np.uint8), axis=1, bitorder="little")
-        banned = torch.from_numpy(banned[:, :logits.shape[1]]).view(torch.bool)
-        banned = banned.to(logits.device)
+        n, v = logits.shape
+        banned = np.unpackbits((~words_np).view(np.uint8), axis=1, bitorder="little")[:, :v]
         order = [i for i, _ in rows]
-        if order == list(range(logits.shape[0])):
-            logits.masked_fill_(banned, float("-inf"))
-        else:
-            idx = torch.tensor(order, device=logits.device)
-            logits[idx] = logits[idx].masked_fill_(banned, float("-inf"))
+        if order != list(range(n)):  # unconstrained rows ban nothing
+            full = np.zeros((n, v), dtype=np.uint8)
+            full[order] = banned
+            banned = full
+        logits.masked_fill_(torch.from_numpy(banned).view(torch.bool).to(logits.device),
+                            float("-inf"))
         return logits
 
     @staticmethod
