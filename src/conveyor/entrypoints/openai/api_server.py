@@ -239,7 +239,8 @@ def make_state(engine: AsyncEngine, *, api_key: str | None = None,
                chat_template: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                tool_call_parser: str | None = None,
-               enable_auto_tool_choice: bool = False) -> ServerState:
+               enable_auto_tool_choice: bool = False,
+               reasoning_parser: str | None = None) -> ServerState:
     """Server state around an engine: model name, chat template, metrics registry."""
     import prometheus_client
 
@@ -265,7 +266,8 @@ def make_state(engine: AsyncEngine, *, api_key: str | None = None,
                        api_key=api_key, max_body_bytes=max_body_bytes,
                        max_prompt_bytes=prompt_byte_cap(tokenizer, engine.info.max_model_len),
                        tool_call_parser=tool_call_parser,
-                       enable_auto_tool_choice=enable_auto_tool_choice)
+                       enable_auto_tool_choice=enable_auto_tool_choice,
+                       reasoning_parser=reasoning_parser)
 
 
 # ---- command line ------------------------------------------------------------------------
@@ -294,6 +296,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    choices=("hermes", "llama3_json", "mistral"),
                    help="the checkpoint's tool-call format (Hermes/Qwen <tool_call>, Llama 3 "
                         "JSON, Mistral [TOOL_CALLS])")
+    g.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
+                   help="put the model's <think>...</think> in reasoning_content")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--no-access-log", action="store_true", help="do not log every request")
@@ -331,7 +335,8 @@ def run_server(args: argparse.Namespace) -> int:
                        request_timeout_s=args.request_timeout, chat_template=args.chat_template,
                        max_body_bytes=args.max_request_body_bytes,
                        tool_call_parser=args.tool_call_parser,
-                       enable_auto_tool_choice=args.enable_auto_tool_choice)
+                       enable_auto_tool_choice=args.enable_auto_tool_choice,
+                       reasoning_parser=args.reasoning_parser)
     cfg = engine.info.config
     logger.info("serving %r (%s, %s, %d KV blocks of %d tokens, max_model_len %d, engine "
                 "loop in a %s) on http://%s:%d", state.model_name, cfg.model.dtype_label,

@@ -32,6 +32,7 @@ from conveyor.entrypoints.openai.protocol import (
     ChatTopLogprob,
     DeltaMessage,
 )
+from conveyor.entrypoints.openai.reasoning import ReasoningStream, split_reasoning
 from conveyor.entrypoints.openai.serving_common import (
     DONE,
     ClientDisconnected,
@@ -86,6 +87,8 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
                                    "cannot be combined with response_format or "
                                    "structured_outputs", param="tool_choice")
         params = _with_constraint(params, tools)
+    # A constrained output is not split: its grammar applies from the first token.
+    reasoner = state.reasoning_parser if params.structured_outputs is None else None
     request_id = random_id("chatcmpl")
     created = int(time.time())
     streams = await add_streams(state, [prompt], params, request_id,
@@ -93,7 +96,8 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
                                 output_kind="delta" if req.stream else "final",
                                 prompt_param="messages")
     if req.stream:
-        return sse_response(_stream(state, req, request_id, created, streams[0], tools))
+        return sse_response(_stream(state, req, request_id, created, streams[0], tools,
+                                    reasoner))
     try:
         outputs = await until_disconnected(raw_request, final_outputs(streams))
     except ClientDisconnected:
@@ -102,7 +106,7 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
         raise request_error(e) from None
     check_not_aborted(outputs)
     body = _response(req, request_id, created, state.model_name, outputs[0],
-                     tools).model_dump()
+                     tools, reasoner).model_dump()
     handle = kv_handle(state, req, outputs)
     if handle is not None:
         body["kv_transfer_params"] = handle
@@ -197,14 +201,19 @@ def _logprobs(c: CompletionOutput, top_n: int) -> ChatChoiceLogprobs:
 
 
 def _response(req: ChatCompletionRequest, request_id: str, created: int, model: str,
-              out: RequestOutput, tools: ToolPlan | None = None) -> ChatCompletionResponse:
+              out: RequestOutput, tools: ToolPlan | None = None,
+              reasoner: str | None = None) -> ChatCompletionResponse:
     choices = []
     for c in out.outputs:
-        message, reason = ChatResponseMessage(content=c.text), c.finish_reason
+        text, extra = c.text, {}
+        if reasoner is not None:  # --reasoning-parser: the thinking apart
+            reasoning, text = split_reasoning(reasoner, c.text, final=True)
+            extra["reasoning_content"] = reasoning or None
+        message, reason = ChatResponseMessage(content=text, **extra), c.finish_reason
         if tools is not None:
             calls = ToolCallStream(tools)
-            content, tool_calls = calls.message(c.text)
-            message = ChatResponseMessage(content=content, tool_calls=tool_calls)
+            content, tool_calls = calls.message(text)
+            message = ChatResponseMessage(content=content, tool_calls=tool_calls, **extra)
             reason = finish_reason(reason, bool(tool_calls))
         choices.append(ChatCompletionChoice(
             index=c.index, message=message,
@@ -219,7 +228,8 @@ def _response(req: ChatCompletionRequest, request_id: str, created: int, model: 
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str, created: int,
-                  stream: RequestStream, tools: ToolPlan | None = None) -> AsyncIterator[str]:
+                  stream: RequestStream, tools: ToolPlan | None = None,
+                  reasoner: str | None = None) -> AsyncIterator[str]:
     def chunk(choices: list[ChatCompletionStreamChoice], **kw: Any) -> str:
         return sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
                                        choices=choices, **kw).model_dump_json())
@@ -229,6 +239,10 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
     # With tools: each choice's text so far, re-parsed for its content and call deltas.
     calls = [ToolCallStream(tools) for _ in range(req.n)] if tools is not None else None
     texts = [""] * req.n
+    # With a reasoning parser: the reasoning deltas apart, the content after them.
+    thinking = ([ReasoningStream(reasoner) for _ in range(req.n)]
+                if reasoner is not None else None)
+    content_sent = [0] * req.n
     prompt_tokens = cached_tokens = 0
     final_usage, continuous_usage = usage_options(req)
 
@@ -266,15 +280,22 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
                         finished[c.index] = True
                         check_not_aborted([out])
                     delta, reason = DeltaMessage(content=c.text), c.finish_reason
-                    if calls is not None:
-                        texts[c.index] += c.text
-                        content, tool_deltas = calls[c.index].update(texts[c.index],
-                                                                     newly_finished)
-                        if not (content or tool_deltas or newly_finished):
-                            continue  # held back: maybe the start of a call
+                    if calls is not None or thinking is not None:
+                        i = c.index
+                        texts[i] += c.text
+                        thought, answer = (thinking[i].update(texts[i], newly_finished)
+                                           if thinking is not None else ("", texts[i]))
+                        if calls is not None:
+                            content, tool_deltas = calls[i].update(answer, newly_finished)
+                            reason = finish_reason(reason, calls[i].made_calls)
+                        else:
+                            content, tool_deltas = answer[content_sent[i]:], []
+                            content_sent[i] = max(content_sent[i], len(answer))
+                        if not (thought or content or tool_deltas or newly_finished):
+                            continue  # held back: maybe the start of a tag or a call
+                        extra = {"reasoning_content": thought} if thought else {}
                         delta = DeltaMessage(content=content or None,
-                                             tool_calls=tool_deltas or None)
-                        reason = finish_reason(reason, calls[c.index].made_calls)
+                                             tool_calls=tool_deltas or None, **extra)
                     yield chunk([ChatCompletionStreamChoice(
                         index=c.index, delta=delta,
                         logprobs=_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,

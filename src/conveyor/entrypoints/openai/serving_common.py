@@ -66,6 +66,8 @@ class ServerState:
     # tool_choice "auto" is served (--enable-auto-tool-choice).
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # --reasoning-parser (entrypoints/openai/reasoning.py): <think> as reasoning_content.
+    reasoning_parser: str | None = None
 
 
 def max_token_bytes(tokenizer: Any) -> int | None:
