@@ -13,7 +13,7 @@ import pytest
 from conveyor.entrypoints.openai.reasoning import ReasoningStream, split_reasoning
 
 from server_helpers import ServerProcess, serve
-from structured_helpers import byte_checkpoint, strict_json
+from structured_helpers import byte_checkpoint
 
 CASES = [
     ("deepseek_r1", "<think>\nLet me see: 2+2.\n</think>\n\nIt is 4.", "\nLet me see: 2+2.\n",
@@ -75,11 +75,47 @@ def test_the_server_puts_thinking_apart(server: ServerProcess) -> None:
     assert got == msg["reasoning_content"]
 
 
-def test_a_constrained_output_is_not_split(server: ServerProcess) -> None:
-    r = chat(server, max_tokens=100, temperature=1.0,
-             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
-                 "type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"],
-                 "additionalProperties": False}}})
-    msg = r.json()["choices"][0]["message"]
-    assert strict_json(msg["content"])["a"] in (1, 2)
-    assert msg.get("reasoning_content") is None
+SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"],
+          "additionalProperties": False}
+
+
+def test_a_constraint_applies_after_the_reasoning() -> None:
+    """The wrapped grammar: any text up to the first </think>, then the constraint."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from conveyor.structured_outputs import StructuredOutputsParams as SO
+
+    hf = AutoTokenizer.from_pretrained(byte_checkpoint())
+    tok = llguidance.hf.from_tokenizer(hf, n_vocab=len(hf), eos_token=[2])
+
+    def takes(params: SO, text: str) -> bool:
+        m = llguidance.LLMatcher(tok, params.grammar_text())
+        ids = hf.encode(text, add_special_tokens=False)
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) \
+            and m.is_accepting()
+
+    json_after = SO(json=SCHEMA, after_reasoning=True)
+    assert takes(json_after, '<think>maybe {"a": 3}?</think>\n\n{"a":1}')
+    assert takes(json_after, 'no opening tag</think>{"a":2}')
+    assert not takes(json_after, '{"a":1}')  # the answer must follow the reasoning
+    assert not takes(json_after, '<think>a</think>b</think>{"a":1}')  # the first one ends it
+    assert not takes(json_after, '<think>a</think>{"a":3}')
+    assert takes(SO(regex="[a-z]{2}/[0-9]", after_reasoning=True), "hm</think>\nab/1")
+    assert takes(SO(choice=["yes", "no"], after_reasoning=True), "hm</think>no")
+    with pytest.raises(ValueError, match="cannot follow a reasoning block"):
+        SO(grammar='start: "a"', after_reasoning=True).grammar_text()
+
+
+def test_a_constrained_request_thinks_first(server: ServerProcess) -> None:
+    # A random model never writes </think>: all of its output is reasoning, no answer yet.
+    r = chat(server, max_tokens=30, temperature=1.0, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["reasoning_content"] and not choice["message"]["content"]
+    bad = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "m", "messages": [{"role": "user", "content": "x"}],
+        "structured_outputs": {"grammar": 'start: "a"'}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs"

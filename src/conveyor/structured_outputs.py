@@ -28,6 +28,9 @@ class StructuredOutputsParams:
     # JSON whitespace: False (vLLM's --structured-outputs-config disable_any_whitespace
     # default off) writes compact JSON; a random model can otherwise pad forever.
     whitespace_flexible: bool = False
+    # A thinking model's reasoning comes first (the server's --reasoning-parser): any text
+    # up to the first ``</think>``, then whitespace, then the constraint.
+    after_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
@@ -50,7 +53,8 @@ class StructuredOutputsParams:
 
     def key(self) -> str:
         """The compiled-grammar cache's key: equal for equal constraints."""
-        return f"{self.kind}|{self.whitespace_flexible}|{_dumps(getattr(self, self.kind))}"
+        return (f"{self.kind}|{self.whitespace_flexible}|{self.after_reasoning}|"
+                f"{_dumps(getattr(self, self.kind))}")
 
     def grammar_text(self) -> str:
         """llguidance's grammar (its JSON form) for this constraint; ValueError naming
@@ -60,6 +64,8 @@ class StructuredOutputsParams:
         m = llguidance.LLMatcher
         kind = self.kind
         defaults = {"whitespace_flexible": self.whitespace_flexible}
+        if self.after_reasoning:
+            return self._after_reasoning(m, kind, defaults)
         if kind == "json":
             try:
                 schema = json.loads(self.json)
@@ -83,6 +89,30 @@ class StructuredOutputsParams:
             except Exception as e:  # the converter's own error type, or a parse failure
                 raise ValueError(f"structured_outputs.grammar: {e}") from None
             text = m.grammar_from_lark(src)
+        error = m.validate_grammar(text)
+        if error:
+            raise ValueError(f"structured_outputs.{kind}: {error.strip()}")
+        return text
+
+
+    def _after_reasoning(self, m: Any, kind: str, defaults: dict[str, Any]) -> str:
+        # Lark: the reasoning is the shortest text ending in </think> ([lazy]).
+        if kind in ("json", "json_object"):
+            schema = json.loads(self.json) if kind == "json" else {"type": "object"}
+            if not isinstance(schema, dict):
+                raise ValueError("structured_outputs.json must be a JSON schema object")
+            answer = "%json " + json.dumps({**schema, "x-guidance": defaults})
+        elif kind == "regex":
+            answer = "/" + self.regex.replace("/", "\\/") + "/"
+        elif kind == "choice":
+            answer = " | ".join(json.dumps(c) for c in self.choice)
+        else:
+            raise ValueError("structured_outputs.grammar cannot follow a reasoning block "
+                             "(--reasoning-parser); json, regex and choice can")
+        text = m.grammar_from_lark("start: think REASONING_WS answer\n"
+                                   "think[lazy]: /(?s:.*)<\\/think>/\n"
+                                   "REASONING_WS: /[ \\n]*/\n"
+                                   f"answer: {answer}")
         error = m.validate_grammar(text)
         if error:
             raise ValueError(f"structured_outputs.{kind}: {error.strip()}")

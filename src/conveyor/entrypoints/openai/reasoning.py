@@ -5,9 +5,10 @@
   the block in the prompt); with no ``</think>`` at all, the whole output is reasoning.
 - qwen3: reasoning only when the output opens with ``<think>``; otherwise it is content.
 
-A request whose output is constrained (a schema, a regex, a required or named tool call)
-is not split: its grammar applies from the first token, so the model cannot think first
-(constraining only the answer after the reasoning is not done).
+A constrained request (a schema, a regex, a choice, a required or named tool call) thinks
+first: its grammar lets any text through up to the first ``</think>`` and constrains
+what follows (``StructuredOutputsParams.after_reasoning``); a Lark grammar cannot be
+wrapped so (400). The block is then required, for qwen3 too.
 
 Like the tool parsers, a function of the text so far; ``ReasoningStream`` re-parses each
 delta and sends what is new (the start of ``</think>`` is held back while streaming).

@@ -87,8 +87,11 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
                                    "cannot be combined with response_format or "
                                    "structured_outputs", param="tool_choice")
         params = _with_constraint(params, tools)
-    # A constrained output is not split: its grammar applies from the first token.
-    reasoner = state.reasoning_parser if params.structured_outputs is None else None
+    reasoner = state.reasoning_parser
+    if reasoner is not None and params.structured_outputs is not None:
+        # A thinking model thinks first: the constraint applies to the answer after
+        # </think> (structured_outputs.py, after_reasoning).
+        params = _after_reasoning(params)
     request_id = random_id("chatcmpl")
     created = int(time.time())
     streams = await add_streams(state, [prompt], params, request_id,
@@ -148,6 +151,15 @@ def _with_constraint(params: SamplingParams, tools: ToolPlan) -> SamplingParams:
         return dataclasses.replace(params, structured_outputs=tools.structured)
     except ValueError as e:
         raise from_engine_error(e) from None
+
+
+def _after_reasoning(params: SamplingParams) -> SamplingParams:
+    constraint = dataclasses.replace(params.structured_outputs, after_reasoning=True)
+    try:
+        constraint.grammar_text()
+    except ValueError as e:
+        raise OpenAIError(400, str(e), param="structured_outputs") from None
+    return dataclasses.replace(params, structured_outputs=constraint)
 
 
 def render_prompt(state: ServerState, req: ChatCompletionRequest,
