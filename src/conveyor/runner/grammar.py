@@ -107,7 +107,6 @@ class Grammars:
         A draft the grammar refuses gets probability 0 at its row, so it is rejected; the
         rows after it repeat that row's mask (they are never sampled from)."""
         import llguidance
-        import llguidance.torch as lt
 
         logits = logits.float()
         if not rows:
@@ -117,8 +116,11 @@ class Grammars:
         words = (self.vocab_size + 31) // 32
         bitmask = torch.empty((len(rows), words), dtype=torch.int32)
         firsts = [j for j, (_, rid) in enumerate(rows) if j == 0 or rows[j - 1][1] != rid]
-        lt.fill_next_token_bitmask_par(
-            self._executor, [(self._matcher(rows[j][1]), j) for j in firsts], bitmask)
+        # llguidance.torch's fill, called directly: that module imports triton where it is
+        # installed, which a CPU engine has no use for.
+        self._executor.unsafe_compute_mask_ptr(
+            [(self._matcher(rows[j][1]), j) for j in firsts], bitmask.data_ptr(), words * 4,
+            len(rows))
         for j in firsts:
             rid = rows[j][1]
             if drafts and drafts.get(rid):
@@ -144,15 +146,13 @@ class Grammars:
 
     @staticmethod
     def _fill_drafts(matcher, drafts: list[int], bitmask: torch.Tensor, first: int) -> None:
-        import llguidance.torch as lt
-
         # Only the prefix the grammar takes is consumed: a refused token would leave the
         # matcher in error, which no rollback undoes.
         valid = matcher.validate_tokens(drafts)
         for k in range(len(drafts)):
             row = first + k + 1
             if k < valid and matcher.consume_token(drafts[k]):
-                lt.fill_next_token_bitmask(matcher, bitmask, row)
+                _fill_row(matcher, bitmask, row)
             else:
                 bitmask[row] = bitmask[row - 1]
         if valid:
@@ -194,3 +194,9 @@ class Grammars:
         hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
         return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
                                             eos_token=self.eos_token_ids or None)
+
+
+def _fill_row(matcher, bitmask: torch.Tensor, row: int) -> None:
+    """One matcher's allowed tokens into ``bitmask[row]`` (int32 words, contiguous)."""
+    view = bitmask[row]
+    matcher.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
