@@ -40,7 +40,8 @@ BANNED = ("torch", "transformers")
 # - the front ends (the command line, the servers, the router, the bench, the
 #   simulator, integrations) last.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("config", "envs", "sampling_params", "request", "outputs", "metrics", "timings"),
+    ("config", "envs", "sampling_params", "structured_outputs", "request", "outputs", "metrics",
+     "timings"),
     ("costs",),  # the step-cost models: the core's budget controller prices steps with them
     ("core",),
     ("spec", "kv_transfer"),

@@ -109,10 +109,12 @@ def test_the_seed_is_honoured(server: ServerProcess) -> None:
 REFUSED = [
     ("/v1/completions", {"prompt": "ba", "logit_bias": {"5": -101}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": -1}, "prompt_logprobs"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
-     "response_format"),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}],
-                              "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema",
+     "json_schema": {"name": "x", "schema": {"type": "object", "if": {}}}}}, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": "sometimes"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f"}}]}, "tool_choice"),  # auto needs --enable-auto-tool-choice
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [CHAT[0], {"role": "assistant", "content": None}]},

@@ -283,9 +283,10 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50},
      "top_logprobs", "[0, 20]"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "tools", "not supported"),
+     "tools", "must be"),
     ({"messages": [{"role": "user", "content": "x"}],
-      "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+      "response_format": {"type": "json_schema", "json_schema": {"schema": {"if": {}}}}},
+     "response_format", "Unimplemented"),
     ({"messages": [{"role": "user", "content": "ba " * 600}]}, "messages", "max_model_len"),
 ]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from conveyor.structured_outputs import StructuredOutputsParams
+
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 _GREEDY_EPS = 1e-5
 
@@ -36,6 +38,8 @@ class SamplingParams:
     detokenize: bool = True
     # Scheduling hints that travel with the request (used by policies, never by the sampler).
     expected_output_tokens: int | None = None
+    # What the output must match (a JSON schema, regex, choice, grammar); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: token ids that end generation besides ``stop_token_ids``.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
@@ -90,6 +94,11 @@ class SamplingParams:
                "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
+        if self.structured_outputs is not None:
+            # The grammar ends the output with EOS: a request that may not stop there
+            # could not be both honoured and valid.
+            _check(not self.ignore_eos, "ignore_eos", "cannot be set with structured_outputs")
+            _check(self.min_tokens == 0, "min_tokens", "cannot be set with structured_outputs")
         if self.expected_output_tokens is not None:
             _check(self.expected_output_tokens >= 0, "expected_output_tokens",
                    f"must be >= 0, got {self.expected_output_tokens}")

@@ -117,6 +117,14 @@ class EngineCore:
                         max_queue_len=cfg.scheduler.max_queue_len)
         validate_scheduling(req.priority, req.tenant, req.slo_ttft_ms, req.slo_tpot_ms)
         validate_lora(cfg, req.lora_request, check_files=False)
+        if req.sampling_params.structured_outputs is not None:
+            # Only a runner with grammar matchers honours them (executor/local.py), and
+            # only where the grammar engine reads the tokenizer.
+            check = getattr(self.executor, "structured_outputs_unsupported", None)
+            reason = (check() if check is not None else
+                      f"the {type(self.executor).__name__} has no grammar matchers")
+            if reason:
+                raise ValueError(f"structured_outputs are not supported here: {reason}")
         if req.kv_transfer_params is not None:
             if req.sampling_params.prompt_logprobs is not None:
                 # A decode engine never sees the prompt's logits, and a prefill engine's

@@ -23,7 +23,12 @@ from conveyor.engine.core import EngineCore
 from conveyor.engine.detokenizer import load_tokenizer
 from conveyor.engine.messages import QueueFullError
 from conveyor.engine.output_processor import OutputProcessor, fan_out
-from conveyor.engine.validation import validate_lora, validate_prompt, validate_scheduling
+from conveyor.engine.validation import (
+    check_structured_outputs,
+    validate_lora,
+    validate_prompt,
+    validate_scheduling,
+)
 from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
@@ -58,6 +63,8 @@ def validate_request(config: EngineConfig, has_tokenizer: bool, prompt_ids: list
     validate_prompt(prompt_ids, params, vocab_size=config.model.vocab_size,
                     max_model_len=config.model.max_model_len, has_tokenizer=has_tokenizer,
                     max_queue_len=config.scheduler.max_queue_len)
+    if params.structured_outputs is not None:
+        check_structured_outputs(params.structured_outputs, has_tokenizer)
 
 
 class LLMEngine:

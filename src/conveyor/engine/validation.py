@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from conveyor.sampling_params import SamplingParams
+from conveyor.structured_outputs import StructuredOutputsParams
 
 
 def validate_prompt(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int,
@@ -34,6 +35,14 @@ def validate_prompt(prompt_ids: list[int], params: SamplingParams, *, vocab_size
                          f"(max_queue_len {max_queue_len})")
     if params.stop and not has_tokenizer:
         raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+
+
+def check_structured_outputs(params: StructuredOutputsParams, has_tokenizer: bool) -> None:
+    """ValueError naming what the grammar engine cannot honour (a schema keyword, a bad
+    regex or grammar): checked once in the front end, before the request is queued."""
+    if not has_tokenizer:
+        raise ValueError("structured_outputs need a tokenizer; this model has none")
+    params.grammar_text()
 
 
 def capped_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:

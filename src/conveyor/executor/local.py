@@ -20,6 +20,10 @@ class LocalExecutor:
     (``determine_num_kv_blocks``: from what memory is left) and allocated by ``initialize``,
     which also runs the start-up warmup step."""
 
+    def structured_outputs_unsupported(self) -> str | None:
+        """Why structured outputs cannot be served (None: the runner's grammars can)."""
+        return self.runner.grammars.unsupported()
+
     def __init__(self, args: EngineArgs) -> None:
         self.device = resolve_device(args.device)
         if args.num_threads:

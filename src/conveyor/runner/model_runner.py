@@ -34,6 +34,7 @@ from conveyor.model.quant.apply import quantize_model
 from conveyor.model.quant.kv_cache import attention_backend_for, quantized_kv_caches
 from conveyor.runner import huge_pages
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
+from conveyor.runner.grammar import Grammars
 from conveyor.runner.host_memory import keep_freed_host_memory
 from conveyor.runner.lora import lora_rows, make_lora_manager
 from conveyor.runner.prompt_logprobs import compute_prompt_logprobs, prompt_spans
@@ -110,6 +111,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(model_cfg.vocab_size, device, seed=model_cfg.seed)
         self.requests: dict[str, RequestState] = {}
+        # Structured outputs: a grammar matcher per constrained request (runner/grammar.py).
+        self.grammars = Grammars(model_cfg.tokenizer, model_cfg.vocab_size,
+                                 model_cfg.eos_token_ids)
         self.sliding_window = self.model.sliding_window
         # Per-layer windows (Gemma 2/3): each one's metadata view (runner/window_views.py).
         self.layer_windows = sorted(set(self.model.layer_windows), key=lambda w: w or 0)
@@ -246,6 +250,7 @@ class ModelRunner:
             dropped = self.requests.pop(rid, None)
             if self.lora is not None and dropped is not None:
                 self.lora.request_dropped(rid, dropped.lora_id)
+            self.grammars.drop(rid)
             if self.proposer is not None and rid not in out.preempted_req_ids:
                 self.proposer.finish(rid)
         for new in out.new_reqs:
@@ -255,6 +260,9 @@ class ModelRunner:
                 lora_id=new.lora_request.lora_int_id if new.lora_request else 0)
             if self.lora is not None:
                 self.lora.request_added(new.req_id, new.lora_request)
+            if new.sampling_params.structured_outputs is not None:
+                self.grammars.add(new.req_id, new.sampling_params.structured_outputs,
+                                  new.output_token_ids)
         for cached in out.cached_reqs:
             state = self.requests[cached.req_id]
             if cached.num_kept_blocks is not None:
@@ -304,6 +312,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[idx])  # [N, vocab]
         t3 = time.perf_counter()
         self.timings.add("logits", t3 - t2)
+        constrained = [(i, rid) for i, (_, rid) in enumerate(logits_rows) if rid in self.grammars]
+        if constrained:
+            # A request verifying drafts has a row per draft position: each masked by its
+            # grammar after the drafts before it.
+            logits = self.grammars.mask(logits, constrained, spec)
+            now = time.perf_counter()
+            self.timings.add("grammar_mask", now - t3)
+            t3 = now
         if spec:
             self._verify(logits, logits_rows, spec, result)
         else:
@@ -318,6 +334,11 @@ class ModelRunner:
                 result.sampled_token_ids[state.req_id] = [token]
                 if lp is not None:
                     result.logprobs[state.req_id] = [lp]
+        if constrained:
+            t_accept = time.perf_counter()
+            for rid in dict.fromkeys(rid for _, rid in constrained):  # once per request
+                self.grammars.accept(rid, result.sampled_token_ids[rid])
+            self.timings.add("grammar_accept", time.perf_counter() - t_accept)
         t4 = time.perf_counter()
         self.timings.add("sample", t4 - t3)
         if out.num_spec_wanted and self.proposer is not None:

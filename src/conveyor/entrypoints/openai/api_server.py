@@ -269,7 +269,10 @@ async def _guarded(handler: Awaitable[Response], raw_request: Request) -> Respon
 def make_state(engine: AsyncEngine, *, api_key: str | None = None,
                request_timeout_s: float | None = None,
                chat_template: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ServerState:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               tool_call_parser: str | None = None,
+               enable_auto_tool_choice: bool = False,
+               reasoning_parser: str | None = None) -> ServerState:
     """Server state around an engine: model name, chat template, metrics registry."""
     import prometheus_client
 
@@ -282,12 +285,21 @@ def make_state(engine: AsyncEngine, *, api_key: str | None = None,
         raise ValueError(f"--request-timeout must be > 0, got {request_timeout_s}")
     if max_body_bytes <= 0:
         raise ValueError(f"--max-request-body-bytes must be > 0, got {max_body_bytes}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if tool_call_parser is not None:
+        from conveyor.entrypoints.openai.tool_parsers import get_tool_parser
+
+        get_tool_parser(tool_call_parser)  # an unknown name fails at start, not per request
     return ServerState(engine=engine, model_name=cfg.served_model_name, model_root=cfg.path,
                        max_model_len=engine.info.max_model_len,
                        metrics=EngineMetrics(engine.info.max_model_len),
                        chat_template=template, request_timeout_s=request_timeout_s,
                        api_key=api_key, max_body_bytes=max_body_bytes,
                        max_prompt_bytes=prompt_byte_cap(tokenizer, engine.info.max_model_len),
+                       tool_call_parser=tool_call_parser,
+                       enable_auto_tool_choice=enable_auto_tool_choice,
+                       reasoning_parser=reasoning_parser,
                        loras=(LoRARegistry(engine.info.config.lora)
                               if engine.info.config.lora is not None else None))
 
@@ -311,6 +323,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                          f"it (default {DEFAULT_MAX_BODY_BYTES})")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja2 chat template (file or text) overriding the checkpoint's")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto": the model decides, --tool-call-parser '
+                        "finds its calls")
+    g.add_argument("--tool-call-parser", default=None,
+                   choices=("hermes", "llama3_json", "mistral"),
+                   help="the checkpoint's tool-call format (Hermes/Qwen <tool_call>, Llama 3 "
+                        "JSON, Mistral [TOOL_CALLS])")
+    g.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
+                   help="put the model's <think>...</think> in reasoning_content")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--no-access-log", action="store_true", help="do not log every request")
@@ -346,7 +367,10 @@ def run_server(args: argparse.Namespace) -> int:
                                           keep_metrics=False)
     state = make_state(engine, api_key=args.api_key or envs.api_key(),
                        request_timeout_s=args.request_timeout, chat_template=args.chat_template,
-                       max_body_bytes=args.max_request_body_bytes)
+                       max_body_bytes=args.max_request_body_bytes,
+                       tool_call_parser=args.tool_call_parser,
+                       enable_auto_tool_choice=args.enable_auto_tool_choice,
+                       reasoning_parser=args.reasoning_parser)
     cfg = engine.info.config
     logger.info("serving %r (%s, %s, %d KV blocks of %d tokens, max_model_len %d, engine "
                 "loop in a %s) on http://%s:%d", state.model_name, cfg.model.dtype_label,

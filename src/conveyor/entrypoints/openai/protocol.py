@@ -98,6 +98,13 @@ class SamplingRequest(_Request):
     slo_tpot_ms: float | None = None
     # prefill/decode disaggregation (vLLM's name): set by `conveyor router --prefill/--decode`
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's output constraints (entrypoints/openai/structured.py): json, regex, choice,
+    # grammar, json_object; and the older guided_* fields.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -107,6 +114,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     suffix: str | None = None  # not supported
     best_of: int | None = None  # only best_of == n (or null) is supported
+    response_format: dict[str, Any] | None = None  # as chat's (vLLM takes it here too)
 
 
 class ContentPart(BaseModel):
@@ -225,6 +233,7 @@ class ChatChoiceLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # as vLLM: [] when none
 
 
 class ChatCompletionChoice(_Response):
@@ -248,6 +257,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # (entrypoints/openai/tool_calls.py)
 
 
 class ChatCompletionStreamChoice(_Response):

@@ -8,6 +8,7 @@ content deltas; the chunk that ends a choice carries its ``finish_reason``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import RequestStream
 from conveyor.entrypoints.openai.chat_template import ChatTemplateError
-from conveyor.entrypoints.openai.errors import OpenAIError, parse_body
+from conveyor.entrypoints.openai.errors import OpenAIError, from_engine_error, parse_body
 from conveyor.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -31,6 +32,7 @@ from conveyor.entrypoints.openai.protocol import (
     ChatTopLogprob,
     DeltaMessage,
 )
+from conveyor.entrypoints.openai.reasoning import ReasoningStream, split_reasoning
 from conveyor.entrypoints.openai.serving_common import (
     DONE,
     ClientDisconnected,
@@ -57,7 +59,14 @@ from conveyor.entrypoints.openai.serving_common import (
     until_disconnected,
     usage_options,
 )
+from conveyor.entrypoints.openai.tool_calls import (
+    ToolCallStream,
+    ToolPlan,
+    finish_reason,
+    plan_tools,
+)
 from conveyor.outputs import CompletionOutput, RequestOutput
+from conveyor.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 
@@ -66,12 +75,24 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
     req = parse_body(ChatCompletionRequest, await raw_request.body())
     lora = check_model(state, req.model)  # the adapter the model names, if one
     _check_supported(req)
-    prompt = render_prompt(state, req)
+    tools = plan_tools(req, state.tool_call_parser, state.enable_auto_tool_choice)
+    prompt = render_prompt(state, req, tools)
     check_prompt_size(state, prompt, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    if tools is not None and tools.structured is not None:
+        if params.structured_outputs is not None:
+            raise OpenAIError(400, f"tool_choice {tools.mode!r} constrains the output: it "
+                                   "cannot be combined with response_format or "
+                                   "structured_outputs", param="tool_choice")
+        params = _with_constraint(params, tools)
+    reasoner = state.reasoning_parser
+    if reasoner is not None and params.structured_outputs is not None:
+        # A thinking model thinks first: the constraint applies to the answer after
+        # </think> (structured_outputs.py, after_reasoning).
+        params = _after_reasoning(params)
     request_id = random_id("chatcmpl")
     created = int(time.time())
     streams = await add_streams(state, [prompt], params, request_id,
@@ -79,7 +100,8 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
                                 output_kind="delta" if req.stream else "final",
                                 prompt_param="messages")
     if req.stream:
-        return sse_response(_stream(state, req, request_id, created, streams[0]))
+        return sse_response(_stream(state, req, request_id, created, streams[0], tools,
+                                    reasoner))
     try:
         outputs = await until_disconnected(raw_request, final_outputs(streams))
     except ClientDisconnected:
@@ -87,7 +109,8 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
     except Exception as e:  # timeout, engine fault: this request's error, as an HTTP status
         raise request_error(e) from None
     check_not_aborted(outputs)
-    body = _response(req, request_id, created, answer_model(state, req), outputs[0]).model_dump()
+    body = _response(req, request_id, created, answer_model(state, req), outputs[0],
+                     tools, reasoner).model_dump()
     handle = kv_handle(state, req, outputs)
     if handle is not None:
         body["kv_transfer_params"] = handle
@@ -95,9 +118,9 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
 
 
 def _check_supported(req: ChatCompletionRequest) -> None:
-    # Tools are accepted when the client turns calling them off (tool_choice "none"): they
-    # are then left out of the prompt. Any other choice needs a tool-call parser.
-    for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+    # Tools: entrypoints/openai/tool_calls.py. The legacy functions are accepted when the
+    # client turns calling them off (function_call "none"): left out of the prompt.
+    for tools, choice in (("functions", "function_call"),):
         chosen = getattr(req, choice)
         if chosen not in (None, "none", "auto"):
             raise OpenAIError(400, f"{choice}={chosen!r} (tool calling) is not supported; "
@@ -110,10 +133,6 @@ def _check_supported(req: ChatCompletionRequest) -> None:
         if m.content is None and not (m.role == "assistant" and _calls_a_tool(m)):
             raise OpenAIError(400, f"messages[{i}]: a {m.role} message needs 'content'",
                               param=f"messages[{i}].content")
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise OpenAIError(400, "response_format other than text (structured output) is not "
-                               "supported", param="response_format")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs set to true",
@@ -128,15 +147,34 @@ def _calls_a_tool(m: ChatMessage) -> bool:
     return bool(extra.get("tool_calls") or extra.get("function_call"))
 
 
-def render_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
+def _with_constraint(params: SamplingParams, tools: ToolPlan) -> SamplingParams:
+    try:  # validated again: ignore_eos or min_tokens cannot go with a grammar
+        return dataclasses.replace(params, structured_outputs=tools.structured)
+    except ValueError as e:
+        raise from_engine_error(e) from None
+
+
+def _after_reasoning(params: SamplingParams) -> SamplingParams:
+    constraint = dataclasses.replace(params.structured_outputs, after_reasoning=True)
+    try:
+        constraint.grammar_text()
+    except ValueError as e:
+        raise OpenAIError(400, str(e), param="structured_outputs") from None
+    return dataclasses.replace(params, structured_outputs=constraint)
+
+
+def render_prompt(state: ServerState, req: ChatCompletionRequest,
+                  tools: ToolPlan | None = None) -> str:
     if state.chat_template is None:
         raise OpenAIError(400, "this model has no chat template (none in its tokenizer files); "
                                "start the server with --chat-template, or use /v1/completions",
                           param="messages")
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     try:
-        return state.chat_template.render(messages, req.add_generation_prompt,
-                                          **(req.chat_template_kwargs or {}))
+        kwargs = dict(req.chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools.tools  # the template renders them (tool_choice none: not)
+        return state.chat_template.render(messages, req.add_generation_prompt, **kwargs)
     except ChatTemplateError as e:
         raise OpenAIError(400, f"the chat template rejected the messages: {e}",
                           param="messages") from None
@@ -176,11 +214,24 @@ def _logprobs(c: CompletionOutput, top_n: int) -> ChatChoiceLogprobs:
 
 
 def _response(req: ChatCompletionRequest, request_id: str, created: int, model: str,
-              out: RequestOutput) -> ChatCompletionResponse:
-    choices = [ChatCompletionChoice(
-        index=c.index, message=ChatResponseMessage(content=c.text),
-        logprobs=_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
-        finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
+              out: RequestOutput, tools: ToolPlan | None = None,
+              reasoner: str | None = None) -> ChatCompletionResponse:
+    choices = []
+    for c in out.outputs:
+        text, extra = c.text, {}
+        if reasoner is not None:  # --reasoning-parser: the thinking apart
+            reasoning, text = split_reasoning(reasoner, c.text, final=True)
+            extra["reasoning_content"] = reasoning or None
+        message, reason = ChatResponseMessage(content=text, **extra), c.finish_reason
+        if tools is not None:
+            calls = ToolCallStream(tools)
+            content, tool_calls = calls.message(text)
+            message = ChatResponseMessage(content=content, tool_calls=tool_calls, **extra)
+            reason = finish_reason(reason, bool(tool_calls))
+        choices.append(ChatCompletionChoice(
+            index=c.index, message=message,
+            logprobs=_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
+            finish_reason=reason, stop_reason=c.stop_reason))
     usage = make_usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
                        out.num_cached_tokens)
     return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
@@ -190,7 +241,8 @@ def _response(req: ChatCompletionRequest, request_id: str, created: int, model: 
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str, created: int,
-                  stream: RequestStream) -> AsyncIterator[str]:
+                  stream: RequestStream, tools: ToolPlan | None = None,
+                  reasoner: str | None = None) -> AsyncIterator[str]:
     def chunk(choices: list[ChatCompletionStreamChoice], **kw: Any) -> str:
         return sse(ChatCompletionChunk(id=request_id, created=created,
                                        model=answer_model(state, req),
@@ -198,6 +250,13 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
 
     finished = [False] * req.n
     num_tokens = [0] * req.n
+    # With tools: each choice's text so far, re-parsed for its content and call deltas.
+    calls = [ToolCallStream(tools) for _ in range(req.n)] if tools is not None else None
+    texts = [""] * req.n
+    # With a reasoning parser: the reasoning deltas apart, the content after them.
+    thinking = ([ReasoningStream(reasoner) for _ in range(req.n)]
+                if reasoner is not None else None)
+    content_sent = [0] * req.n
     prompt_tokens = cached_tokens = 0
     final_usage, continuous_usage = usage_options(req)
 
@@ -234,10 +293,27 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
                     if newly_finished:
                         finished[c.index] = True
                         check_not_aborted([out])
+                    delta, reason = DeltaMessage(content=c.text), c.finish_reason
+                    if calls is not None or thinking is not None:
+                        i = c.index
+                        texts[i] += c.text
+                        thought, answer = (thinking[i].update(texts[i], newly_finished)
+                                           if thinking is not None else ("", texts[i]))
+                        if calls is not None:
+                            content, tool_deltas = calls[i].update(answer, newly_finished)
+                            reason = finish_reason(reason, calls[i].made_calls)
+                        else:
+                            content, tool_deltas = answer[content_sent[i]:], []
+                            content_sent[i] = max(content_sent[i], len(answer))
+                        if not (thought or content or tool_deltas or newly_finished):
+                            continue  # held back: maybe the start of a tag or a call
+                        extra = {"reasoning_content": thought} if thought else {}
+                        delta = DeltaMessage(content=content or None,
+                                             tool_calls=tool_deltas or None, **extra)
                     yield chunk([ChatCompletionStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text),
+                        index=c.index, delta=delta,
                         logprobs=_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
-                        finish_reason=c.finish_reason if newly_finished else None,
+                        finish_reason=reason if newly_finished else None,
                         stop_reason=c.stop_reason if newly_finished else None)],
                         **usage_so_far())
         if final_usage:

@@ -32,6 +32,7 @@ from conveyor.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from conveyor.entrypoints.openai.serving_lora import LoRARegistry
+from conveyor.entrypoints.openai.structured import structured_outputs_of
 from conveyor.kv_transfer.messages import KVTransferParams
 from conveyor.metrics import EngineMetrics
 from conveyor.outputs import Logprob, RequestOutput
@@ -65,6 +66,12 @@ class ServerState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # Multi-LoRA: the adapters a request's model may name (None: LoRA off).
     loras: LoRARegistry | None = None
+    # Tool calling (entrypoints/openai/tool_calls.py): --tool-call-parser, and whether
+    # tool_choice "auto" is served (--enable-auto-tool-choice).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    # --reasoning-parser (entrypoints/openai/reasoning.py): <think> as reasoning_content.
+    reasoning_parser: str | None = None
 
 
 def max_token_bytes(tokenizer: Any) -> int | None:
@@ -139,7 +146,8 @@ def build_sampling_params(req: SamplingRequest, max_tokens: int | None,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
         prompt_logprobs=max(asked) if asked else None, logit_bias=parse_logit_bias(req),
-        expected_output_tokens=req.expected_output_tokens)
+        expected_output_tokens=req.expected_output_tokens,
+        structured_outputs=structured_outputs_of(req))
     optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     min_p=req.min_p, presence_penalty=req.presence_penalty,
                     frequency_penalty=req.frequency_penalty,

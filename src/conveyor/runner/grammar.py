@@ -1,0 +1,202 @@
+"""The runner's grammar matchers (llguidance): one per constrained request.
+
+- A constraint compiles on a worker thread when its request first reaches the runner
+  (usually its prefill step), so the compile overlaps the prefill instead of stalling a
+  step; compiled grammars are cached by ``StructuredOutputsParams.key()`` and each request
+  gets a copy of the cached matcher (the lexer automaton llguidance builds lazily is
+  shared by the copies).
+- Each step, every constrained row's allowed tokens are filled into one int32 bitmask for
+  the batch and applied to the logits in one vectorized pass (``mask``).
+- A matcher advances on the tokens the step accepted (``accept``). After a preemption the
+  request comes back as new with its output so far: a fresh copy replays it, so the
+  matcher is right whatever happened in between; each sample of n > 1 is its own request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from conveyor.structured_outputs import StructuredOutputsParams
+
+# Compiled grammars kept (oldest dropped first): schemas repeat across requests.
+CACHE_SIZE = 256
+
+
+class GrammarError(RuntimeError):
+    """A matcher refused a token the sampler was allowed to pick (a bug, never input)."""
+
+
+class Grammars:
+    def __init__(self, tokenizer_path: str | None, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        # llguidance's view of the vocabulary, built in the background from the start: a
+        # tokenizer it cannot read is known before any request is accepted.
+        self._tokenizer: Future = self._pool.submit(self._llg_tokenizer)
+        self._compiled: OrderedDict[str, Future] = OrderedDict()
+        # Request id -> its matcher, or (the compile's future, output tokens to replay).
+        self._matchers: dict[str, object] = {}
+        self._executor = None
+        # Figures for benchmarks/structured: each compile's seconds (on its thread), and
+        # the seconds a step waited for a compile still running at its first sample.
+        self.compile_s: list[float] = []
+        self.wait_s = 0.0
+
+    def unsupported(self) -> str | None:
+        """Why this model cannot take structured outputs (None: it can)."""
+        try:
+            self._tokenizer.result()
+        except Exception as e:  # llguidance cannot read the tokenizer, or there is none
+            return str(e)
+        return None
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._matchers
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, req_id: str, params: StructuredOutputsParams, output_token_ids: list[int]
+            ) -> None:
+        """Start (or reuse) the compile of ``params``; the matcher is made at first use."""
+        key = params.key()
+        with self._lock:
+            future = self._compiled.get(key)
+            if future is None:
+                future = self._pool.submit(self._compile, params)
+                self._compiled[key] = future
+                while len(self._compiled) > CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
+        self._matchers[req_id] = (future, list(output_token_ids))
+
+    def drop(self, req_id: str) -> None:
+        self._matchers.pop(req_id, None)
+
+    def ready(self, req_id: str) -> bool:
+        entry = self._matchers.get(req_id)
+        return not isinstance(entry, tuple) or entry[0].done()
+
+    def accept(self, req_id: str, tokens: list[int]) -> None:
+        matcher = self._matcher(req_id)
+        for token in tokens:
+            if matcher.is_stopped() and token in self.eos_token_ids:
+                return  # the grammar ended and its mask let only EOS through: it stops
+            if not matcher.consume_token(token):
+                raise GrammarError(f"request {req_id}: the grammar refused token {token} "
+                                   f"of {tokens} ({matcher.get_error()})")
+
+    # ---- the step ------------------------------------------------------------------------
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, str]],
+             drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
+        """float32 logits with every token a row's grammar forbids at -inf. ``rows``:
+        (logits row, request id) of the constrained rows, a request's rows consecutive;
+        one bitmask for all of them, applied in one pass. The first row of each request
+        is filled by llguidance's parallel executor; a request verifying ``drafts`` has a
+        row per draft position, each filled after the drafts before it (its matcher
+        advances over them, then rolls back: the step accepts what verification keeps).
+        A draft the grammar refuses gets probability 0 at its row, so it is rejected; the
+        rows after it repeat that row's mask (they are never sampled from)."""
+        import llguidance
+
+        logits = logits.float()
+        if not rows:
+            return logits
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.empty((len(rows), words), dtype=torch.int32)
+        firsts = [j for j, (_, rid) in enumerate(rows) if j == 0 or rows[j - 1][1] != rid]
+        # llguidance.torch's fill, called directly: that module imports triton where it is
+        # installed, which a CPU engine has no use for.
+        self._executor.unsafe_compute_mask_ptr(
+            [(self._matcher(rows[j][1]), j) for j in firsts], bitmask.data_ptr(), words * 4,
+            len(rows))
+        for j in firsts:
+            rid = rows[j][1]
+            if drafts and drafts.get(rid):
+                self._fill_drafts(self._matcher(rid), drafts[rid], bitmask, j)
+        words_np = bitmask.numpy()
+        empty = ~words_np.any(axis=1)
+        if empty.any():
+            bad = [rid for j, (_, rid) in enumerate(rows) if empty[j]]
+            raise GrammarError(f"no token is allowed for {bad}")
+        # The banned tokens in one pass: bit i of word j is token 32 j + i (little-endian
+        # words, unpacked least significant bit first), then one masked fill in place (the
+        # logits are this step's own).
+        n, v = logits.shape
+        banned = np.unpackbits((~words_np).view(np.uint8), axis=1, bitorder="little")[:, :v]
+        order = [i for i, _ in rows]
+        if order != list(range(n)):  # unconstrained rows ban nothing
+            full = np.zeros((n, v), dtype=np.uint8)
+            full[order] = banned
+            banned = full
+        logits.masked_fill_(torch.from_numpy(banned).view(torch.bool).to(logits.device),
+                            float("-inf"))
+        return logits
+
+    @staticmethod
+    def _fill_drafts(matcher, drafts: list[int], bitmask: torch.Tensor, first: int) -> None:
+        # Only the prefix the grammar takes is consumed: a refused token would leave the
+        # matcher in error, which no rollback undoes.
+        valid = matcher.validate_tokens(drafts)
+        for k in range(len(drafts)):
+            row = first + k + 1
+            if k < valid and matcher.consume_token(drafts[k]):
+                _fill_row(matcher, bitmask, row)
+            else:
+                bitmask[row] = bitmask[row - 1]
+        if valid:
+            matcher.rollback(valid)
+
+    # ---- compile -------------------------------------------------------------------------
+    def _matcher(self, req_id: str):
+        entry = self._matchers[req_id]
+        if isinstance(entry, tuple):
+            future, replay = entry
+            t0 = time.perf_counter()
+            template = future.result()  # raises the compile's error, if any
+            self.wait_s += time.perf_counter() - t0
+            entry = template.deep_copy()
+            if replay and not entry.consume_tokens(replay):
+                raise GrammarError(f"request {req_id}: its output so far does not match "
+                                   f"its grammar ({entry.get_error()})")
+            self._matchers[req_id] = entry
+        return entry
+
+    def _compile(self, params: StructuredOutputsParams):
+        import llguidance
+
+        tokenizer = self._tokenizer.result()
+        t0 = time.perf_counter()
+        matcher = llguidance.LLMatcher(tokenizer, params.grammar_text())
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error()}")
+        matcher.compute_bitmask()  # builds the first state's automaton here, not in a step
+        self.compile_s.append(time.perf_counter() - t0)
+        return matcher
+
+    def _llg_tokenizer(self):
+        import llguidance.hf
+        from transformers import AutoTokenizer
+
+        if self.tokenizer_path is None:
+            raise ValueError("this model has no tokenizer")
+        hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
+                                            eos_token=self.eos_token_ids or None)
+
+
+def _fill_row(matcher, bitmask: torch.Tensor, row: int) -> None:
+    """One matcher's allowed tokens into ``bitmask[row]`` (int32 words, contiguous)."""
+    view = bitmask[row]
+    matcher.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())

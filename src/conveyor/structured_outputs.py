@@ -1,0 +1,124 @@
+"""What a request's output must match (vLLM's ``StructuredOutputsParams``): a JSON schema,
+any JSON object, a regex, one of several strings, or a Lark grammar.
+
+Plain data that crosses to the engine core inside ``SamplingParams``; the grammar engine
+(llguidance, chosen in docs/results/structured_outputs.md) is imported only where a
+grammar is built: ``grammar()`` here for the front end's check, and the runner's matcher.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# The kinds a request may ask for; exactly one is set.
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    # A JSON schema: a dict, or its text (kept as canonical text so it crosses as msgpack).
+    json: str | dict[str, Any] | None = None
+    json_object: bool | None = None  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect); GBNF is converted
+    structural_tag: str | None = None  # not supported: a ValueError naming it
+    # JSON whitespace: False (vLLM's --structured-outputs-config disable_any_whitespace
+    # default off) writes compact JSON; a random model can otherwise pad forever.
+    whitespace_flexible: bool = False
+    # A thinking model's reasoning comes first (the server's --reasoning-parser): any text
+    # up to the first ``</think>``, then whitespace, then the constraint.
+    after_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = _dumps(self.json)
+        set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of "
+                             f"{', '.join(KINDS)}; got {set_kinds or 'none'}")
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported")
+        if self.choice is not None and not (
+                isinstance(self.choice, list) and self.choice
+                and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of "
+                             "non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """The compiled-grammar cache's key: equal for equal constraints."""
+        return (f"{self.kind}|{self.whitespace_flexible}|{self.after_reasoning}|"
+                f"{_dumps(getattr(self, self.kind))}")
+
+    def grammar_text(self) -> str:
+        """llguidance's grammar (its JSON form) for this constraint; ValueError naming
+        what the engine cannot honour (an unsupported schema keyword, a bad regex)."""
+        import llguidance
+
+        m = llguidance.LLMatcher
+        kind = self.kind
+        defaults = {"whitespace_flexible": self.whitespace_flexible}
+        if self.after_reasoning:
+            return self._after_reasoning(m, kind, defaults)
+        if kind == "json":
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("structured_outputs.json must be a JSON schema object")
+            text = m.grammar_from_json_schema(schema, defaults=defaults)
+        elif kind == "json_object":
+            text = m.grammar_from_json_schema({"type": "object"}, defaults=defaults)
+        elif kind == "regex":
+            text = m.grammar_from_regex(self.regex)
+        elif kind == "choice":
+            # Lark string literals, quoted as JSON strings are.
+            text = m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        else:
+            from llguidance.gbnf_to_lark import any_to_lark
+
+            try:  # GBNF (llama.cpp's, vLLM's guided_grammar) is converted to Lark
+                src = any_to_lark(self.grammar)
+            except Exception as e:  # the converter's own error type, or a parse failure
+                raise ValueError(f"structured_outputs.grammar: {e}") from None
+            text = m.grammar_from_lark(src)
+        error = m.validate_grammar(text)
+        if error:
+            raise ValueError(f"structured_outputs.{kind}: {error.strip()}")
+        return text
+
+
+    def _after_reasoning(self, m: Any, kind: str, defaults: dict[str, Any]) -> str:
+        # Lark: the reasoning is the shortest text ending in </think> ([lazy]).
+        if kind in ("json", "json_object"):
+            schema = json.loads(self.json) if kind == "json" else {"type": "object"}
+            if not isinstance(schema, dict):
+                raise ValueError("structured_outputs.json must be a JSON schema object")
+            answer = "%json " + json.dumps({**schema, "x-guidance": defaults})
+        elif kind == "regex":
+            answer = "/" + self.regex.replace("/", "\\/") + "/"
+        elif kind == "choice":
+            answer = " | ".join(json.dumps(c) for c in self.choice)
+        else:
+            raise ValueError("structured_outputs.grammar cannot follow a reasoning block "
+                             "(--reasoning-parser); json, regex and choice can")
+        text = m.grammar_from_lark("start: think REASONING_WS answer\n"
+                                   "think[lazy]: /(?s:.*)<\\/think>/\n"
+                                   "REASONING_WS: /[ \\n]*/\n"
+                                   f"answer: {answer}")
+        error = m.validate_grammar(text)
+        if error:
+            raise ValueError(f"structured_outputs.{kind}: {error.strip()}")
+        return text
+
+
+def _dumps(value: Any) -> str:
+    # Key order kept: a schema's property order is the output's.
+    return value if isinstance(value, str) else json.dumps(value)
