@@ -263,3 +263,19 @@ def test_a_draft_model_with_per_layer_windows_is_refused_at_start() -> None:
     with pytest.raises(ValueError, match="per-layer sliding windows"):
         LLM(path, dtype="float32", speculative_config={
             "method": "draft_model", "model": path, "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("family", ["phi3", "granite", "olmo2", "gemma2", "gemma3", "mixtral",
+                                    "qwen3_moe"])
+def test_bfloat16_runs_and_mostly_agrees(family: str) -> None:
+    """bf16 arithmetic cannot be bit-exact with float32's: it must run (soft caps, GeGLU,
+    experts in bf16) and agree on the first tokens."""
+    path = checkpoint(family)
+    llm = LLM(path, dtype="bfloat16", compute_dtype="bfloat16")
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    prompts = random_prompts(4, seed=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=2, temperature=0.0))
+    agree = sum(o.outputs[0].token_ids[0] == reference(path, tuple(p), 2)[0]
+                for o, p in zip(outs, prompts))
+    assert agree >= 3
