@@ -129,10 +129,10 @@ def test_greedy_matches_transformers(family: str, config: str) -> None:
     assert stats["kv_blocks_in_use"] == 0
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3"])
-def test_prefix_hits_across_windows_match_transformers(family: str) -> None:
-    """Cached prefixes longer than the window: the windowed layers' views start past
-    the cached blocks, the global layers' read them all."""
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prefix_hits_match_transformers(family: str) -> None:
+    """Cached prefixes, longer than the window where there is one: the windowed layers'
+    views start past the cached blocks, the global layers' read them all."""
     path = checkpoint(family)
     rng = random.Random(7)
     base = [rng.randrange(4, 384) for _ in range(40)]
@@ -263,3 +263,19 @@ def test_a_draft_model_with_per_layer_windows_is_refused_at_start() -> None:
     with pytest.raises(ValueError, match="per-layer sliding windows"):
         LLM(path, dtype="float32", speculative_config={
             "method": "draft_model", "model": path, "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("family", ["phi3", "granite", "olmo2", "gemma2", "gemma3", "mixtral",
+                                    "qwen3_moe"])
+def test_bfloat16_runs_and_mostly_agrees(family: str) -> None:
+    """bf16 arithmetic cannot be bit-exact with float32's: it must run (soft caps, GeGLU,
+    experts in bf16) and agree on the first tokens."""
+    path = checkpoint(family)
+    llm = LLM(path, dtype="bfloat16", compute_dtype="bfloat16")
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    prompts = random_prompts(4, seed=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=2, temperature=0.0))
+    agree = sum(o.outputs[0].token_ids[0] == reference(path, tuple(p), 2)[0]
+                for o, p in zip(outs, prompts))
+    assert agree >= 3

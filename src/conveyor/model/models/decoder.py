@@ -335,8 +335,10 @@ class DecoderForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
+        if self.traits.embed_scale_sqrt:  # Gemma: the scale rounded to h's dtype first
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        elif self.embed_scale is not None:  # Granite: a Python float, as transformers'
+            h = h * self.embed_scale
         residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             rope = (self.local_rope if self.local_rope is not None
