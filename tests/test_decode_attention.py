@@ -97,7 +97,7 @@ def test_backend_choice_and_errors() -> None:
     assert pick_decode_kernel("auto", cpu, torch.float16, 8, 2) is sdpa_decode
     with pytest.raises(ValueError, match="native"):
         pick_decode_kernel("native", cpu, torch.float16, 8, 2)
-    with pytest.raises(ValueError, match="auto, native or sdpa"):
+    with pytest.raises(ValueError, match="must be one of auto, native, sdpa"):
         pick_decode_kernel("fast", cpu, torch.float32, 8, 2)
 
 
