@@ -134,7 +134,9 @@ def test_loading_kernels_keeps_subnormals() -> None:
     import subprocess
     import sys
 
-    code = ("import torch\nfrom conveyor.kernels import cpu as kernels\nassert kernels.load()\n"
+    code = ("import torch\nfrom conveyor.kernels import cpu as kernels\n"
+            "from conveyor.kernels.cpu import quant\nassert kernels.load()\n"
+            "assert quant.load()\n"
             "x = torch.tensor([1e-40])\nassert (x * 1.0).item() != 0.0, 'flush-to-zero is on'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

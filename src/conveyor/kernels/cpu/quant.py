@@ -28,7 +28,9 @@ _PTR, _I32 = ctypes.c_void_p, ctypes.c_int
 
 
 def _key(flags: list[str]) -> str:
-    digest = hashlib.sha256(" ".join(flags).encode() + kernels._cpu_key().encode())
+    # "linked-apart": libraries linked with -ffast-math (before) are never reused.
+    digest = hashlib.sha256(" ".join(flags).encode() + kernels._cpu_key().encode()
+                            + b"linked-apart")
     with open(_SOURCE, "rb") as f:
         digest.update(f.read())
     return digest.hexdigest()[:16]
@@ -49,8 +51,14 @@ def load() -> ctypes.CDLL | None:
         if not os.path.isfile(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"
-            subprocess.run([compiler, *flags, "-shared", _SOURCE, "-o", tmp, "-lm"],
+            # Compiled with -ffast-math, linked without it: linking with it adds
+            # crtfastmath, whose constructor flushes subnormals to zero process-wide.
+            obj = f"{tmp}.o"
+            subprocess.run([compiler, *flags, "-c", _SOURCE, "-o", obj],
                            check=True, capture_output=True, text=True)
+            subprocess.run([compiler, "-shared", "-fopenmp", obj, "-o", tmp, "-lm"],
+                           check=True, capture_output=True, text=True)
+            os.remove(obj)
             os.replace(tmp, path)  # atomic: concurrent builders never see half a file
         lib = ctypes.CDLL(path)
     except (OSError, subprocess.CalledProcessError) as e:
