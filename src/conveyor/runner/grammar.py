@@ -6,7 +6,11 @@
   gets a copy of the cached matcher (the lexer automaton llguidance builds lazily is
   shared by the copies).
 - Each step, every constrained row's allowed tokens are filled into one int32 bitmask for
-  the batch and applied to the logits in one vectorized pass (``mask``).
+  the batch and applied to the logits in one vectorized pass (``mask``). The runner starts
+  the fill on the mask thread before the forward pass (``start_banned``): the matchers'
+  states are final when a step starts, so the fill runs beside the model, and the step
+  takes the result after the logits (``take_banned``). Nothing else touches a matcher
+  while a fill is out: every other entry point settles it first.
 - A matcher advances on the tokens the step accepted (``accept``). After a preemption the
   request comes back as new with its output so far: a fresh copy replays it, so the
   matcher is right whatever happened in between; each sample of n > 1 is its own request.
@@ -47,6 +51,9 @@ class Grammars:
         # Request id -> its matcher, or (the compile's future, output tokens to replay).
         self._matchers: dict[str, object] = {}
         self._executor = None
+        # The step's bitmask fill, started before the forward pass (start_banned).
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        self._pending: Future | None = None
         # Figures for benchmarks/structured: each compile's seconds (on its thread), and
         # the seconds a step waited for a compile still running at its first sample.
         self.compile_s: list[float] = []
@@ -67,6 +74,7 @@ class Grammars:
     def add(self, req_id: str, params: StructuredOutputsParams, output_token_ids: list[int]
             ) -> None:
         """Start (or reuse) the compile of ``params``; the matcher is made at first use."""
+        self._settle()
         key = params.key()
         with self._lock:
             future = self._compiled.get(key)
@@ -80,13 +88,22 @@ class Grammars:
         self._matchers[req_id] = (future, list(output_token_ids))
 
     def drop(self, req_id: str) -> None:
+        self._settle()
         self._matchers.pop(req_id, None)
+
+    def _settle(self) -> None:
+        """Wait for a fill still out (a step that failed before taking it): its matchers
+        must not change under it. Its result, or error, goes with the failed step."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.exception()
 
     def ready(self, req_id: str) -> bool:
         entry = self._matchers.get(req_id)
         return not isinstance(entry, tuple) or entry[0].done()
 
     def accept(self, req_id: str, tokens: list[int]) -> None:
+        self._settle()
         matcher = self._matcher(req_id)
         for token in tokens:
             if matcher.is_stopped() and token in self.eos_token_ids:
@@ -96,9 +113,32 @@ class Grammars:
                                    f"of {tokens} ({matcher.get_error()})")
 
     # ---- the step ------------------------------------------------------------------------
+    def start_banned(self, rows: list[tuple[int, str]], n: int,
+                     drafts: dict[str, list[int]] | None = None) -> None:
+        """``banned(rows, n, drafts)`` on the mask thread, beside the forward pass."""
+        self._settle()
+        self._pending = self._mask_pool.submit(self.banned, rows, n, drafts)
+
+    def take_banned(self) -> torch.Tensor:
+        """The fill ``start_banned`` started (raising its error, if any)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("no bitmask fill was started for this step")
+        return pending.result()
+
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, str]],
              drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
-        """float32 logits with every token a row's grammar forbids at -inf. ``rows``:
+        """float32 logits with every token a row's grammar forbids at -inf (``banned``
+        computed here, then one masked fill)."""
+        logits = logits.float()
+        if not rows:
+            return logits
+        self._settle()
+        return apply_banned(logits, self.banned(rows, logits.shape[0], drafts))
+
+    def banned(self, rows: list[tuple[int, str]], n: int,
+               drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
+        """[n, vocab] bool: True where a row's grammar forbids the token. ``rows``:
         (logits row, request id) of the constrained rows, a request's rows consecutive;
         one bitmask for all of them, applied in one pass. The first row of each request
         is filled by llguidance's parallel executor; a request verifying ``drafts`` has a
@@ -108,9 +148,6 @@ class Grammars:
         rows after it repeat that row's mask (they are never sampled from)."""
         import llguidance
 
-        logits = logits.float()
-        if not rows:
-            return logits
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         words = (self.vocab_size + 31) // 32
@@ -131,18 +168,15 @@ class Grammars:
             bad = [rid for j, (_, rid) in enumerate(rows) if empty[j]]
             raise GrammarError(f"no token is allowed for {bad}")
         # The banned tokens in one pass: bit i of word j is token 32 j + i (little-endian
-        # words, unpacked least significant bit first), then one masked fill in place (the
-        # logits are this step's own).
-        n, v = logits.shape
+        # words, unpacked least significant bit first).
+        v = self.vocab_size
         banned = np.unpackbits((~words_np).view(np.uint8), axis=1, bitorder="little")[:, :v]
         order = [i for i, _ in rows]
         if order != list(range(n)):  # unconstrained rows ban nothing
             full = np.zeros((n, v), dtype=np.uint8)
             full[order] = banned
             banned = full
-        logits.masked_fill_(torch.from_numpy(banned).view(torch.bool).to(logits.device),
-                            float("-inf"))
-        return logits
+        return torch.from_numpy(np.ascontiguousarray(banned)).view(torch.bool)
 
     @staticmethod
     def _fill_drafts(matcher, drafts: list[int], bitmask: torch.Tensor, first: int) -> None:
@@ -194,6 +228,12 @@ class Grammars:
         hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
         return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
                                             eos_token=self.eos_token_ids or None)
+
+
+def apply_banned(logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """float32 logits with the ``banned`` tokens at -inf, in one masked fill in place (the
+    logits are the step's own)."""
+    return logits.float().masked_fill_(banned.to(logits.device), float("-inf"))
 
 
 def _fill_row(matcher, bitmask: torch.Tensor, row: int) -> None:

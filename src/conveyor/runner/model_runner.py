@@ -34,7 +34,7 @@ from conveyor.model.quant.apply import quantize_model
 from conveyor.model.quant.kv_cache import attention_backend_for, quantized_kv_caches
 from conveyor.runner import huge_pages
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
-from conveyor.runner.grammar import Grammars
+from conveyor.runner.grammar import Grammars, apply_banned
 from conveyor.runner.host_memory import keep_freed_host_memory
 from conveyor.runner.lora import lora_rows, make_lora_manager
 from conveyor.runner.prompt_logprobs import compute_prompt_logprobs, prompt_spans
@@ -285,6 +285,9 @@ class ModelRunner:
             order.sort(key=lambda rid: (out.num_scheduled_tokens[rid] != 1 and rid not in spec,
                                         self.requests[rid].lora_id))
         input_ids, positions, meta, logits_rows = self._prepare(order, out)
+        constrained = [(i, rid) for i, (_, rid) in enumerate(logits_rows) if rid in self.grammars]
+        if constrained:  # the grammars' bitmask fill runs beside the forward pass
+            self.grammars.start_banned(constrained, len(logits_rows), spec)
         if self.lora is not None:
             self.lora.set_step(lora_rows(order, out.num_scheduled_tokens, self.requests))
         t1 = time.perf_counter()
@@ -312,11 +315,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[idx])  # [N, vocab]
         t3 = time.perf_counter()
         self.timings.add("logits", t3 - t2)
-        constrained = [(i, rid) for i, (_, rid) in enumerate(logits_rows) if rid in self.grammars]
         if constrained:
             # A request verifying drafts has a row per draft position: each masked by its
             # grammar after the drafts before it.
-            logits = self.grammars.mask(logits, constrained, spec)
+            logits = apply_banned(logits, self.grammars.take_banned())
             now = time.perf_counter()
             self.timings.add("grammar_mask", now - t3)
             t3 = now
