@@ -90,3 +90,36 @@ def gemm_at(rev: str) -> Overlay:
 
     return Overlay(ops._lib or ops._native(), build_at(rev, "gemm.c", tempfile.mkdtemp()),
                    GEMM_FUNCTIONS)
+
+
+def start_decoding(llm, batch: int, context: int, max_tokens: int = 100_000) -> None:
+    """Add ``batch`` greedy requests of ``context`` random prompt tokens to ``llm`` (an
+    ``LLM``) and step until every prompt is in the cache and one pure decode step ran: the
+    engine is then in the decode steady state that decode-step benchmarks time."""
+    import random
+
+    from conveyor import SamplingParams
+
+    rng = random.Random(0)
+    for i in range(batch):
+        prompt = [rng.randrange(10, 1000) for _ in range(context)]
+        llm.engine.add_request({"prompt_token_ids": prompt},
+                               SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                              temperature=0.0), request_id=str(i))
+    while llm.engine.scheduler.num_waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in llm.engine.scheduler.running):
+        llm.engine.step()
+    llm.engine.step()  # the first pure decode step
+
+
+def median_step_s(llm, n: int) -> float:
+    """The median wall time of ``n`` engine steps of ``llm``, in seconds."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        llm.engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)

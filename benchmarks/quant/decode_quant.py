@@ -16,13 +16,11 @@ LM head quantized; kernels measured at start).
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
-import time
 
 import torch
 
-from conveyor import LLM, SamplingParams
+from benchmarks.common import median_step_s, start_decoding
+from conveyor import LLM
 from conveyor.kernels.cpu.cpuinfo import cpu_model_name
 
 VARIANTS = {"bf16": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
@@ -32,26 +30,8 @@ def build(model: str, batch: int, context: int, steps: int, rounds: int, **kw) -
     llm = LLM(model, dtype="bfloat16", load_format="dummy", max_num_seqs=batch,
               max_num_batched_tokens=max(512, batch * context),
               num_kv_blocks=batch * (-(-(context + steps * rounds + 40) // 16)) + 8, **kw)
-    rng = random.Random(0)
-    for i in range(batch):
-        llm.engine.add_request({"prompt_token_ids": [rng.randrange(10, 1000)
-                                                     for _ in range(context)]},
-                               SamplingParams(max_tokens=100_000, ignore_eos=True,
-                                              temperature=0.0), request_id=str(i))
-    while llm.engine.scheduler.num_waiting or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in llm.engine.scheduler.running):
-        llm.engine.step()
-    llm.engine.step()
+    start_decoding(llm, batch, context)
     return llm
-
-
-def time_steps(llm: LLM, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        llm.engine.step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -76,7 +56,7 @@ def main() -> None:
         best = dict.fromkeys(llms, float("inf"))
         for r in range(args.rounds):
             for v in (list(llms) if r % 2 == 0 else list(llms)[::-1]):
-                best[v] = min(best[v], time_steps(llms[v], args.steps))
+                best[v] = min(best[v], median_step_s(llms[v], args.steps))
         cells = [f"{1e3 * best[v]:.2f} | {batch / best[v]:.1f}" for v in llms]
         ratios = [f"{best['bf16'] / best[v]:.2f}x" for v in llms
                   if v != "bf16" and "bf16" in best]
