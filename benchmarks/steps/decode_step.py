@@ -19,14 +19,14 @@ the same for the native GEMM (``gemm.c``; the steps whose linears are native).
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from conveyor import LLM, SamplingParams
+from benchmarks.common import median_step_s, start_decoding
+from conveyor import LLM
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
 
@@ -37,26 +37,8 @@ def build(args) -> LLM:
               attention_backend=args.attention_backend, linear_backend=args.linear_backend,
               load_format="dummy",
               num_kv_blocks=args.batch * (-(-(args.context + args.steps * 40) // 16)) + 8)
-    rng = random.Random(0)
-    for i in range(args.batch):
-        prompt = [rng.randrange(10, 1000) for _ in range(args.context)]
-        llm.engine.add_request({"prompt_token_ids": prompt},
-                               SamplingParams(max_tokens=10_000, ignore_eos=True,
-                                              temperature=0.0), request_id=str(i))
-    while llm.engine.scheduler.num_waiting or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in llm.engine.scheduler.running):
-        llm.engine.step()
-    llm.engine.step()  # first pure decode step
+    start_decoding(llm, args.batch, args.context, max_tokens=10_000)
     return llm
-
-
-def time_steps(llm: LLM, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        llm.engine.step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def floor_weights(llm: LLM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -128,12 +110,12 @@ def breakdown(llm: LLM, n: int) -> dict[str, float]:
         spent["native_gemm"] += time.perf_counter() - t0
         return out
 
-    def timed_attention(q, k, v, k_cache, v_cache, meta, scale):
+    def timed_attention(q, k, v, k_cache, v_cache, meta, scale, softcap=None):
         t0 = time.perf_counter()
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         t1 = time.perf_counter()
-        out = real_attention(q, k, v, k_cache, v_cache, meta, scale)  # rewrites: same data
+        out = real_attention(q, k, v, k_cache, v_cache, meta, scale, softcap)  # same data
         spent["kv_write"] += t1 - t0
         spent["attention"] += time.perf_counter() - t1 - (t1 - t0)
         return out
@@ -220,13 +202,13 @@ def main() -> None:
     for r in range(args.rounds):
         if args.attention_against:
             runner.decode_kernel.lib = libs[1]
-            other = time_steps(llm, args.steps)
+            other = median_step_s(llm, args.steps)
             runner.decode_kernel.lib = libs[0]
         elif args.gemm_against:
             ops._lib = gemms[1]
-            other = time_steps(llm, args.steps)
+            other = median_step_s(llm, args.steps)
             ops._lib = gemms[0]
-        step = time_steps(llm, args.steps)
+        step = median_step_s(llm, args.steps)
         if rev:
             against.append(other / step)
             print(f"round {r}: decode step {step * 1e3:7.1f} ms, with {rev}'s {what} "
