@@ -37,6 +37,7 @@ class LocalExecutor:
                                   linear_rows=(args.max_num_seqs,
                                                args.max_num_batched_tokens),
                                   speculative=args.speculative, lora=args.lora_config())
+        self.runner.grammars.prepare()  # llguidance's tokenizer, after the measurements
         self.warmup = args.warmup
         self.enforce_eager = args.enforce_eager
         self._profile_tokens = args.max_num_batched_tokens  # a full step, for the KV sizing

@@ -44,9 +44,11 @@ class Grammars:
         self.eos_token_ids = list(eos_token_ids)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
-        # llguidance's view of the vocabulary, built in the background from the start: a
-        # tokenizer it cannot read is known before any request is accepted.
-        self._tokenizer: Future = self._pool.submit(self._llg_tokenizer)
+        # llguidance's view of the vocabulary, built in the background from ``prepare``
+        # (the executor calls it once the runner's start-up measurements are done; a
+        # draft model's runner never does): a tokenizer it cannot read is then known
+        # before any request is accepted.
+        self._tokenizer_future: Future | None = None
         self._compiled: OrderedDict[str, Future] = OrderedDict()
         # Request id -> its matcher, or (the compile's future, output tokens to replay).
         self._matchers: dict[str, object] = {}
@@ -58,6 +60,17 @@ class Grammars:
         # the seconds a step waited for a compile still running at its first sample.
         self.compile_s: list[float] = []
         self.wait_s = 0.0
+
+    def prepare(self) -> None:
+        """Start building llguidance's tokenizer in the background (once)."""
+        with self._lock:
+            if self._tokenizer_future is None:
+                self._tokenizer_future = self._pool.submit(self._llg_tokenizer)
+
+    @property
+    def _tokenizer(self) -> Future:
+        self.prepare()
+        return self._tokenizer_future
 
     def unsupported(self) -> str | None:
         """Why this model cannot take structured outputs (None: it can)."""
@@ -75,6 +88,7 @@ class Grammars:
             ) -> None:
         """Start (or reuse) the compile of ``params``; the matcher is made at first use."""
         self._settle()
+        self.prepare()  # the tokenizer queued ahead of the compile that needs it
         key = params.key()
         with self._lock:
             future = self._compiled.get(key)
