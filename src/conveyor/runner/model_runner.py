@@ -279,11 +279,12 @@ class ModelRunner:
             return ModelRunnerOutput()
         spec = out.scheduled_spec_tokens
         # Decodes first, a request verifying drafts among them (one decode row per token).
-        order = sorted(out.num_scheduled_tokens,
-                       key=lambda rid: out.num_scheduled_tokens[rid] != 1 and rid not in spec)
-        if self.lora is not None:  # (then by adapter: each adapter's rows contiguous)
-            order.sort(key=lambda rid: (out.num_scheduled_tokens[rid] != 1 and rid not in spec,
-                                        self.requests[rid].lora_id))
+        def prefill_last(rid: str) -> bool:
+            return out.num_scheduled_tokens[rid] != 1 and rid not in spec
+
+        order = sorted(out.num_scheduled_tokens, key=prefill_last if self.lora is None else
+                       # (then by adapter: each adapter's rows contiguous)
+                       lambda rid: (prefill_last(rid), self.requests[rid].lora_id))
         input_ids, positions, meta, logits_rows = self._prepare(order, out)
         constrained = [(i, rid) for i, (_, rid) in enumerate(logits_rows) if rid in self.grammars]
         if constrained:  # the grammars' bitmask fill runs beside the forward pass
