@@ -139,7 +139,7 @@ def fake_execute(out, vocab: int = 100, eos: int | None = None):
     """
     from conveyor.core.scheduler_output import ModelRunnerOutput
 
-    result = ModelRunnerOutput()
+    result = ModelRunnerOutput(lora_loaded=out.lora_load_ids)  # adapters: at once
     for rid in out.sampling_req_ids:
         token = (hash(rid) + out.num_scheduled_tokens[rid]) % vocab
         if token == eos:

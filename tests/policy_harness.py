@@ -47,7 +47,7 @@ class FakeRunner:
             state = self.states[cached.req_id]
             assert cached.num_computed_tokens == state.num_computed, cached.req_id
             state.num_blocks += len(cached.new_block_ids)
-        result = ModelRunnerOutput()
+        result = ModelRunnerOutput(lora_loaded=out.lora_load_ids)  # adapters: at once
         for rid, n in out.num_scheduled_tokens.items():
             state = self.states[rid]
             assert n >= 1 and state.num_computed + n <= state.num_tokens, rid

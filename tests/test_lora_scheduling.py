@@ -5,6 +5,7 @@ burst, and the prefix cache is keyed by adapter."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_harness import Sim, make_req
@@ -43,13 +44,20 @@ def test_max_loras_holds_and_everything_finishes(workload, max_loras, policy, bl
         assert len(req.output_token_ids) == req.max_tokens, rid
 
 
-def test_other_adapters_pass_a_blocked_one():
+@pytest.mark.parametrize("max_cpu_loras", [2, 3])
+def test_other_adapters_pass_a_blocked_one(max_cpu_loras):
     """max_loras 2 with a1 and a3 running: the queue's head (a2) waits, the base request
     and a3's second request behind it are admitted in the same step; a1, which entered
-    first, drains (its second request waits) so that a2 gets the next slot."""
-    sched = make_scheduler(max_loras=2, max_num_batched_tokens=64)
+    first, drains (its second request waits) so that a2 gets the next slot. Adapters are
+    loaded ahead (core/lora_loads.py): with room for a third (max_cpu_loras 3) a2 is ready
+    when a1 leaves and enters in the next step; with room for two only, a1's release and
+    a2's load take one step more."""
+    sched = make_scheduler(max_loras=2, max_num_batched_tokens=64,
+                           max_cpu_loras=max_cpu_loras)
     sim = Sim(sched, [make_req("a1-first", 4, 6, lora_request=lora(1)),
                       make_req("a3-first", 4, 9, lora_request=lora(3))])
+    rec = sim.step()
+    assert not rec.admitted and rec.out.lora_load_ids == [1, 3]  # loads ordered, no stall
     sim.step()
     for req in (make_req("a2", 4, 3, arrival=1, lora_request=lora(2)),
                 make_req("base", 4, 3, arrival=1),
@@ -61,7 +69,8 @@ def test_other_adapters_pass_a_blocked_one():
     assert {r.request_id for r in sched.policy.waiting()} == {"a2", "a1-second"}
     sim.run()
     a1_done = max(s.index for s in sim.steps if "a1-first" in s.finished)
-    assert sim.admission_step("a2") == a1_done + 1  # the slot a1 left goes to a2
+    # the slot a1 left goes to a2
+    assert sim.admission_step("a2") == a1_done + (1 if max_cpu_loras == 3 else 2)
     assert sim.admission_step("a1-second") > sim.admission_step("a2")
 
 

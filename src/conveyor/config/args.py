@@ -368,6 +368,7 @@ class EngineArgs:
             token_budget=self.token_budget,
             slo_cost_scale=self.slo_cost_scale,
             max_loras=self.max_loras if self.enable_lora else 0,
+            max_cpu_loras=(self.max_cpu_loras or 0) if self.enable_lora else 0,
             policy=PolicyConfig(
                 sjf_aging_s=self.sjf_aging_s,
                 sjf_predictor=self.sjf_predictor,

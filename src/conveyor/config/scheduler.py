@@ -48,6 +48,8 @@ class SchedulerConfig:
     async_scheduling: bool = False
     # Multi-LoRA: adapters in one step (0: LoRA off, no constraint). core/lora_gate.py.
     max_loras: int = 0
+    # Adapters the executor keeps loaded (core/lora_loads.py; 0: max_loras).
+    max_cpu_loras: int = 0
 
     @property
     def long_prefill_threshold(self) -> int:

@@ -57,6 +57,10 @@ class LoRAGate:
             return None
         return min(self.entered, key=self.entered.__getitem__)
 
+    def blocked_order(self) -> list[int]:
+        """The blocked adapters, longest blocked first."""
+        return sorted(self.blocked, key=self.blocked.__getitem__)
+
     def first_blocked(self) -> int | None:
         return min(self.blocked, key=self.blocked.__getitem__) if self.blocked else None
 

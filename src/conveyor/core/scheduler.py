@@ -46,6 +46,7 @@ from conveyor.core.budget import BudgetController, budget_mode
 from conveyor.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from conveyor.core.kv_connector import KV_TRANSFER_FAILED, SchedulerKVConnector
 from conveyor.core.lora_gate import LoRAGate
+from conveyor.core.lora_loads import LORA_LOAD_FAILED, LoRALoads
 from conveyor.core.policies import PolicyContext, SchedulingPolicy, make_policy
 from conveyor.core.prefill_split import PrefillSplit
 from conveyor.core.scheduler_output import (
@@ -136,6 +137,10 @@ class Scheduler:
         # Multi-LoRA: max_loras adapters in run (core/lora_gate.py; None: LoRA off), and
         # the waiting requests its gate set aside this step (with whether overdue).
         self.lora_gate = LoRAGate(config.max_loras) if config.max_loras else None
+        # ...and the adapters loaded ahead (core/lora_loads.py): a request runs once its
+        # adapter's load is reported.
+        self.lora_loads = (LoRALoads(max(config.max_cpu_loras, config.max_loras))
+                           if config.max_loras else None)
         self._set_aside: list[tuple[Request, bool]] = []
 
     # ---- request lifecycle ---------------------------------------------------------------
@@ -222,6 +227,8 @@ class Scheduler:
             self._admit_remote_ready(now)
         if self.lora_gate is not None:
             self.lora_gate.begin_step(self.running, self.policy.waiting())
+            self.lora_loads.plan(self.lora_gate.in_run, self.lora_gate.blocked_order(),
+                                 self.policy.waiting())
         decodes: list[Request] = []
         budget, split = self._schedule_running(scheduled, preempted, budget, now, decodes)
         if not preempted and admit_allowed:
@@ -238,6 +245,8 @@ class Scheduler:
         out = self._build_output(scheduled, preempted, now, drafts)
         if self.connector is not None:
             out.kv_connector_meta = self.connector.build_connector_meta()
+        if self.lora_loads is not None:
+            out.lora_load, out.lora_release = self.lora_loads.take_orders()
         if ctrl is not None:
             ctrl.end_step(out.total_num_scheduled_tokens)
         return out
@@ -364,7 +373,8 @@ class Scheduler:
         this step) so that the requests behind it pass. Returns the budget left."""
         admitted = split.admitted  # admitted in this step: never preempted for another
         while (req := self._next_waiting(now)) is not None:
-            if self.lora_gate is not None and not self.lora_gate.may_admit(req):
+            if self.lora_gate is not None and not (self.lora_gate.may_admit(req)
+                                                   and self.lora_loads.is_ready(req)):
                 self._put_aside(req)  # its adapter cannot run this step: the scan goes on
                 continue
             if (self.connector is not None
@@ -649,6 +659,11 @@ class Scheduler:
         if self.connector is not None:
             for rid, error in self.connector.update_from_output(run.kv_report, now):
                 self._load_ended(rid, error, now)
+        if self.lora_loads is not None and (run.lora_loaded or run.lora_failed):
+            for lora_id, error in self.lora_loads.on_report(run.lora_loaded,
+                                                            run.lora_failed).items():
+                for req in [r for r in self.policy.waiting() if r.lora_id == lora_id]:
+                    self._reject(req, now, f"{LORA_LOAD_FAILED}: {error}")
         updates = self._pending_updates
         self._pending_updates = []
         speculation = self.speculation

@@ -62,6 +62,15 @@ class SchedulerOutput:
     num_spec_catch_up: int = 0
     # Prefill/decode disaggregation: the KV connector's orders for this step (None: none).
     kv_connector_meta: KVConnectorMeta | None = None
+    # Multi-LoRA (core/lora_loads.py): adapters to read ahead, off the step's path, and
+    # adapters no request needs any more (applied first).
+    lora_load: list[LoRARequest] = field(default_factory=list)
+    lora_release: list[int] = field(default_factory=list)
+
+    @property
+    def lora_load_ids(self) -> list[int]:
+        """What an executor without adapters answers: every load done at once."""
+        return [r.lora_int_id for r in self.lora_load]
 
     @property
     def is_empty(self) -> bool:
@@ -97,6 +106,10 @@ class ModelRunnerOutput:
         field(default_factory=dict))
     # The KV connector's worker half: loads written or failed, pulls served (None: none).
     kv_report: KVWorkerReport | None = None
+    # Multi-LoRA: adapters whose ordered load finished since the last report, and those
+    # whose load failed (id -> why).
+    lora_loaded: list[int] = field(default_factory=list)
+    lora_failed: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -52,6 +52,7 @@ class TensorParallelExecutor:
         self.timeout_s = args.distributed_timeout_s
         self.dead: str | None = None  # why the executor can run no more steps
         self.rank_info: list[WorkerInitialized] = []
+        self._lora_ranks: dict[int, set[int]] = {}  # adapter id -> ranks that loaded it
         self.model_config: ModelConfig
         self.device: str
 
@@ -87,7 +88,23 @@ class TensorParallelExecutor:
         replies = self._call(ExecuteModel(scheduler_output), self.timeout_s, "a step")
         first = replies[0]
         assert isinstance(first, ModelExecuted) and first.output is not None
-        return first.output
+        out = first.output
+        out.lora_loaded, out.lora_failed = self._lora_report(replies)
+        return out
+
+    def _lora_report(self, replies: list[WorkerReply]) -> tuple[list[int], dict[int, str]]:
+        """An adapter is loaded once every rank has reported its shard loaded; failed as
+        soon as one rank failed it."""
+        failed: dict[int, str] = {}
+        for rank, reply in enumerate(replies):
+            failed.update(reply.lora_failed)
+            for lora_id in reply.lora_loaded:
+                self._lora_ranks.setdefault(lora_id, set()).add(rank)
+        loaded = [i for i, ranks in self._lora_ranks.items()
+                  if len(ranks) == self.world_size and i not in failed]
+        for lora_id in [*loaded, *failed]:
+            self._lora_ranks.pop(lora_id, None)
+        return loaded, failed
 
     def shutdown(self) -> None:
         self._stop_ranks(graceful=self.dead is None)

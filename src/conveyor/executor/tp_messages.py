@@ -64,6 +64,9 @@ class WorkerInitialized(msgspec.Struct, tag=True, array_like=True):
 
 class ModelExecuted(msgspec.Struct, tag=True, array_like=True):
     output: ModelRunnerOutput | None = None  # rank 0's; the others sampled the same
+    # Every rank's own adapter loads (each reads its shard): ready when all are.
+    lora_loaded: list[int] = []
+    lora_failed: dict[int, str] = {}
 
 
 class WorkerFailed(msgspec.Struct, tag=True, array_like=True):

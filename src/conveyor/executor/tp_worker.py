@@ -124,7 +124,8 @@ class TPWorker:
     def _dispatch(self, cmd) -> WorkerReply:
         if isinstance(cmd, ExecuteModel):
             out = self.runner.execute(cmd.scheduler_output)
-            return ModelExecuted(out if self.rank == 0 else None)
+            return ModelExecuted(out if self.rank == 0 else None, out.lora_loaded,
+                                 out.lora_failed)
         if isinstance(cmd, SizeKVCache):
             return KVCacheSized(self.size_kv_cache(cmd.cache, cmd.max_num_seqs))
         if isinstance(cmd, InitializeWorker):

@@ -48,6 +48,10 @@ from conveyor.timings import PhaseTimings
 
 logger = logging.getLogger(__name__)
 
+# A step with nothing scheduled waits this long for an adapter load in flight (the engine
+# would otherwise step again at once while requests wait only for it).
+LORA_IDLE_WAIT_S = 0.01
+
 
 def default_kv_cache_memory(device: torch.device, gpu_memory_utilization: float = 0.9,
                             peak_torch: int | None = None) -> int:
@@ -246,6 +250,8 @@ class ModelRunner:
 
     # ---- state ---------------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
+        if self.lora is not None and (out.lora_load or out.lora_release):
+            self.lora.order(out.lora_load, out.lora_release)  # (loads on their thread)
         for rid in out.finished_req_ids:
             dropped = self.requests.pop(rid, None)
             if self.lora is not None and dropped is not None:
@@ -271,8 +277,15 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     # ---- execution -----------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        result = self._execute(out)
+        if self.lora is not None:  # adapters loaded since: an idle step waits a little
+            result.lora_loaded, result.lora_failed = self.lora.poll(
+                LORA_IDLE_WAIT_S if out.is_empty else 0.0)
+        return result
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         self._update_states(out)
         if out.is_empty:

@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from conveyor.config.lora import LoRARequest
 from conveyor.core.kv_connector import KV_TRANSFER_FAILED
+from conveyor.core.lora_loads import LORA_LOAD_FAILED
 from conveyor.engine.async_engine import AsyncEngine, RequestStream
 from conveyor.engine.llm_engine import PromptType
 from conveyor.entrypoints.openai.chat_template import ChatTemplate
@@ -349,6 +350,13 @@ def check_not_aborted(outputs: list[RequestOutput]) -> None:
             raise OpenAIError(502, f"the KV transfer from the prefill engine failed "
                                    f"({failed[0].split(': ', 1)[-1]}); this decode engine "
                                    f"runs --kv-transfer-fallback fail", code=KV_TRANSFER_FAILED)
+        lora_failed = [c.stop_reason for c in out.outputs if c.finish_reason == "abort"
+                       and isinstance(c.stop_reason, str)
+                       and c.stop_reason.startswith(LORA_LOAD_FAILED)]
+        if lora_failed:  # the adapter's files passed the checks but could not be loaded
+            raise OpenAIError(400, f"the adapter could not be loaded "
+                                   f"({lora_failed[0].split(': ', 1)[-1]})",
+                              code=LORA_LOAD_FAILED)
         if any(c.finish_reason == "abort" for c in out.outputs):
             raise OpenAIError(503, "the engine aborted the request before it completed (it may "
                                    "have waited in the queue past --max-queue-wait-s)",

@@ -1,15 +1,20 @@
 """The runner's adapters: loaded ones kept (up to ``max_cpu_loras``, least recently used
-dropped first, never one a live request uses) and each step's row groups.
+dropped first, never one a live request uses or the core has pinned) and each step's row
+groups.
 
-An adapter is read from disk when the runner first meets it (``add``: at start for
-``--lora-modules``, else in the step that first schedules one of its requests: the one
-disk read on a step's path); a step otherwise only lays out row ranges. ``max_loras``
-adapters at most in one step: the scheduler's constraint, checked here.
+Adapters are read on a thread of their own, off the step's path: the core orders a load
+(``order``: ``SchedulerOutput.lora_load``, which pins it until ``lora_release``) before it
+schedules the adapter's requests, and the step thread installs finished loads and reports
+them (``poll``: ``ModelRunnerOutput.lora_loaded`` / ``lora_failed``). ``--lora-modules``
+are read at start. A request whose adapter is not held when it is scheduled (an executor
+driven without the core's orders) has it read in the step, counted in ``step_loads``.
+``max_loras`` adapters at most in one step: the scheduler's constraint, checked here.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -31,32 +36,99 @@ class LoRAManager:
         self.layers = wrap_lora(model, self.context)
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU order
         self.users: dict[int, set[str]] = {}  # adapter id -> live request ids
+        self.pinned: set[int] = set()  # ordered by the core, not released since
+        self._pending: dict[int, Future] = {}  # loads in flight on the loader thread
+        self._loader: ThreadPoolExecutor | None = None
+        self._loaded: list[int] = []  # to report
+        self._failed: dict[int, str] = {}
+        self.step_loads = 0  # adapters read on a step's path (none under the core)
 
-    def add(self, request: LoRARequest) -> LoRAAdapter:
-        """The adapter, loaded now unless it is already (same id and path)."""
+    def _held(self, request: LoRARequest) -> LoRAAdapter | None:
         held = self.adapters.get(request.lora_int_id)
         if held is not None and held.request.lora_path == request.lora_path:
-            self.adapters.move_to_end(request.lora_int_id)
             return held
+        return None
+
+    def _read(self, request: LoRARequest) -> LoRAAdapter:
+        """Read and fuse an adapter (the loader thread's work: it touches only the new
+        adapter's tensors)."""
         adapter = load_adapter(request, self.model, self.config.max_lora_rank, self.dtype,
                                self.tp)
         for layer in self.layers:
             layer.prepare(adapter, self.config.max_lora_rank)
-        self.adapters[request.lora_int_id] = adapter
-        self._evict()
         return adapter
+
+    def _install(self, adapter: LoRAAdapter) -> None:
+        self.adapters[adapter.id] = adapter
+        self.adapters.move_to_end(adapter.id)
+        self._evict()
+
+    def add(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter, loaded now unless it is already (same id and path)."""
+        held = self._held(request)
+        if held is not None:
+            self.adapters.move_to_end(request.lora_int_id)
+            return held
+        pending = self._pending.pop(request.lora_int_id, None)
+        adapter = pending.result() if pending is not None else self._read(request)
+        self._install(adapter)
+        return adapter
+
+    def order(self, load: list[LoRARequest], release: list[int]) -> None:
+        """The core's orders for this step: releases first, then loads (on the loader
+        thread unless held; a held one is reported at the next ``poll``)."""
+        for lora_id in release:
+            self.pinned.discard(lora_id)
+        for request in load:
+            lora_id = request.lora_int_id
+            self.pinned.add(lora_id)
+            if self._held(request) is not None:
+                self.adapters.move_to_end(lora_id)
+                self._loaded.append(lora_id)
+            elif lora_id not in self._pending:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="conveyor-lora")
+                self._pending[lora_id] = self._loader.submit(self._read, request)
+        self._evict()
+
+    def poll(self, wait_s: float = 0.0) -> tuple[list[int], dict[int, str]]:
+        """Install the loads that finished (waiting up to ``wait_s`` for one if none has)
+        and return what to report: (loaded ids, failed id -> why)."""
+        if wait_s > 0 and self._pending and not any(f.done() for f in self._pending.values()):
+            wait(list(self._pending.values()), timeout=wait_s, return_when=FIRST_COMPLETED)
+        for lora_id, future in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[lora_id]
+            try:
+                adapter = future.result()
+            except Exception as e:  # (that adapter's requests fail, nothing else)
+                self.pinned.discard(lora_id)
+                self._failed[lora_id] = f"{type(e).__name__}: {e}"
+                continue
+            self._install(adapter)
+            self._loaded.append(lora_id)
+        loaded, failed = self._loaded, self._failed
+        self._loaded, self._failed = [], {}
+        return loaded, failed
 
     def _evict(self) -> None:
         for lora_id in list(self.adapters):
             if len(self.adapters) <= self.config.cache_size:
                 return
-            if not self.users.get(lora_id):
+            if not self.users.get(lora_id) and lora_id not in self.pinned:
                 del self.adapters[lora_id]
 
     def request_added(self, req_id: str, request: LoRARequest | None) -> None:
         if request is not None:
+            if self._held(request) is None:
+                self.step_loads += 1
             self.add(request)
             self.users.setdefault(request.lora_int_id, set()).add(req_id)
+
+    def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
 
     def request_dropped(self, req_id: str, lora_id: int) -> None:
         users = self.users.get(lora_id)
