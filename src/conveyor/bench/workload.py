@@ -44,6 +44,7 @@ class BenchRequest:
     priority: int = 0
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    lora: str | None = None  # the adapter it names (the simulator; None: the base model)
 
     @property
     def prompt_len(self) -> int:

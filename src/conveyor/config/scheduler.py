@@ -50,6 +50,9 @@ class SchedulerConfig:
     max_loras: int = 0
     # Adapters the executor keeps loaded (core/lora_loads.py; 0: max_loras).
     max_cpu_loras: int = 0
+    # The gate's drain rule (no adapter starves); off only to measure what it does
+    # (benchmarks/sim/lora_burst.py).
+    lora_drain: bool = True
 
     @property
     def long_prefill_threshold(self) -> int:

@@ -23,8 +23,9 @@ from conveyor.request import Request
 
 
 class LoRAGate:
-    def __init__(self, max_loras: int) -> None:
+    def __init__(self, max_loras: int, drain: bool = True) -> None:
         self.max_loras = max_loras
+        self.drain = drain  # the drain rule (off: a burst may hold the slots)
         self.in_run: Counter[int] = Counter()  # adapter id -> running requests
         self.entered: dict[int, int] = {}  # adapter id -> sequence number of its entry
         self.blocked: dict[int, int] = {}  # adapter id -> sequence number it was blocked
@@ -53,7 +54,7 @@ class LoRAGate:
     def draining(self) -> int | None:
         """The adapter that takes no new requests: the earliest entered, while another is
         blocked and the set is full."""
-        if not self.blocked or len(self.in_run) < self.max_loras:
+        if not self.drain or not self.blocked or len(self.in_run) < self.max_loras:
             return None
         return min(self.entered, key=self.entered.__getitem__)
 

@@ -136,7 +136,8 @@ class Scheduler:
         self._now = 0.0  # the last time given (an abort between steps stamps with it)
         # Multi-LoRA: max_loras adapters in run (core/lora_gate.py; None: LoRA off), and
         # the waiting requests its gate set aside this step (with whether overdue).
-        self.lora_gate = LoRAGate(config.max_loras) if config.max_loras else None
+        self.lora_gate = (LoRAGate(config.max_loras, config.lora_drain) if config.max_loras
+                          else None)
         # ...and the adapters loaded ahead (core/lora_loads.py): a request runs once its
         # adapter's load is reported.
         self.lora_loads = (LoRALoads(max(config.max_cpu_loras, config.max_loras))

@@ -21,6 +21,7 @@ from conveyor.config import (
 from conveyor.core.batch_shape import batch_shape
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from conveyor.costs.protocol import MachineCostModel
+from conveyor.executor.lora_slots import AdapterSlots
 
 
 class AdvancingClock(Protocol):
@@ -41,8 +42,11 @@ class CostModelExecutor:
 
     def __init__(self, cost: MachineCostModel, model: ModelConfig,
                  clock: AdvancingClock | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 lora_slots: AdapterSlots | None = None) -> None:
+        """``lora_slots``: price adapter swaps into ``max_loras`` slots (None: free)."""
         self.cost = cost
+        self.lora_slots = lora_slots
         self.clock = clock
         self._sampled = [fake_token_for(model)]  # shared: the scheduler only reads it
         self.last_step_s = 0.0
@@ -73,16 +77,19 @@ class CostModelExecutor:
         out = scheduler_output
         if out.is_empty:
             self.last_step_s = 0.0
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(lora_loaded=out.lora_load_ids)  # (no adapters here)
         duration = self.cost.step_time(batch_shape(out))
         if not duration > 0.0:
             raise ValueError(f"cost model {self.cost.describe()} returned a step time of "
                              f"{duration!r} s; it must be positive")
+        if self.lora_slots is not None:
+            duration += self.lora_slots.step_cost(out)
         self.last_step_s = duration
         if self.clock is not None:
             self.clock.add(duration)
         sampled = self._sampled
-        result = ModelRunnerOutput({rid: sampled for rid in out.sampling_req_ids})
+        result = ModelRunnerOutput({rid: sampled for rid in out.sampling_req_ids},
+                                   lora_loaded=out.lora_load_ids)
         if self.speculative is not None:
             self._speculate(out, result)
         return result

@@ -50,6 +50,12 @@ def add_sim_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--replicas", type=int, default=1, help="engine replicas behind the router")
     g.add_argument("--router", default="least_loaded", choices=sorted(ROUTERS),
                    help="which replica takes a new request (default: least_loaded)")
+    g.add_argument("--lora-mix", default=None, metavar="NAME=SHARE,...",
+                   help="with --enable-lora: each request draws the adapter it names from "
+                        "this mix (the name 'base': none), e.g. sql=0.6,chat=0.2,base=0.2")
+    g.add_argument("--lora-swap-ms", type=float, default=0.0,
+                   help="with --enable-lora: a step's cost per adapter it swaps into one of "
+                        "the --max-loras slots (default 0)")
     g.add_argument("--out", default=None, help="save the summary as JSON here (readable by "
                                                "`conveyor bench compare`)")
     g.add_argument("--records", default=None,
@@ -91,7 +97,26 @@ def sim_inputs(args: argparse.Namespace):
     engine_args = EngineArgs.from_cli_args(args)
     model = resolve_sim_model(engine_args)
     cost = make_cost_model(args.cost, model, hardware=args.hardware, tp=args.tp)
-    return engine_args, model, cost, load_workload(args, model.vocab_size)
+    requests = load_workload(args, model.vocab_size)
+    if getattr(args, "lora_mix", None):
+        assign_adapters(requests, args.lora_mix, args.seed, engine_args.enable_lora)
+    return engine_args, model, cost, requests
+
+
+def assign_adapters(requests: list, mix_text: str, seed: int, enable_lora: bool) -> None:
+    """Each request names an adapter drawn (seeded) from ``--lora-mix``."""
+    import random
+
+    from conveyor.bench.workload import _parse_mix
+
+    if not enable_lora:
+        raise ValueError("--lora-mix needs --enable-lora")
+    mix = _parse_mix(mix_text)
+    rng = random.Random(seed + 3)
+    names, weights = list(mix), list(mix.values())
+    for req in requests:
+        name = rng.choices(names, weights)[0]
+        req.lora = None if name == "base" else name
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -100,7 +125,8 @@ def _run(args: argparse.Namespace) -> int:
     _check_args(args)
     engine_args, model, cost, requests = sim_inputs(args)
     print(f"workload: {args.workload}: {describe(requests)}")
-    sim = Simulator(engine_args, cost, replicas=args.replicas, router=args.router, model=model)
+    sim = Simulator(engine_args, cost, replicas=args.replicas, router=args.router, model=model,
+                    lora_swap_s=args.lora_swap_ms / 1e3)
     print(f"target: {_target_line(args, sim)}")
     print(f"cost model: {cost.describe()}")
     extra: dict[str, Any] = {}

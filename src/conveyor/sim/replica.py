@@ -19,11 +19,13 @@ from collections.abc import Callable
 from typing import Protocol
 
 from conveyor.config import EngineConfig
+from conveyor.config.lora import LoRARequest
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from conveyor.costs.protocol import MachineCostModel, StepCostModel
 from conveyor.engine.core import EngineCore
 from conveyor.engine.messages import EngineCoreOutputs, EngineCoreRequest, QueueFullError
 from conveyor.executor.cost_model import CostModelExecutor
+from conveyor.executor.lora_slots import AdapterSlots
 from conveyor.outputs import RequestMetrics
 from conveyor.sampling_params import SamplingParams
 
@@ -39,6 +41,8 @@ class WorkloadRequest(Protocol):
     priority: int
     slo_ttft_ms: float | None
     slo_tpot_ms: float | None
+    # (optional) ``lora``: the adapter's name (None: the base model); needs --enable-lora
+
 
 
 # Listener called after every step: (replica index, start, end, the step's SchedulerOutput).
@@ -66,7 +70,9 @@ class SimReplica:
     def __init__(self, index: int, config: EngineConfig, cost: MachineCostModel,
                  make_params: Callable[[WorkloadRequest], SamplingParams],
                  listeners: list[StepListener], pool_blocks: int | None = None,
-                 step_cost: StepCostModel | None = None) -> None:
+                 step_cost: StepCostModel | None = None, lora_swap_s: float = 0.0) -> None:
+        """``lora_swap_s``: seconds a step pays per adapter it swaps into one of the
+        ``max_loras`` slots (``executor/lora_slots.py``; with LoRA on)."""
         self.index = index
         self.config = config
         self.make_params = make_params
@@ -75,8 +81,12 @@ class SimReplica:
         # cannot fill it (see ``Simulator.pool_blocks``); the decisions are the same.
         self.num_kv_blocks = config.cache.num_kv_blocks or 0
         self.clock = VirtualClock()
+        slots = (AdapterSlots(config.lora.max_loras, lora_swap_s)
+                 if config.lora is not None else None)
         self.executor = CostModelExecutor(cost, config.model,
-                                          speculative=config.scheduler.speculative)
+                                          speculative=config.scheduler.speculative,
+                                          lora_slots=slots)
+        self._loras: dict[str, LoRARequest] = {}  # a workload's adapter names, ids from 1
         self.core = EngineCore(config, self.executor, self.clock, num_kv_blocks=pool_blocks,
                                step_cost=step_cost)
         self.kv = self.core.kv
@@ -116,20 +126,33 @@ class SimReplica:
             raise ValueError(f"the simulator runs one sequence per request, got n={params.n}")
         tenant = item.tenant if item.tenant is not None else "default"
         req = EngineCoreRequest(item.request_id, item.prompt_token_ids, params, item.arrival_s,
-                                item.priority, tenant, item.slo_ttft_ms, item.slo_tpot_ms)
+                                item.priority, tenant, item.slo_ttft_ms, item.slo_tpot_ms,
+                                lora_request=self._lora(getattr(item, "lora", None)))
         self.core.add_request(req)
         self._live[req.request_id] = RequestMetrics.for_core_request(req, *self._slo_defaults)
+
+    def _lora(self, name: str | None) -> LoRARequest | None:
+        """The adapter a workload request names (no files: the cost model loads nothing)."""
+        if name is None:
+            return None
+        if name not in self._loras:
+            self._loras[name] = LoRARequest(name, len(self._loras) + 1, f"sim://{name}")
+        return self._loras[name]
 
     # ---- the step ------------------------------------------------------------------------
     def start_step(self, now: float) -> float | None:
         """Schedule a step at ``now``; returns when it ends, or None if nothing ran."""
         self.clock.now = now
         out = self.core.schedule()
-        if out.is_empty:
+        while out.is_empty:
             # Still hand the core its update, as the engine does: it reports requests
-            # the scheduler finished by itself (queue-wait rejections).
-            self._record(self.core.update(out, ModelRunnerOutput()), now)
-            return None
+            # the scheduler finished by itself (queue-wait rejections), and adapters
+            # loaded (at once here: the requests that waited for them run now).
+            self._record(self.core.update(out, ModelRunnerOutput(
+                lora_loaded=out.lora_load_ids)), now)
+            if not out.lora_load:
+                return None
+            out = self.core.schedule()
         run = self.executor.execute_model(out)
         self.in_flight = (out, run)
         self.step_start = now

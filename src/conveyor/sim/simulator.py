@@ -99,13 +99,16 @@ class Simulator:
     def __init__(self, engine_args: EngineArgs, cost: MachineCostModel, *, replicas: int = 1,
                  router: str = "round_robin",
                  make_params: Callable[[WorkloadRequest], SamplingParams] | None = None,
-                 model: ModelConfig | None = None) -> None:
+                 model: ModelConfig | None = None, lora_swap_s: float = 0.0) -> None:
+        """``lora_swap_s``: with --enable-lora, seconds a step pays per adapter it swaps
+        into one of the ``--max-loras`` slots (``executor/lora_slots.py``)."""
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         make_router(router)  # an unknown name fails here, before any run
         self.engine_args = engine_args
         self.cost = cost
         self.num_replicas = replicas
+        self.lora_swap_s = lora_swap_s
         self.router_name = router
         model = model or resolve_sim_model(engine_args)
         # The engine's own derivation (config.resolve_engine_config): the pool the cost
@@ -171,7 +174,8 @@ class Simulator:
         _check_unique_ids(items)
         pool = self.pool_blocks(items)
         replicas = [SimReplica(i, self.config, self.cost, self.make_params, self.step_listeners,
-                               pool_blocks=pool, step_cost=self.step_cost)
+                               pool_blocks=pool, step_cost=self.step_cost,
+                               lora_swap_s=self.lora_swap_s)
                     for i in range(self.num_replicas)]
         router = make_router(self.router_name)
         finished: dict[str, RequestMetrics] = {}
