@@ -40,6 +40,9 @@ def test_adapters_over_http():
             r = await client.post("/v1/load_lora_adapter",
                                   json={"lora_name": "a2", "lora_path": a2})
             assert r.status_code == 200, r.text
+            # the router's prefix scores salt an adapter's blocks with the replica's id
+            r = await client.get("/v1/kv_summary")
+            assert r.json()["lora_ids"] == {"a1": 1, "a2": 2}
             assert (await client.post("/v1/load_lora_adapter", json={
                 "lora_name": "a2", "lora_path": a2})).status_code == 400  # name in use
             r = await client.post("/v1/load_lora_adapter",

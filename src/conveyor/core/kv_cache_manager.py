@@ -48,14 +48,15 @@ def root_hash(extra_key: bytes) -> bytes:
     return hashlib.sha256(b"conveyor-kv" + extra_key).digest()
 
 
-def prompt_block_hashes(token_ids: list[int], block_size: int, extra_key: bytes) -> list[bytes]:
+def prompt_block_hashes(token_ids: list[int], block_size: int, extra_key: bytes,
+                        lora_id: int = 0) -> list[bytes]:
     """The chained hashes of the full blocks of ``token_ids``, as the prefix cache keys them
-    (a router asks replicas which of these they hold)."""
+    for the base model or adapter ``lora_id`` (a router asks replicas which they hold)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     data = array("q", token_ids).tobytes()
     width = block_size * _INT64_BYTES
-    parent, out = root_hash(extra_key), []
+    parent, out = root_hash(lora_hash_key(extra_key, lora_id)), []
     for k in range(len(token_ids) // block_size):
         parent = _hash_block(parent, data[k * width:(k + 1) * width], extra_key)
         out.append(parent)

@@ -41,6 +41,9 @@ class Replica:
     cache: CacheIndex = field(default_factory=lambda: CacheIndex(time.monotonic))
     # The model names it serves (its /v1/models: the base model and loaded adapters).
     models: frozenset[str] = frozenset()
+    # Its adapters' ids (its last summary's ``lora_ids``): an adapter's block chain starts
+    # from the replica's own id for it, as its prefix cache keys them (lora_hash_key).
+    lora_ids: dict[str, int] = field(default_factory=dict)
 
     # ---- ReplicaView ---------------------------------------------------------------------
     @property
@@ -54,8 +57,12 @@ class Replica:
     def num_cached_tokens(self, request: RoutingRequest) -> int:
         if self.block_size is None:
             return 0  # no summary yet: nothing known to be cached
-        hashes = request.block_hashes(self.block_size, self.hash_key)
+        hashes = request.block_hashes(self.block_size, self.hash_key, self.lora_id(request))
         return self.cache.num_cached_blocks(hashes) * self.block_size
+
+    def lora_id(self, request: RoutingRequest) -> int:
+        """This replica's id of the adapter ``request`` names (0: the base model)."""
+        return self.lora_ids.get(request.model or "", 0)
 
     # ---- the router's bookkeeping --------------------------------------------------------
     def begin(self, request: RoutingRequest) -> int:
@@ -65,7 +72,8 @@ class Replica:
         self.in_flight_tokens += charged
         self.num_routed += 1
         if self.block_size is not None:
-            self.cache.add_routed(request.block_hashes(self.block_size, self.hash_key))
+            self.cache.add_routed(request.block_hashes(self.block_size, self.hash_key,
+                                                       self.lora_id(request)))
         return charged
 
     def end(self, charged: int) -> None:
@@ -96,9 +104,10 @@ class Replica:
             unfinished = int(summary["num_running"]) + int(summary["num_waiting"])
             kv_tokens = int(summary["kv_blocks_in_use"]) * block_size
             hash_bytes = int(summary["hash_bytes"])
-        except (KeyError, TypeError, ValueError) as e:
+            lora_ids = {str(k): int(v) for k, v in summary.get("lora_ids", {}).items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"malformed /v1/kv_summary from {self.url}: {e!r}") from None
-        self.block_size, self.hash_key = block_size, hash_key
+        self.block_size, self.hash_key, self.lora_ids = block_size, hash_key, lora_ids
         self.cache.hash_bytes = hash_bytes
         self.cache.replace_summary(hashes)
         self.reported_unfinished, self.reported_kv_tokens = unfinished, kv_tokens

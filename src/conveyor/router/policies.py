@@ -55,20 +55,22 @@ class RoutingRequest:
     prompt_token_ids: list[int] | None
     num_prompt_tokens: int = 0
     model: str | None = None  # the body's model: the base model's name or an adapter's
-    _hashes: dict[tuple[int, bytes], list[bytes]] = field(default_factory=dict, repr=False)
+    _hashes: dict[tuple[int, bytes, int], list[bytes]] = field(default_factory=dict,
+                                                              repr=False)
 
     def __post_init__(self) -> None:
         if self.prompt_token_ids is not None:
             self.num_prompt_tokens = len(self.prompt_token_ids)
 
-    def block_hashes(self, block_size: int, hash_key: bytes) -> list[bytes]:
+    def block_hashes(self, block_size: int, hash_key: bytes, lora_id: int = 0) -> list[bytes]:
         """The engine's chained hashes of the prompt's full blocks under a replica's block
-        size and salt, computed once per (block size, salt)."""
+        size, salt and id of the adapter (0: the base model), computed once per those."""
         if self.prompt_token_ids is None:
             return []
-        key = (block_size, hash_key)
+        key = (block_size, hash_key, lora_id)
         if key not in self._hashes:
-            self._hashes[key] = prompt_block_hashes(self.prompt_token_ids, block_size, hash_key)
+            self._hashes[key] = prompt_block_hashes(self.prompt_token_ids, block_size,
+                                                    hash_key, lora_id)
         return self._hashes[key]
 
 

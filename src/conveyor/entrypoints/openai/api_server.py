@@ -194,6 +194,9 @@ def build_app(state: ServerState) -> FastAPI:
             summary = await state.engine.utility(UtilityMethod.KV_SUMMARY, limit)
         except Exception as e:
             raise from_engine_error(e) from None
+        # Each adapter's id here: the router salts an adapter's prompt blocks with it.
+        summary["lora_ids"] = ({name: r.lora_int_id for name, r in state.loras.adapters.items()}
+                               if state.loras else {})
         return JSONResponse(summary)
 
     @app.get("/v1/models")
