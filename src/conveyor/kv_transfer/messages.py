@@ -20,6 +20,9 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     remote_host: str | None = None
     remote_port: int | None = None
     num_prompt_tokens: int | None = None
+    # The model the prefill computed the K/V with (its body's: the base model's name or
+    # an adapter's); a decode request naming another is refused (its K/V would be wrong).
+    model: str | None = None
 
     def check(self) -> None:
         """ValueError naming what is wrong (the server answers 400)."""

@@ -208,6 +208,11 @@ def kv_transfer_params(req: SamplingRequest) -> KVTransferParams | None:
         raise OpenAIError(400, "kv_transfer_params with do_remote_decode (a prefill request) "
                                "cannot stream: its response carries the handle",
                           param="kv_transfer_params")
+    if params.do_remote_prefill and params.model is not None and params.model != req.model:
+        raise OpenAIError(400, f"kv_transfer_params: the prompt's K/V was computed with model "
+                               f"{params.model!r} (an adapter's K/V differs from the base "
+                               f"model's and another adapter's), this request names "
+                               f"{req.model!r}", param="kv_transfer_params")
     return params
 
 
@@ -221,7 +226,7 @@ def kv_handle(state: ServerState, req: SamplingRequest,
     cfg = state.engine.info.config.kv_transfer
     return {"transfer_id": params.transfer_id, "do_remote_prefill": True,
             "remote_host": cfg.host, "remote_port": cfg.port,
-            "num_prompt_tokens": len(outputs[0].prompt_token_ids)}
+            "num_prompt_tokens": len(outputs[0].prompt_token_ids), "model": req.model}
 
 
 async def add_streams(state: ServerState, prompts: list[PromptType], params: SamplingParams,
