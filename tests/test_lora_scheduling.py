@@ -115,3 +115,76 @@ def test_prefix_cache_keyed_by_adapter():
     assert kv.get_computed_blocks(again).num_tokens == 16
     assert kv.get_computed_blocks(
         make_req("a2", 0, 4, prompt=prompt, lora_request=lora(2))).num_tokens == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(workload=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 8), st.integers(0, 10),
+                                   st.integers(0, 5)), min_size=1, max_size=25),
+       max_loras=st.integers(1, 3), extra_slots=st.integers(0, 2),
+       delays=st.lists(st.integers(0, 6), min_size=6, max_size=6),
+       failing=st.sets(st.integers(1, 5), max_size=2))
+def test_loads_ahead_hold_their_invariants(workload, max_loras, extra_slots, delays,
+                                           failing):
+    """Loads reported after random delays, some failing: at most max_cpu_loras adapters
+    ordered and not released; a request runs only once its adapter's load was reported
+    (and not released since); those of a failed adapter end with lora_load_failed, every
+    other request runs to the end."""
+    from conveyor.core.lora_loads import LORA_LOAD_FAILED
+    from conveyor.core.scheduler_output import ModelRunnerOutput
+
+    from helpers import fake_execute
+
+    capacity = max_loras + extra_slots
+    sched = make_scheduler(num_blocks=64, max_loras=max_loras, max_cpu_loras=capacity,
+                           max_model_len=48)
+    reqs = sorted((make_req(f"r{i}", p, m, arrival=a, lora_request=lora(k))
+                   for i, (p, m, a, k) in enumerate(workload)), key=lambda r: r.arrival_time)
+    ordered: set[int] = set()
+    loaded: set[int] = set()
+    in_flight: dict[int, int] = {}  # adapter id -> steps until its report
+    ended: dict[str, object] = {}
+    now, i = 0.0, 0
+    for _ in range(2000):
+        while i < len(reqs) and reqs[i].arrival_time <= now:
+            sched.add_request(reqs[i], now)
+            i += 1
+        if i == len(reqs) and not sched.has_unfinished():
+            break
+        out = sched.schedule(now)
+        for lora_id in out.lora_release:
+            ordered.discard(lora_id)
+            loaded.discard(lora_id)
+            in_flight.pop(lora_id, None)
+        for req in out.lora_load:
+            ordered.add(req.lora_int_id)
+            if req.lora_int_id not in loaded:
+                in_flight[req.lora_int_id] = delays[req.lora_int_id]
+        assert len(ordered) <= capacity
+        for rid in out.num_scheduled_tokens:
+            lora_id = sched.requests[rid].lora_id
+            assert not lora_id or lora_id in loaded, (rid, lora_id)
+        run: ModelRunnerOutput = fake_execute(out)
+        run.lora_loaded, run.lora_failed = [], {}
+        for lora_id, left in list(in_flight.items()):
+            if left:
+                in_flight[lora_id] = left - 1
+            elif lora_id in failing:
+                del in_flight[lora_id]
+                ordered.discard(lora_id)
+                run.lora_failed[lora_id] = "broken"
+            else:
+                del in_flight[lora_id]
+                loaded.add(lora_id)
+                run.lora_loaded.append(lora_id)
+        for upd in sched.update(out, run, now + 0.5):
+            if upd.finished:
+                ended[upd.request_id] = upd
+        now += 1.0
+    else:
+        raise AssertionError("did not finish")
+    for req in reqs:
+        upd = ended[req.request_id]
+        if req.lora_id in failing:
+            assert str(upd.stop_reason).startswith(LORA_LOAD_FAILED), upd
+        else:
+            assert len(req.output_token_ids) == req.max_tokens, req.request_id
