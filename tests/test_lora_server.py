@@ -116,3 +116,36 @@ def _tokenizer(path: str):
     from conveyor.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(path)
+
+
+def test_an_adapter_that_fails_to_load_is_a_400(tmp_path):
+    """Files that pass the load endpoint's checks (config, weights present) but hold a
+    tensor that is no LoRA: the load fails on the runner's loader thread, the request
+    naming it gets a 400 saying why, and the base model's requests are served."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    base = make_checkpoint("llama")
+    bad = tmp_path / "bad"
+    shutil.copytree(make_adapter(base, 1, r=8), bad)
+    save_file({"base_model.model.lm_head.weight": torch.zeros(4, 4)},
+              str(bad / "adapter_model.safetensors"))
+    json.loads((bad / "adapter_config.json").read_text())  # (still a valid config)
+
+    async def go():
+        async with app_client(dict(enable_lora=True, max_loras=2)) as (client, state):
+            r = await client.post("/v1/load_lora_adapter",
+                                  json={"lora_name": "bad", "lora_path": str(bad)})
+            assert r.status_code == 200, r.text
+            r, ok = await asyncio.gather(client.post("/v1/completions", json=body("bad")),
+                                         client.post("/v1/completions",
+                                                     json=body(state.model_name)))
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["code"] == "lora_load_failed" and "is not a LoRA" in err["message"]
+            assert text_of(ok) == reference_text(state, base, None, 8)
+
+    asyncio.run(go())
