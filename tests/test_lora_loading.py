@@ -84,6 +84,7 @@ def test_other_requests_step_while_an_adapter_loads(base, adapters, monkeypatch)
         want = peft_greedy(base, lora.lora_path if lora else None, tuple(prompt), 6)
         assert done[f"r{i}"].outputs[0].token_ids == want, i
     assert eng.runner.lora.step_loads == 0  # no adapter was read on a step's path
+    assert eng.stats()["lora"] == {"resident": 2, "loading": 0, "loads_ordered": 2}
 
 
 def test_a_failed_load_fails_its_requests_only(base, adapters, monkeypatch):

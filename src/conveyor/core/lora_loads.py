@@ -85,5 +85,7 @@ class LoRALoads:
             del self.resident[lora_id]
         return failures
 
-    def num_loading(self) -> int:
-        return sum(1 for s in self.resident.values() if s == LOADING)
+    def stats(self) -> dict[str, int]:
+        loading = sum(1 for s in self.resident.values() if s == LOADING)
+        return {"resident": len(self.resident) - loading, "loading": loading,
+                "loads_ordered": self.num_loads}

@@ -327,6 +327,9 @@ class EngineCore:
             "token_budget": self.token_budget_stats(),
             "spec_decode": (self.speculation.metrics.as_dict()
                             if self.speculation is not None else None),
+            # Multi-LoRA: adapters loaded and loading for the core, loads ordered so far.
+            "lora": (self.scheduler.lora_loads.stats()
+                     if self.scheduler.lora_loads is not None else None),
         }
 
     def token_budget_stats(self) -> dict[str, Any]:
