@@ -82,3 +82,24 @@ def test_adapter_swaps_cost_step_time():
     free, _ = simulate(drain=True)
     priced, _ = simulate(drain=True, swap_s=0.05)
     assert priced.sim_time > free.sim_time + 0.05 * 4
+
+
+def test_prefix_router_scores_an_adapter_by_its_own_blocks():
+    """``--router prefix`` in the simulator: blocks a replica cached for adapter x count
+    for x's next request with that prompt (it goes there though the other replica is as
+    idle), and the base model's request with the same prompt finds no hit there."""
+    prompt = [(3 * i) % 200 + 4 for i in range(64)]
+    other = [(5 * i) % 200 + 4 for i in range(64)]
+    reqs = [BenchRequest("base-first", 0.0, other, 4),
+            BenchRequest("x-first", 0.001, prompt, 4, lora="x"),
+            BenchRequest("base-same-prompt", 5.0, prompt, 4),
+            BenchRequest("x-again", 6.0, prompt, 4, lora="x")]
+    sim = Simulator(tiny_args(enable_lora=True, max_loras=2, enable_prefix_caching=True),
+                    LinearCost(), replicas=2, router="prefix")
+    result = sim.run(reqs)
+    assert result.replica_of["x-first"] != result.replica_of["base-first"]
+    # x's blocks are no hit for the base model: it goes by load (the lower index)
+    assert result.replica_of["base-same-prompt"] == result.replica_of["base-first"]
+    assert result.replica_of["x-again"] == result.replica_of["x-first"]
+    assert result.finished["x-again"].num_cached_tokens == 48
+    assert result.finished["base-same-prompt"].num_cached_tokens == 0

@@ -127,11 +127,11 @@ class SimReplica:
         tenant = item.tenant if item.tenant is not None else "default"
         req = EngineCoreRequest(item.request_id, item.prompt_token_ids, params, item.arrival_s,
                                 item.priority, tenant, item.slo_ttft_ms, item.slo_tpot_ms,
-                                lora_request=self._lora(getattr(item, "lora", None)))
+                                lora_request=self.lora_request(getattr(item, "lora", None)))
         self.core.add_request(req)
         self._live[req.request_id] = RequestMetrics.for_core_request(req, *self._slo_defaults)
 
-    def _lora(self, name: str | None) -> LoRARequest | None:
+    def lora_request(self, name: str | None) -> LoRARequest | None:
         """The adapter a workload request names (no files: the cost model loads nothing)."""
         if name is None:
             return None

@@ -44,8 +44,9 @@ class Router(Protocol):
     name: str
 
     def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView],
-              request_id: str = "") -> int:
-        """Index of the replica that takes the request with this prompt."""
+              request_id: str = "", lora: str | None = None) -> int:
+        """Index of the replica that takes the request with this prompt (and adapter:
+        ``lora``, its name; None: the base model)."""
         ...
 
 
@@ -56,7 +57,7 @@ class RoundRobinRouter:
         self._next = 0
 
     def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView],
-              request_id: str = "") -> int:
+              request_id: str = "", lora: str | None = None) -> int:
         i = self._next % len(replicas)
         self._next += 1
         return i
@@ -75,7 +76,7 @@ class LeastLoadedRouter:
     name = "least_loaded"
 
     def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView],
-              request_id: str = "") -> int:
+              request_id: str = "", lora: str | None = None) -> int:
         return least_loaded(replicas)
 
 
@@ -92,17 +93,17 @@ class PrefixAffinityRouter:
         # chained hash of a prompt prefix (whole chunks) -> replica that last received it
         self._owner: dict[int, int] = {}
 
-    def _chain(self, tokens: list[int]) -> list[int]:
+    def _chain(self, tokens: list[int], lora: str | None = None) -> list[int]:
         n = self.chunk_tokens
-        hashes, h = [], 0
+        hashes, h = [], hash(lora) if lora else 0  # an adapter's prefixes are its own
         for i in range(0, len(tokens) - n + 1, n):
             h = hash((h, tuple(tokens[i:i + n])))
             hashes.append(h)
         return hashes
 
     def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView],
-              request_id: str = "") -> int:
-        chain = self._chain(prompt_token_ids)
+              request_id: str = "", lora: str | None = None) -> int:
+        chain = self._chain(prompt_token_ids, lora)
         loads = [r.num_unfinished for r in replicas]
         lo, hi = min(loads), max(loads)
         balanced = hi - lo <= self.balance_abs or hi <= self.balance_rel * lo
@@ -146,10 +147,15 @@ class _SimReplicaView:
         kv = self.replica.kv
         if not kv.enable_prefix_caching:
             return 0
-        hashes = request.block_hashes(kv.block_size, kv.hash_key)
+        hashes = request.block_hashes(kv.block_size, kv.hash_key, self.lora_id(request))
         pool, routed = kv.pool, self.routed
         n = leading_run(hashes, lambda h: pool.lookup(h) is not None or routed.held(h))
         return n * kv.block_size
+
+    def lora_id(self, request: RoutingRequest) -> int:
+        """The replica's id of the adapter the request names (its prefix cache's key)."""
+        lora = self.replica.lora_request(request.model)
+        return lora.lora_int_id if lora is not None else 0
 
 
 class PrefixRouter:
@@ -161,19 +167,20 @@ class PrefixRouter:
         self._charged: dict[str, int] = {}  # request id -> uncached tokens when routed
 
     def route(self, prompt_token_ids: list[int], replicas: Sequence[LoadView],
-              request_id: str = "") -> int:
+              request_id: str = "", lora: str | None = None) -> int:
         if len(self._views) != len(replicas):
             reps: Sequence[SimReplica] = replicas  # type: ignore[assignment]
 
             def now() -> float:  # the latest time any replica has seen (an idle one's
                 return max(r.clock.now for r in reps)  # clock stands still)
             self._views = [_SimReplicaView(r, CacheIndex(now), self._charged) for r in reps]
-        request = RoutingRequest(prompt_token_ids)
+        request = RoutingRequest(prompt_token_ids, model=lora)
         i = self.policy.choose(request, self._views)
         view = self._views[i]
         self._charged[request_id] = uncached_tokens(request, view)
         kv = view.replica.kv
-        view.routed.add_routed(request.block_hashes(kv.block_size, kv.hash_key))
+        view.routed.add_routed(request.block_hashes(kv.block_size, kv.hash_key,
+                                                    view.lora_id(request)))
         return i
 
 

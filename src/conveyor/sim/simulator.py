@@ -217,7 +217,8 @@ class Simulator:
                 item = items[i]
                 i += 1
                 now = item.arrival_s
-                r = router.route(item.prompt_token_ids, replicas, item.request_id)
+                r = router.route(item.prompt_token_ids, replicas, item.request_id,
+                                 getattr(item, "lora", None))
                 replicas[r].inbox.append(item)
                 replica_of[item.request_id] = r
                 routed[r] += 1
