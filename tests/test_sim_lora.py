@@ -103,3 +103,21 @@ def test_prefix_router_scores_an_adapter_by_its_own_blocks():
     assert result.replica_of["x-again"] == result.replica_of["x-first"]
     assert result.finished["x-again"].num_cached_tokens == 48
     assert result.finished["base-same-prompt"].num_cached_tokens == 0
+
+
+def test_conveyor_sim_lora_mix(capsys):
+    """``conveyor sim --enable-lora --lora-mix``: requests draw adapters from the mix and
+    run; without --enable-lora the option is a clear error."""
+    from conveyor.entrypoints.cli import main
+    from conveyor.sim.cli import parse_sim_args, sim_inputs
+
+    argv = ["--model", "llama3-8b", "--workload", "conversation", "--num-requests", "30",
+            "--input-scale", "0.25", "--output-scale", "0.25", "--enable-lora",
+            "--max-loras", "2", "--lora-mix", "a=0.5,b=0.3,base=0.2", "--lora-swap-ms", "2"]
+    _, _, _, requests = sim_inputs(parse_sim_args(argv))
+    names = {r.lora for r in requests}
+    assert names == {"a", "b", None}
+    assert main(["sim", *argv]) == 0
+    capsys.readouterr()
+    assert main(["sim", *[a for a in argv if a != "--enable-lora"]]) != 0
+    assert "--lora-mix needs --enable-lora" in capsys.readouterr().err
