@@ -12,6 +12,7 @@ from conveyor.config.lora import LoRARequest
 from conveyor.core.kv_connector import KVConnectorMeta, KVWorkerReport
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
+from conveyor.structured_outputs import StructuredOutputsParams
 
 
 @dataclass
@@ -62,6 +63,9 @@ class SchedulerOutput:
     num_spec_catch_up: int = 0
     # Prefill/decode disaggregation: the KV connector's orders for this step (None: none).
     kv_connector_meta: KVConnectorMeta | None = None
+    # Structured outputs: req_id -> the constraint to compile now, for a request that
+    # waits for it outside the batch (core/grammar_gate.py); sent once per request.
+    grammar_compiles: dict[str, StructuredOutputsParams] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -97,6 +101,11 @@ class ModelRunnerOutput:
         field(default_factory=dict))
     # The KV connector's worker half: loads written or failed, pulls served (None: none).
     kv_report: KVWorkerReport | None = None
+    # Structured outputs: requests whose grammar compile (ordered in
+    # ``SchedulerOutput.grammar_compiles``) finished since the last step, and those whose
+    # compile failed, with why. Each request is reported once.
+    grammars_ready: list[str] = field(default_factory=list)
+    grammar_errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
