@@ -29,8 +29,11 @@ class StructuredOutputsParams:
     # default off) writes compact JSON; a random model can otherwise pad forever.
     whitespace_flexible: bool = False
     # A thinking model's reasoning comes first (the server's --reasoning-parser): any text
-    # up to the first ``</think>``, then whitespace, then the constraint.
+    # up to the first ``</think>``, then whitespace, then the constraint. With
+    # ``reasoning_optional`` (qwen3: it thinks only if it opens with ``<think>``) the block
+    # is ``<think>...</think>`` or absent, and then the constraint applies from the start.
     after_reasoning: bool = False
+    reasoning_optional: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
@@ -54,7 +57,7 @@ class StructuredOutputsParams:
     def key(self) -> str:
         """The compiled-grammar cache's key: equal for equal constraints."""
         return (f"{self.kind}|{self.whitespace_flexible}|{self.after_reasoning}|"
-                f"{_dumps(getattr(self, self.kind))}")
+                f"{self.reasoning_optional}|{_dumps(getattr(self, self.kind))}")
 
     def grammar_text(self) -> str:
         """llguidance's grammar (its JSON form) for this constraint; ValueError naming
@@ -109,10 +112,12 @@ class StructuredOutputsParams:
         else:
             raise ValueError("structured_outputs.grammar cannot follow a reasoning block "
                              "(--reasoning-parser); json, regex and choice can")
-        text = m.grammar_from_lark("start: think REASONING_WS answer\n"
-                                   "think[lazy]: /(?s:.*)<\\/think>/\n"
-                                   "REASONING_WS: /[ \\n]*/\n"
-                                   f"answer: {answer}")
+        if self.reasoning_optional:  # an opened block, or the answer at once
+            start = "start: think REASONING_WS answer | answer\n" \
+                    "think[lazy]: /<think>(?s:.*)<\\/think>/\n"
+        else:
+            start = "start: think REASONING_WS answer\nthink[lazy]: /(?s:.*)<\\/think>/\n"
+        text = m.grammar_from_lark(start + "REASONING_WS: /[ \\n]*/\n" + f"answer: {answer}")
         error = m.validate_grammar(text)
         if error:
             raise ValueError(f"structured_outputs.{kind}: {error.strip()}")
