@@ -71,6 +71,8 @@ class Grammars:
         self.compile_s: list[float] = []
         self.wait_s = 0.0
         self.num_waits = 0
+        # CPU seconds of the bitmask fills (on the mask thread, beside the forward pass).
+        self.fill_cpu_s = 0.0
 
     def prepare(self) -> None:
         """Start building llguidance's tokenizer in the background (once)."""
@@ -206,6 +208,7 @@ class Grammars:
         that row's mask (they are never sampled from)."""
         import llguidance
 
+        t0 = time.thread_time()
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         words = (self.vocab_size + 31) // 32
@@ -224,6 +227,7 @@ class Grammars:
         if empty.any():
             bad = [rid for j, (_, rid) in enumerate(rows) if empty[j]]
             raise GrammarError(f"no token is allowed for {bad}")
+        self.fill_cpu_s += time.thread_time() - t0
         return StepMask(bitmask, torch.tensor([i for i, _ in rows], dtype=torch.int64))
 
     @staticmethod
