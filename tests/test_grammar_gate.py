@@ -40,46 +40,77 @@ def test_a_constrained_request_waits_outside_the_batch_until_its_grammar_is_read
     sched = make_scheduler()
     sched.add_request(make_request("free", 6, 5), 0.0)
     sched.add_request(constrained("c"), 0.0)
+    sched.add_request(constrained("c2"), 0.0)  # the same constraint: one compile
     assert sched.requests["c"].status == RequestStatus.WAITING_FOR_GRAMMAR
     out, _ = step(sched, 0.0)
-    assert set(out.grammar_compiles) == {"c"} and out.grammar_compiles["c"] == REGEX
+    assert out.grammar_compiles == {REGEX.key(): REGEX}
     assert set(out.num_scheduled_tokens) == {"free"}
-    for t in range(1, 4):  # the compile runs on: "free" steps, "c" is neither sent again
+    for t in range(1, 4):  # the compile runs on: "free" steps, nothing is ordered again
         out, _ = step(sched, float(t))
         assert out.grammar_compiles == {} and set(out.num_scheduled_tokens) == {"free"}
     assert "c" not in sched.kv.req_blocks
-    step(sched, 4.0, ready=["c"])  # reported with a step's output
+    step(sched, 4.0, ready=[REGEX.key()])  # reported with a step's output
     assert sched.requests["c"].status == RequestStatus.WAITING
     out, _ = step(sched, 5.0)
-    assert "c" in out.num_scheduled_tokens
-    assert [n.req_id for n in out.new_reqs] == ["c"]
+    assert {"c", "c2"} <= set(out.num_scheduled_tokens)
+    # Compiled now: a new request with it is admitted at once, in the next step.
+    sched.add_request(constrained("c3"), 6.0)
+    assert sched.requests["c3"].status == RequestStatus.WAITING
+    out, _ = step(sched, 6.0)
+    assert "c3" in out.num_scheduled_tokens and out.grammar_compiles == {}
 
 
-def test_a_failed_compile_finishes_only_its_request_with_the_reason() -> None:
+def test_a_failed_compile_finishes_only_its_requests_with_the_reason() -> None:
     sched = make_scheduler()
     sched.add_request(make_request("free", 6, 5), 0.0)
     sched.add_request(constrained("bad"), 0.0)
     step(sched, 0.0)
-    out, updates = step(sched, 1.0, errors={"bad": "structured_outputs.regex: boom"})
+    out, updates = step(sched, 1.0, errors={REGEX.key(): "structured_outputs.regex: boom"})
     failed = [u for u in updates if u.request_id == "bad"]
     assert failed and failed[0].status == RequestStatus.FINISHED_ABORTED
     assert failed[0].stop_reason == f"{GRAMMAR_FAILED}: structured_outputs.regex: boom"
     assert "bad" not in sched.requests
     out, _ = step(sched, 2.0)
-    assert "bad" in out.finished_req_ids  # the runner forgets its compile
+    assert out.grammar_evictions == [REGEX.key()]  # the runner forgets the failure
     assert "free" in out.num_scheduled_tokens
+    sched.add_request(constrained("again"), 3.0)  # the same constraint: compiled anew
+    out, _ = step(sched, 3.0)
+    assert out.grammar_compiles == {REGEX.key(): REGEX}
 
 
-def test_an_abort_while_waiting_for_the_grammar_reaches_the_runner_once_ordered() -> None:
+def test_an_abort_while_waiting_for_the_grammar_leaves_the_others() -> None:
     sched = make_scheduler()
-    sched.add_request(constrained("early"), 0.0)
-    sched.finish_requests("early", RequestStatus.FINISHED_ABORTED)  # before any order
-    sched.add_request(constrained("late"), 0.0)
-    out, _ = step(sched, 0.0)
-    assert set(out.grammar_compiles) == {"late"}
-    sched.finish_requests("late", RequestStatus.FINISHED_ABORTED)
-    out, _ = step(sched, 1.0, ready=["late"])  # its report comes after the abort
-    assert out.finished_req_ids == {"late"} and not sched.has_unfinished()
+    sched.add_request(constrained("gone"), 0.0)
+    sched.add_request(constrained("kept"), 0.0)
+    step(sched, 0.0)
+    sched.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
+    step(sched, 1.0, ready=[REGEX.key()])
+    out, _ = step(sched, 2.0)
+    assert set(out.num_scheduled_tokens) == {"kept"}
+
+
+def test_the_runner_keeps_a_grammar_while_a_request_uses_it() -> None:
+    from conveyor.core.grammar_gate import GrammarGate
+
+    gate = GrammarGate(capacity=1)
+    reqs = {}
+    for i, rid in enumerate(["a", "b"]):
+        reqs[rid] = make_request(rid, 4, 2)
+        reqs[rid].sampling_params = SamplingParams(
+            max_tokens=2, structured_outputs=SO(regex=f"[a-z]{{{i + 1}}}"))
+        assert gate.hold(reqs[rid])
+    keys = list(gate.take_orders()[0])
+    gate.settle(keys, {})
+    assert gate.take_orders()[1] == []  # over capacity, but both in use
+    gate.finished("a")
+    gate.settle([], {})
+    assert gate.take_orders()[1] == [keys[0]]  # idle now: the least recently used goes
+    again = make_request("b2", 4, 2)
+    again.sampling_params = reqs["b"].sampling_params
+    assert not gate.hold(again)  # still compiled: admitted at once
+
+
+KEYS = [SO(regex=f"[a-z]{{{n}}}") for n in (1, 2, 3)]
 
 
 @settings(max_examples=60, deadline=None)
@@ -87,19 +118,26 @@ def test_an_abort_while_waiting_for_the_grammar_reaches_the_runner_once_ordered(
                           st.integers(0, 7)), max_size=40))
 def test_the_gate_keeps_the_scheduler_invariants(ops) -> None:
     sched = make_scheduler(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=16)
+    sched.grammar_gate.capacity = 1
     ready: list[str] = []
     errors: dict[str, str] = {}
     ordered: set[str] = set()
     now = 0.0
     for op, k in ops:
         rid = f"r{k}"
+        key = KEYS[k % 3].key()
         if op in ("add", "add_c") and rid not in sched.requests:
-            sched.add_request(constrained(rid, 5) if op == "add_c"
-                              else make_request(rid, 5, 3), now)
-        elif op == "ready" and rid in ordered:
-            ready.append(rid)
-        elif op == "fail" and rid in ordered:
-            errors[rid] = "no"
+            req = make_request(rid, 5, 3)
+            if op == "add_c":
+                req.sampling_params = SamplingParams(max_tokens=3,
+                                                     structured_outputs=KEYS[k % 3])
+            sched.add_request(req, now)
+        elif op == "ready" and key in ordered:
+            ready.append(key)
+            ordered.discard(key)
+        elif op == "fail" and key in ordered:
+            errors[key] = "no"
+            ordered.discard(key)
         elif op == "abort":
             sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
         else:
@@ -108,11 +146,12 @@ def test_the_gate_keeps_the_scheduler_invariants(ops) -> None:
             ready, errors = [], {}
             now += 1.0
     # Whatever happened, everything still finishes once the compiles are reported.
+    ordered |= set(ready) | set(errors)  # (reports not sent yet)
     for _ in range(200):
         if not sched.has_unfinished():
             break
-        out, _ = step(sched, now, [r for r, q in sched.requests.items()
-                                   if q.status == RequestStatus.WAITING_FOR_GRAMMAR])
+        out, _ = step(sched, now, list(ordered))
+        ordered = set(out.grammar_compiles)
         now += 1.0
     assert not sched.has_unfinished()
 
@@ -204,16 +243,20 @@ def test_the_runner_reports_each_ordered_compile_once() -> None:
     from structured_helpers import byte_checkpoint
 
     g = Grammars(byte_checkpoint(), 384, (2,))
-    g.order("a", SO(choice=["x"]))
-    g.order("b", SO(choice=["y"]))
+    a, b = SO(choice=["x"]), SO(choice=["y"])
+    g.order(a.key(), a)
+    g.order(b.key(), b)
     ready: list[str] = []
     errors: dict[str, str] = {}
     while len(ready) + len(errors) < 2:
         g.report(ready, errors, wait_s=1.0)
-    assert sorted(ready) == ["a", "b"] and not errors
+    assert sorted(ready) == sorted([a.key(), b.key()]) and not errors
     again: list[str] = []
     g.report(again, errors)
     assert again == []
+    g.add("r", a, [])  # the compiled grammar: no wait at its first fill
+    g.fill([(0, "r")])
+    assert g.num_waits == 0
 
 
 def test_the_server_answers_a_failed_compile_with_a_400_giving_the_reason() -> None:

@@ -173,8 +173,7 @@ class Scheduler:
                 self._remote.pop(rid)
                 self.connector.request_aborted(rid, self._now)
             elif req.status == RequestStatus.WAITING_FOR_GRAMMAR:
-                if self.grammar_gate.drop(rid):
-                    self._dropped_ids.add(rid)  # the runner forgets its compile
+                pass  # (the gate lets it go in _finish)
             else:
                 self.policy.pop(req)
             self._finish(req, status)
@@ -190,6 +189,7 @@ class Scheduler:
         self._wait_entry.pop(req.request_id, None)
         self._overdue_ids.discard(req.request_id)
         self.policy.on_finished(req)
+        self.grammar_gate.finished(req.request_id)
         if self.speculation is not None:
             self._departed.append(req)
 
@@ -246,7 +246,7 @@ class Scheduler:
         out = self._build_output(scheduled, preempted, now, drafts)
         if self.connector is not None:
             out.kv_connector_meta = self.connector.build_connector_meta()
-        out.grammar_compiles = self.grammar_gate.take_orders()
+        out.grammar_compiles, out.grammar_evictions = self.grammar_gate.take_orders()
         if ctrl is not None:
             ctrl.end_step(out.total_num_scheduled_tokens)
         return out
@@ -727,7 +727,6 @@ class Scheduler:
             self.policy.add(req, now)
             self._track_wait(req, now)
         for req, error in failed:
-            self._dropped_ids.add(req.request_id)  # the runner forgets its compile
             req.stop_reason = f"{GRAMMAR_FAILED}: {error}"
             self._finish(req, RequestStatus.FINISHED_ABORTED)
             req.finished_time = now

@@ -63,9 +63,11 @@ class SchedulerOutput:
     num_spec_catch_up: int = 0
     # Prefill/decode disaggregation: the KV connector's orders for this step (None: none).
     kv_connector_meta: KVConnectorMeta | None = None
-    # Structured outputs: req_id -> the constraint to compile now, for a request that
-    # waits for it outside the batch (core/grammar_gate.py); sent once per request.
+    # Structured outputs (core/grammar_gate.py): constraint key -> the constraint to
+    # compile now (requests wait for it outside the batch), and the keys of compiled
+    # grammars the runner drops first (it keeps every other key it compiled).
     grammar_compiles: dict[str, StructuredOutputsParams] = field(default_factory=dict)
+    grammar_evictions: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -101,9 +103,9 @@ class ModelRunnerOutput:
         field(default_factory=dict))
     # The KV connector's worker half: loads written or failed, pulls served (None: none).
     kv_report: KVWorkerReport | None = None
-    # Structured outputs: requests whose grammar compile (ordered in
+    # Structured outputs: the keys whose compile (ordered in
     # ``SchedulerOutput.grammar_compiles``) finished since the last step, and those whose
-    # compile failed, with why. Each request is reported once.
+    # compile failed, with why. Each order is reported once.
     grammars_ready: list[str] = field(default_factory=list)
     grammar_errors: dict[str, str] = field(default_factory=dict)
 

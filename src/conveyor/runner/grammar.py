@@ -1,14 +1,16 @@
 """The runner's grammar matchers (llguidance): one per constrained request.
 
-- A constraint compiles on a worker thread. The scheduler orders it before the request is
-  scheduled (``order``, from ``SchedulerOutput.grammar_compiles``) and admits the request
-  once a step's output reported it compiled (``report``: core/grammar_gate.py), so no
-  step waits for a compile. Compiled grammars are cached by
-  ``StructuredOutputsParams.key()``; a request keeps its compiled grammar until it
-  finishes (a preempted one comes back to it) and gets a copy of it as its matcher (the
-  lexer automaton llguidance builds lazily is shared by the copies). A request the
-  runner sees with no order first (a runner driven directly) compiles at ``add`` and its
-  first sample waits for it.
+- A constraint compiles on a worker thread. The scheduler orders it by key before any
+  request waiting for it is scheduled (``order``, from
+  ``SchedulerOutput.grammar_compiles``) and admits those requests once a step's output
+  reported it compiled (``report``: core/grammar_gate.py), so no step waits for a
+  compile. Compiled grammars are kept by ``StructuredOutputsParams.key()`` until the
+  scheduler evicts them (``evict``): it admits a request whose key is compiled at once,
+  so the key must still be here when the request arrives. A request keeps its compiled
+  grammar until it finishes (a preempted one comes back to it) and gets a copy of it as
+  its matcher (the lexer automaton llguidance builds lazily is shared by the copies). A
+  request the runner sees with no compile (a runner driven directly) compiles at ``add``
+  and its first sample waits for it.
 - Each step, every constrained row's allowed tokens are filled into one packed int32
   bitmask (llguidance's layout: bit i of word j allows token 32 j + i) and applied to
   the logits in one pass over the constrained rows (``apply_mask``). The runner starts
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -33,9 +34,6 @@ import torch
 
 from conveyor.kernels.cpu.token_bitmask import apply_token_bitmask
 from conveyor.structured_outputs import StructuredOutputsParams
-
-# Compiled grammars kept (oldest dropped first): schemas repeat across requests.
-CACHE_SIZE = 256
 
 
 class GrammarError(RuntimeError):
@@ -55,11 +53,12 @@ class Grammars:
         # draft model's runner never does): a tokenizer it cannot read is then known
         # before any request is accepted.
         self._tokenizer_future: Future | None = None
-        self._compiled: OrderedDict[str, Future] = OrderedDict()
+        # Constraint key -> its compile (kept until the scheduler evicts it).
+        self._compiled: dict[str, Future] = {}
         # Request id -> its matcher, or (the compile's future, output tokens to replay).
         self._matchers: dict[str, object] = {}
-        # Request id -> its compile, from its order (or first add) until it finishes; and
-        # the ordered ones whose outcome the scheduler has not been told yet.
+        # Request id -> its compile, from its first add until it finishes; and the ordered
+        # compiles (by key) whose outcome the scheduler has not been told yet.
         self._compiles: dict[str, Future] = {}
         self._unreported: dict[str, Future] = {}
         self._executor = None
@@ -97,36 +96,42 @@ class Grammars:
         return req_id in self._matchers
 
     # ---- requests ------------------------------------------------------------------------
-    def order(self, req_id: str, params: StructuredOutputsParams) -> None:
-        """Start (or reuse) the compile of a request not yet scheduled; ``report`` tells
-        when it ended."""
-        self._unreported[req_id] = self._compiles[req_id] = self._compile_future(params)
+    def order(self, key: str, params: StructuredOutputsParams) -> None:
+        """Start the compile of a constraint (``key``: ``params.key()``) that requests wait
+        for; ``report`` tells when it ended. Kept until ``evict``."""
+        self._unreported[key] = self._compile_future(key, params)
+
+    def evict(self, key: str) -> None:
+        """Drop a compiled grammar (requests holding it keep their copy)."""
+        with self._lock:
+            self._compiled.pop(key, None)
+        self._unreported.pop(key, None)
 
     def report(self, ready: list[str], errors: dict[str, str], wait_s: float = 0.0) -> None:
-        """Append the ordered compiles that ended since the last report (ids to ``ready``,
-        id -> why to ``errors``). ``wait_s``: wait up to that long for one to end first
+        """Append the ordered compiles that ended since the last report (keys to ``ready``,
+        key -> why to ``errors``). ``wait_s``: wait up to that long for one to end first
         (an empty step, which has nothing else to do)."""
         if not self._unreported:
             return
         if wait_s > 0:
             wait(list(self._unreported.values()), timeout=wait_s, return_when=FIRST_COMPLETED)
-        for req_id, future in list(self._unreported.items()):
+        for key, future in list(self._unreported.items()):
             if future.done():
-                del self._unreported[req_id]
+                del self._unreported[key]
                 error = future.exception()
                 if error is None:
-                    ready.append(req_id)
+                    ready.append(key)
                 else:
-                    errors[req_id] = str(error)
+                    errors[key] = str(error)
 
     def add(self, req_id: str, params: StructuredOutputsParams, output_token_ids: list[int]
             ) -> None:
-        """A request scheduled: its matcher is made at first use from its compile (the
-        ordered one, else one started now)."""
+        """A request scheduled: its matcher is made at first use from its compile (kept
+        from before a preemption, the cached one, else one started now)."""
         self._settle()
         future = self._compiles.get(req_id)
         if future is None:
-            future = self._compiles[req_id] = self._compile_future(params)
+            future = self._compiles[req_id] = self._compile_future(params.key(), params)
         self._matchers[req_id] = (future, list(output_token_ids))
 
     def drop(self, req_id: str, finished: bool = True) -> None:
@@ -135,20 +140,14 @@ class Grammars:
         self._matchers.pop(req_id, None)
         if finished:
             self._compiles.pop(req_id, None)
-            self._unreported.pop(req_id, None)
 
-    def _compile_future(self, params: StructuredOutputsParams) -> Future:
+    def _compile_future(self, key: str, params: StructuredOutputsParams) -> Future:
+        # The scheduler decides what the cache keeps (core/grammar_gate.py: ``evict``).
         self.prepare()  # the tokenizer queued ahead of the compile that needs it
-        key = params.key()
         with self._lock:
             future = self._compiled.get(key)
             if future is None:
-                future = self._pool.submit(self._compile, params)
-                self._compiled[key] = future
-                while len(self._compiled) > CACHE_SIZE:
-                    self._compiled.popitem(last=False)
-            else:
-                self._compiled.move_to_end(key)
+                future = self._compiled[key] = self._pool.submit(self._compile, params)
         return future
 
     def _settle(self) -> None:

@@ -273,8 +273,10 @@ class ModelRunner:
                 del state.block_ids[cached.num_kept_blocks:]  # lookahead given back
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
-        for rid, params in out.grammar_compiles.items():
-            self.grammars.order(rid, params)
+        for key in out.grammar_evictions:  # (before the orders: a key may come back)
+            self.grammars.evict(key)
+        for key, params in out.grammar_compiles.items():
+            self.grammars.order(key, params)
 
     # ---- execution -----------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
