@@ -3,7 +3,7 @@ runner used before (every row unpacked to a [batch, vocab] bool, one masked fill
 numpy fallback over the constrained rows only, llguidance's own numpy helper, and the
 native kernel on the packed int32 words (kernels/cpu/token_bitmask.c). Half the rows of
 a batch constrained, each allowing ``--allowed`` random tokens (a JSON grammar's typical
-mask: most words all zero), one thread.
+mask: most words all zero), one thread, the methods taking turns.
 
     PYTHONPATH=src python benchmarks/structured/apply_mask.py
 """
@@ -44,14 +44,17 @@ def llguidance_numpy(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tenso
     logits.numpy()[rows.numpy()] = sub
 
 
-def median_ms(fn, logits, mask, rows, repeat: int) -> float:
-    times = []
+def median_ms(methods: dict, logits, mask, rows, repeat: int) -> dict[str, float]:
+    """Median ms of each method, the methods taking turns (a load spike on a shared
+    machine hits them alike)."""
+    times: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(repeat):
-        x = logits.clone()
-        t0 = time.perf_counter()
-        fn(x, mask, rows)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * sorted(times)[repeat // 2]
+        for name, fn in methods.items():
+            x = logits.clone()
+            t0 = time.perf_counter()
+            fn(x, mask, rows)
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * sorted(t)[repeat // 2] for name, t in times.items()}
 
 
 def main() -> None:
@@ -75,16 +78,15 @@ def main() -> None:
         logits = torch.randn(args.batch, vocab)
         want = logits.clone()
         unpack_all(want, mask, rows)
-        base = None
         for name, fn in methods.items():
             got = logits.clone()
             fn(got, mask, rows)
             assert torch.equal(got, want), name
-            ms = median_ms(fn, logits, mask, rows, args.repeat)
-            base = base or ms
+        ms = median_ms(methods, logits, mask, rows, args.repeat)
+        base = ms["unpack_all (before)"]
+        for name, t in ms.items():
             print(f"vocab {vocab:6d}, batch {args.batch}, {len(rows)} constrained: "
-                  f"{name:22s} {ms:8.3f} ms  ({base / ms:5.1f}x the unpack)")
-
+                  f"{name:22s} {t:8.3f} ms  ({base / t:5.1f}x the unpack)")
 
 if __name__ == "__main__":
     main()
