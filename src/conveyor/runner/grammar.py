@@ -70,8 +70,8 @@ class Grammars:
         self.compile_s: list[float] = []
         self.wait_s = 0.0
         self.num_waits = 0
-        # CPU seconds of the bitmask fills (on the mask thread, beside the forward pass).
-        self.fill_cpu_s = 0.0
+        # Seconds of the bitmask fills (on the mask thread, beside the forward pass).
+        self.fill_s = 0.0
 
     def prepare(self) -> None:
         """Start building llguidance's tokenizer in the background (once)."""
@@ -207,7 +207,7 @@ class Grammars:
         that row's mask (they are never sampled from)."""
         import llguidance
 
-        t0 = time.thread_time()
+        t0 = time.perf_counter()
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         words = (self.vocab_size + 31) // 32
@@ -226,7 +226,7 @@ class Grammars:
         if empty.any():
             bad = [rid for j, (_, rid) in enumerate(rows) if empty[j]]
             raise GrammarError(f"no token is allowed for {bad}")
-        self.fill_cpu_s += time.thread_time() - t0
+        self.fill_s += time.perf_counter() - t0
         return StepMask(bitmask, torch.tensor([i for i, _ in rows], dtype=torch.int64))
 
     @staticmethod
