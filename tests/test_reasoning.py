@@ -119,3 +119,63 @@ def test_a_constrained_request_thinks_first(server: ServerProcess) -> None:
         "model": "m", "messages": [{"role": "user", "content": "x"}],
         "structured_outputs": {"grammar": 'start: "a"'}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs"
+
+
+@pytest.mark.parametrize("prompt, state", [
+    ("<|im_start|>assistant\n", "none"),
+    ("<|im_start|>assistant\n<think>\n", "open"),
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "closed"),
+    # a past turn's block is history: the new turn is the model's to decide
+    ("<think>a</think>b<|im_end|>\n<|im_start|>assistant\n", "none"),
+])
+def test_how_the_prompt_leaves_the_think_block(prompt: str, state: str) -> None:
+    from conveyor.entrypoints.openai.reasoning import prompt_thinking
+
+    assert prompt_thinking(prompt) == state
+
+
+def test_with_qwen3_the_block_is_optional_and_the_answer_may_come_first() -> None:
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from conveyor.structured_outputs import StructuredOutputsParams as SO
+
+    hf = AutoTokenizer.from_pretrained(byte_checkpoint())
+    tok = llguidance.hf.from_tokenizer(hf, n_vocab=len(hf), eos_token=[2])
+    optional = SO(json=SCHEMA, after_reasoning=True, reasoning_optional=True)
+    m0 = llguidance.LLMatcher(tok, optional.grammar_text())
+
+    def takes(text: str) -> bool:
+        m = m0.deep_copy()
+        ids = hf.encode(text, add_special_tokens=False)
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) \
+            and m.is_accepting()
+
+    assert takes('{"a":1}')  # no block: constrained from the first token
+    assert takes('<think>hm {"a": 3}</think>\n{"a":2}')
+    assert not takes('hm</think>{"a":1}')  # a block must open with <think>
+    assert not takes('{"a":3}')
+    assert optional.key() != SO(json=SCHEMA, after_reasoning=True).key()
+
+
+# Qwen3's switch: with enable_thinking false the generation prompt closes an empty block.
+QWEN3_LIKE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_qwen3_with_thinking_off_constrains_the_answer_from_the_start() -> None:
+    with serve(byte_checkpoint(), "--served-model-name", "m", "--reasoning-parser", "qwen3",
+               "--chat-template", QWEN3_LIKE) as s:
+        for seed in range(3):
+            msg = chat(s, max_tokens=40, temperature=1.0, seed=seed,
+                       chat_template_kwargs={"enable_thinking": False},
+                       response_format={"type": "json_schema",
+                                        "json_schema": {"name": "x", "schema": SCHEMA}}
+                       ).json()["choices"][0]
+            assert msg["finish_reason"] == "stop", msg
+            assert json.loads(msg["message"]["content"])["a"] in (1, 2)
+            assert not msg["message"].get("reasoning_content")

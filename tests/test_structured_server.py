@@ -98,6 +98,20 @@ def test_completions_take_every_kind(server: ServerProcess, body: dict, valid,
         assert valid(text), text
 
 
+def test_response_format_structural_tag(server: ServerProcess) -> None:
+    # Every quote the model writes opens a structure (free text between them).
+    r = post(server, "/v1/chat/completions", {"messages": CHAT, **SAMPLE, "max_tokens": 60,
+                                              "n": 4, "response_format": {
+        "type": "structural_tag", "triggers": ['"'],
+        "structures": [{"begin": '"x=', "schema": {"enum": [1, 2]}, "end": '"'}]}})
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        text = c["message"]["content"]
+        if c["finish_reason"] == "length":
+            text = re.sub(r'"(x(=([12]"?)?)?)?$', "", text)
+        assert re.fullmatch(r'[^"]*("x=[12]"[^"]*)*', text), text
+
+
 class Weather(pydantic.BaseModel):
     city: str = pydantic.Field(max_length=8)
     temp: int = pydantic.Field(ge=-50, le=50)
@@ -122,6 +136,10 @@ def test_the_openai_sdk_parse_with_a_pydantic_model(server: ServerProcess) -> No
     ("/v1/completions", {"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
     ("/v1/completions", {"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp"),
     ("/v1/completions", {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+    ("/v1/chat/completions", {"response_format": {"type": "structural_tag", "triggers": ["<a"],
+                                                  "structures": [{"begin": "<b>", "end": "",
+                                                                  "schema": {}}]}},
+     "response_format"),
     ("/v1/completions", {"structured_outputs": {"regex": "a"}, "guided_choice": ["b"]},
      "guided_choice"),
     ("/v1/completions", {"guided_json": {"type": "string", "format": "nope"}}, "guided_json"),

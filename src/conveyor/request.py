@@ -17,6 +17,9 @@ class RequestStatus(enum.IntEnum):
     # A decode engine's request whose prompt K/V is arriving from a prefill engine: it
     # holds its blocks, is in neither the waiting queue nor the running batch.
     WAITING_FOR_REMOTE_KV = enum.auto()
+    # A constrained request whose grammar is compiling (core/grammar_gate.py): it holds
+    # no blocks and is in neither the waiting queue nor the running batch.
+    WAITING_FOR_GRAMMAR = enum.auto()
     # Finished states come last so that ``is_finished`` is one comparison.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()

@@ -24,23 +24,30 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None  # Lark (llguidance's dialect); GBNF is converted
-    structural_tag: str | None = None  # not supported: a ValueError naming it
+    # vLLM's (xgrammar's) structural tag, as JSON text or a dict: free text in which each
+    # of ``triggers`` starts a structure ``begin`` + JSON per ``schema`` + ``end``.
+    structural_tag: str | dict[str, Any] | None = None
     # JSON whitespace: False (vLLM's --structured-outputs-config disable_any_whitespace
     # default off) writes compact JSON; a random model can otherwise pad forever.
     whitespace_flexible: bool = False
     # A thinking model's reasoning comes first (the server's --reasoning-parser): any text
-    # up to the first ``</think>``, then whitespace, then the constraint.
+    # up to the first ``</think>``, then whitespace, then the constraint. With
+    # ``reasoning_optional`` (qwen3: it thinks only if it opens with ``<think>``) the block
+    # is ``<think>...</think>`` or absent, and then the constraint applies from the start.
     after_reasoning: bool = False
+    reasoning_optional: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
             self.json = _dumps(self.json)
+        if isinstance(self.structural_tag, dict):
+            self.structural_tag = _dumps(self.structural_tag)
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
             raise ValueError("structured_outputs must set exactly one of "
                              f"{', '.join(KINDS)}; got {set_kinds or 'none'}")
         if self.structural_tag is not None:
-            raise ValueError("structured_outputs.structural_tag is not supported")
+            _struct_tags(self.structural_tag)  # its shape, checked with the message's fields
         if self.choice is not None and not (
                 isinstance(self.choice, list) and self.choice
                 and all(isinstance(c, str) and c for c in self.choice)):
@@ -54,7 +61,7 @@ class StructuredOutputsParams:
     def key(self) -> str:
         """The compiled-grammar cache's key: equal for equal constraints."""
         return (f"{self.kind}|{self.whitespace_flexible}|{self.after_reasoning}|"
-                f"{_dumps(getattr(self, self.kind))}")
+                f"{self.reasoning_optional}|{_dumps(getattr(self, self.kind))}")
 
     def grammar_text(self) -> str:
         """llguidance's grammar (its JSON form) for this constraint; ValueError naming
@@ -81,6 +88,12 @@ class StructuredOutputsParams:
         elif kind == "choice":
             # Lark string literals, quoted as JSON strings are.
             text = m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        elif kind == "structural_tag":
+            # llguidance's own translation: lazy trigger lexemes over free text, each
+            # followed by its begin, its schema's JSON and its end (triggers as text).
+            lark = llguidance.StructTag.to_grammar(_struct_tags(self.structural_tag),
+                                                   assume_special=False)
+            text = lark if lark.lstrip().startswith("{") else m.grammar_from_lark(lark)
         else:
             from llguidance.gbnf_to_lark import any_to_lark
 
@@ -107,16 +120,55 @@ class StructuredOutputsParams:
         elif kind == "choice":
             answer = " | ".join(json.dumps(c) for c in self.choice)
         else:
-            raise ValueError("structured_outputs.grammar cannot follow a reasoning block "
+            raise ValueError(f"structured_outputs.{kind} cannot follow a reasoning block "
                              "(--reasoning-parser); json, regex and choice can")
-        text = m.grammar_from_lark("start: think REASONING_WS answer\n"
-                                   "think[lazy]: /(?s:.*)<\\/think>/\n"
-                                   "REASONING_WS: /[ \\n]*/\n"
-                                   f"answer: {answer}")
+        if self.reasoning_optional:  # an opened block, or the answer at once
+            start = "start: think REASONING_WS answer | answer\n" \
+                    "think[lazy]: /<think>(?s:.*)<\\/think>/\n"
+        else:
+            start = "start: think REASONING_WS answer\nthink[lazy]: /(?s:.*)<\\/think>/\n"
+        text = m.grammar_from_lark(start + "REASONING_WS: /[ \\n]*/\n" + f"answer: {answer}")
         error = m.validate_grammar(text)
         if error:
             raise ValueError(f"structured_outputs.{kind}: {error.strip()}")
         return text
+
+
+def _struct_tags(text: str) -> list:
+    """llguidance ``StructTag``s of a structural tag's JSON text (``{"structures": [{"begin",
+    "schema", "end"}], "triggers": [...]}``); ValueError naming the field at fault."""
+    name = "structured_outputs.structural_tag"
+    try:
+        tag = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(tag, dict):
+        raise ValueError(f"{name} must be an object with 'structures' and 'triggers'")
+    unknown = sorted(set(tag) - {"type", "structures", "triggers"})
+    if unknown or tag.get("type", "structural_tag") != "structural_tag":
+        raise ValueError(f"{name}: only the 'structures' + 'triggers' form is supported "
+                         f"(got {unknown[0] if unknown else 'type ' + repr(tag['type'])})")
+    triggers, structures = tag.get("triggers"), tag.get("structures")
+    if not (isinstance(triggers, list) and triggers
+            and all(isinstance(t, str) and t for t in triggers)):
+        raise ValueError(f"{name}.triggers must be a non-empty list of non-empty strings")
+    if not (isinstance(structures, list) and structures):
+        raise ValueError(f"{name}.structures must be a non-empty list")
+    import llguidance
+
+    tags = []
+    for i, st in enumerate(structures):
+        where = f"{name}.structures[{i}]"
+        if not (isinstance(st, dict) and isinstance(st.get("begin"), str)
+                and isinstance(st.get("end"), str) and isinstance(st.get("schema"), dict)):
+            raise ValueError(f"{where} must have a string 'begin' and 'end' and a JSON "
+                             "schema object 'schema'")
+        trigger = max((t for t in triggers if st["begin"].startswith(t)), key=len, default=None)
+        if trigger is None:
+            raise ValueError(f"{where}.begin {st['begin']!r} starts with none of the triggers")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=st["begin"],
+                                         grammar=st["schema"], end=st["end"]))
+    return tags
 
 
 def _dumps(value: Any) -> str:

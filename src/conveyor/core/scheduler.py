@@ -43,6 +43,7 @@ from collections import deque
 
 from conveyor.config import SchedulerConfig
 from conveyor.core.budget import BudgetController, budget_mode
+from conveyor.core.grammar_gate import GRAMMAR_FAILED, GrammarGate
 from conveyor.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from conveyor.core.kv_connector import KV_TRANSFER_FAILED, SchedulerKVConnector
 from conveyor.core.lora_gate import LoRAGate
@@ -143,6 +144,8 @@ class Scheduler:
         self.lora_loads = (LoRALoads(max(config.max_cpu_loras, config.max_loras))
                            if config.max_loras else None)
         self._set_aside: list[tuple[Request, bool]] = []
+        # Structured outputs: requests waiting for their grammar (core/grammar_gate.py).
+        self.grammar_gate = GrammarGate()
 
     # ---- request lifecycle ---------------------------------------------------------------
     def add_request(self, request: Request, now: float) -> None:
@@ -150,6 +153,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        if self.grammar_gate.hold(request):
+            return  # it joins the queue once its grammar is compiled (update)
         self.policy.add(request, now)
         self._track_wait(request, request.arrival_time)
         self.stats.peak_waiting = max(self.stats.peak_waiting, len(self.policy))
@@ -173,6 +178,8 @@ class Scheduler:
             elif req.status == _REMOTE_KV:
                 self._remote.pop(rid)
                 self.connector.request_aborted(rid, self._now)
+            elif req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                pass  # (the gate lets it go in _finish)
             else:
                 self.policy.pop(req)
             self._finish(req, status)
@@ -188,6 +195,7 @@ class Scheduler:
         self._wait_entry.pop(req.request_id, None)
         self._overdue_ids.discard(req.request_id)
         self.policy.on_finished(req)
+        self.grammar_gate.finished(req.request_id)
         if self.speculation is not None:
             self._departed.append(req)
 
@@ -248,6 +256,7 @@ class Scheduler:
             out.kv_connector_meta = self.connector.build_connector_meta()
         if self.lora_loads is not None:
             out.lora_load, out.lora_release = self.lora_loads.take_orders()
+        out.grammar_compiles, out.grammar_evictions = self.grammar_gate.take_orders()
         if ctrl is not None:
             ctrl.end_step(out.total_num_scheduled_tokens)
         return out
@@ -665,6 +674,8 @@ class Scheduler:
                                                             run.lora_failed).items():
                 for req in [r for r in self.policy.waiting() if r.lora_id == lora_id]:
                     self._reject(req, now, f"{LORA_LOAD_FAILED}: {error}")
+        if run.grammars_ready or run.grammar_errors:
+            self._grammars_settled(run, now)
         updates = self._pending_updates
         self._pending_updates = []
         speculation = self.speculation
@@ -724,6 +735,21 @@ class Scheduler:
                                             self._take_departed()))
         return updates
 
+    def _grammars_settled(self, run: ModelRunnerOutput, now: float) -> None:
+        """Compiled: the request joins the waiting queue. Failed: it alone finishes."""
+        ready, failed = self.grammar_gate.settle(run.grammars_ready, run.grammar_errors)
+        for req in ready:
+            req.status = RequestStatus.WAITING
+            self.policy.add(req, now)
+            self._track_wait(req, now)
+        for req, error in failed:
+            req.stop_reason = f"{GRAMMAR_FAILED}: {error}"
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            req.finished_time = now
+            self._pending_updates.append(RequestUpdate(
+                req.request_id, [], status=RequestStatus.FINISHED_ABORTED,
+                stop_reason=req.stop_reason, request=req))
+
     def _take_departed(self) -> list[Request]:
         """Requests that left since speculation last heard (it learns from their record)."""
         departed, self._departed = self._departed, []
@@ -776,7 +802,11 @@ class Scheduler:
         for req in self._remote.values():
             assert req.status == _REMOTE_KV and self.requests.get(req.request_id) is req
             assert req.request_id in self.kv.req_blocks, "a remote-KV request holds no blocks"
-        assert len(self.running) + len(self.policy) + len(self._remote) == len(self.requests)
+        for req in self.grammar_gate.held.values():
+            assert req.status == RequestStatus.WAITING_FOR_GRAMMAR
+            assert req.request_id not in self.kv.req_blocks, "a request holds blocks early"
+        assert (len(self.running) + len(self.policy) + len(self._remote)
+                + len(self.grammar_gate) == len(self.requests))
         for rid in self.kv.req_blocks:
             assert rid in self.requests, f"finished request {rid} still holds blocks"
         if self.connector is not None:

@@ -12,6 +12,7 @@ from conveyor.config.lora import LoRARequest
 from conveyor.core.kv_connector import KVConnectorMeta, KVWorkerReport
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
+from conveyor.structured_outputs import StructuredOutputsParams
 
 
 @dataclass
@@ -71,6 +72,11 @@ class SchedulerOutput:
     def lora_load_ids(self) -> list[int]:
         """What an executor without adapters answers: every load done at once."""
         return [r.lora_int_id for r in self.lora_load]
+    # Structured outputs (core/grammar_gate.py): constraint key -> the constraint to
+    # compile now (requests wait for it outside the batch), and the keys of compiled
+    # grammars the runner drops first (it keeps every other key it compiled).
+    grammar_compiles: dict[str, StructuredOutputsParams] = field(default_factory=dict)
+    grammar_evictions: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -110,6 +116,11 @@ class ModelRunnerOutput:
     # whose load failed (id -> why).
     lora_loaded: list[int] = field(default_factory=list)
     lora_failed: dict[int, str] = field(default_factory=dict)
+    # Structured outputs: the keys whose compile (ordered in
+    # ``SchedulerOutput.grammar_compiles``) finished since the last step, and those whose
+    # compile failed, with why. Each order is reported once.
+    grammars_ready: list[str] = field(default_factory=list)
+    grammar_errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

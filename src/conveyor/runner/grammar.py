@@ -1,15 +1,22 @@
 """The runner's grammar matchers (llguidance): one per constrained request.
 
-- A constraint compiles on a worker thread when its request first reaches the runner
-  (usually its prefill step), so the compile overlaps the prefill instead of stalling a
-  step; compiled grammars are cached by ``StructuredOutputsParams.key()`` and each request
-  gets a copy of the cached matcher (the lexer automaton llguidance builds lazily is
-  shared by the copies).
-- Each step, every constrained row's allowed tokens are filled into one int32 bitmask for
-  the batch and applied to the logits in one vectorized pass (``mask``). The runner starts
-  the fill on the mask thread before the forward pass (``start_banned``): the matchers'
+- A constraint compiles on a worker thread. The scheduler orders it by key before any
+  request waiting for it is scheduled (``order``, from
+  ``SchedulerOutput.grammar_compiles``) and admits those requests once a step's output
+  reported it compiled (``report``: core/grammar_gate.py), so no step waits for a
+  compile. Compiled grammars are kept by ``StructuredOutputsParams.key()`` until the
+  scheduler evicts them (``evict``): it admits a request whose key is compiled at once,
+  so the key must still be here when the request arrives. A request keeps its compiled
+  grammar until it finishes (a preempted one comes back to it) and gets a copy of it as
+  its matcher (the lexer automaton llguidance builds lazily is shared by the copies). A
+  request the runner sees with no compile (a runner driven directly) compiles at ``add``
+  and its first sample waits for it.
+- Each step, every constrained row's allowed tokens are filled into one packed int32
+  bitmask (llguidance's layout: bit i of word j allows token 32 j + i) and applied to
+  the logits in one pass over the constrained rows (``apply_mask``). The runner starts
+  the fill on the mask thread before the forward pass (``start_mask``): the matchers'
   states are final when a step starts, so the fill runs beside the model, and the step
-  takes the result after the logits (``take_banned``). Nothing else touches a matcher
+  takes the result after the logits (``take_mask``). Nothing else touches a matcher
   while a fill is out: every other entry point settles it first.
 - A matcher advances on the tokens the step accepted (``accept``). After a preemption the
   request comes back as new with its output so far: a fresh copy replays it, so the
@@ -20,16 +27,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from conveyor.kernels.cpu.token_bitmask import apply_token_bitmask
 from conveyor.structured_outputs import StructuredOutputsParams
-
-# Compiled grammars kept (oldest dropped first): schemas repeat across requests.
-CACHE_SIZE = 256
 
 
 class GrammarError(RuntimeError):
@@ -49,17 +53,25 @@ class Grammars:
         # draft model's runner never does): a tokenizer it cannot read is then known
         # before any request is accepted.
         self._tokenizer_future: Future | None = None
-        self._compiled: OrderedDict[str, Future] = OrderedDict()
+        # Constraint key -> its compile (kept until the scheduler evicts it).
+        self._compiled: dict[str, Future] = {}
         # Request id -> its matcher, or (the compile's future, output tokens to replay).
         self._matchers: dict[str, object] = {}
+        # Request id -> its compile, from its first add until it finishes; and the ordered
+        # compiles (by key) whose outcome the scheduler has not been told yet.
+        self._compiles: dict[str, Future] = {}
+        self._unreported: dict[str, Future] = {}
         self._executor = None
-        # The step's bitmask fill, started before the forward pass (start_banned).
+        # The step's bitmask fill, started before the forward pass (start_mask).
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self._pending: Future | None = None
         # Figures for benchmarks/structured: each compile's seconds (on its thread), and
         # the seconds a step waited for a compile still running at its first sample.
         self.compile_s: list[float] = []
         self.wait_s = 0.0
+        self.num_waits = 0
+        # Seconds of the bitmask fills (on the mask thread, beside the forward pass).
+        self.fill_s = 0.0
 
     def prepare(self) -> None:
         """Start building llguidance's tokenizer in the background (once)."""
@@ -84,26 +96,59 @@ class Grammars:
         return req_id in self._matchers
 
     # ---- requests ------------------------------------------------------------------------
+    def order(self, key: str, params: StructuredOutputsParams) -> None:
+        """Start the compile of a constraint (``key``: ``params.key()``) that requests wait
+        for; ``report`` tells when it ended. Kept until ``evict``."""
+        self._unreported[key] = self._compile_future(key, params)
+
+    def evict(self, key: str) -> None:
+        """Drop a compiled grammar (requests holding it keep their copy)."""
+        with self._lock:
+            self._compiled.pop(key, None)
+        self._unreported.pop(key, None)
+
+    def report(self, ready: list[str], errors: dict[str, str], wait_s: float = 0.0) -> None:
+        """Append the ordered compiles that ended since the last report (keys to ``ready``,
+        key -> why to ``errors``). ``wait_s``: wait up to that long for one to end first
+        (an empty step, which has nothing else to do)."""
+        if not self._unreported:
+            return
+        if wait_s > 0:
+            wait(list(self._unreported.values()), timeout=wait_s, return_when=FIRST_COMPLETED)
+        for key, future in list(self._unreported.items()):
+            if future.done():
+                del self._unreported[key]
+                error = future.exception()
+                if error is None:
+                    ready.append(key)
+                else:
+                    errors[key] = str(error)
+
     def add(self, req_id: str, params: StructuredOutputsParams, output_token_ids: list[int]
             ) -> None:
-        """Start (or reuse) the compile of ``params``; the matcher is made at first use."""
+        """A request scheduled: its matcher is made at first use from its compile (kept
+        from before a preemption, the cached one, else one started now)."""
         self._settle()
+        future = self._compiles.get(req_id)
+        if future is None:
+            future = self._compiles[req_id] = self._compile_future(params.key(), params)
+        self._matchers[req_id] = (future, list(output_token_ids))
+
+    def drop(self, req_id: str, finished: bool = True) -> None:
+        """Forget a request's matcher; its compile too unless it was only preempted."""
+        self._settle()
+        self._matchers.pop(req_id, None)
+        if finished:
+            self._compiles.pop(req_id, None)
+
+    def _compile_future(self, key: str, params: StructuredOutputsParams) -> Future:
+        # The scheduler decides what the cache keeps (core/grammar_gate.py: ``evict``).
         self.prepare()  # the tokenizer queued ahead of the compile that needs it
-        key = params.key()
         with self._lock:
             future = self._compiled.get(key)
             if future is None:
-                future = self._pool.submit(self._compile, params)
-                self._compiled[key] = future
-                while len(self._compiled) > CACHE_SIZE:
-                    self._compiled.popitem(last=False)
-            else:
-                self._compiled.move_to_end(key)
-        self._matchers[req_id] = (future, list(output_token_ids))
-
-    def drop(self, req_id: str) -> None:
-        self._settle()
-        self._matchers.pop(req_id, None)
+                future = self._compiled[key] = self._pool.submit(self._compile, params)
+        return future
 
     def _settle(self) -> None:
         """Wait for a fill still out (a step that failed before taking it): its matchers
@@ -127,14 +172,14 @@ class Grammars:
                                    f"of {tokens} ({matcher.get_error()})")
 
     # ---- the step ------------------------------------------------------------------------
-    def start_banned(self, rows: list[tuple[int, str]], n: int,
-                     drafts: dict[str, list[int]] | None = None) -> None:
-        """``banned(rows, n, drafts)`` on the mask thread, beside the forward pass."""
+    def start_mask(self, rows: list[tuple[int, str]], drafts: dict[str, list[int]] | None = None
+                   ) -> None:
+        """``fill(rows, drafts)`` on the mask thread, beside the forward pass."""
         self._settle()
-        self._pending = self._mask_pool.submit(self.banned, rows, n, drafts)
+        self._pending = self._mask_pool.submit(self.fill, rows, drafts)
 
-    def take_banned(self) -> torch.Tensor:
-        """The fill ``start_banned`` started (raising its error, if any)."""
+    def take_mask(self) -> StepMask:
+        """The fill ``start_mask`` started (raising its error, if any)."""
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("no bitmask fill was started for this step")
@@ -142,26 +187,27 @@ class Grammars:
 
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, str]],
              drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
-        """float32 logits with every token a row's grammar forbids at -inf (``banned``
-        computed here, then one masked fill)."""
+        """float32 logits with every token a row's grammar forbids at -inf (``fill``
+        computed here, then applied)."""
         logits = logits.float()
         if not rows:
             return logits
         self._settle()
-        return apply_banned(logits, self.banned(rows, logits.shape[0], drafts))
+        return apply_mask(logits, self.fill(rows, drafts))
 
-    def banned(self, rows: list[tuple[int, str]], n: int,
-               drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
-        """[n, vocab] bool: True where a row's grammar forbids the token. ``rows``:
-        (logits row, request id) of the constrained rows, a request's rows consecutive;
-        one bitmask for all of them, applied in one pass. The first row of each request
-        is filled by llguidance's parallel executor; a request verifying ``drafts`` has a
-        row per draft position, each filled after the drafts before it (its matcher
-        advances over them, then rolls back: the step accepts what verification keeps).
-        A draft the grammar refuses gets probability 0 at its row, so it is rejected; the
-        rows after it repeat that row's mask (they are never sampled from)."""
+    def fill(self, rows: list[tuple[int, str]], drafts: dict[str, list[int]] | None = None
+             ) -> StepMask:
+        """The packed bitmask of the constrained rows. ``rows``: (logits row, request id)
+        of the constrained rows, a request's rows consecutive; unconstrained rows have no
+        mask row and are left alone. The first row of each request is filled by
+        llguidance's parallel executor; a request verifying ``drafts`` has a row per draft
+        position, each filled after the drafts before it (its matcher advances over them,
+        then rolls back: the step accepts what verification keeps). A draft the grammar
+        refuses gets probability 0 at its row, so it is rejected; the rows after it repeat
+        that row's mask (they are never sampled from)."""
         import llguidance
 
+        t0 = time.perf_counter()
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         words = (self.vocab_size + 31) // 32
@@ -176,21 +222,12 @@ class Grammars:
             rid = rows[j][1]
             if drafts and drafts.get(rid):
                 self._fill_drafts(self._matcher(rid), drafts[rid], bitmask, j)
-        words_np = bitmask.numpy()
-        empty = ~words_np.any(axis=1)
+        empty = ~bitmask.numpy().any(axis=1)
         if empty.any():
             bad = [rid for j, (_, rid) in enumerate(rows) if empty[j]]
             raise GrammarError(f"no token is allowed for {bad}")
-        # The banned tokens in one pass: bit i of word j is token 32 j + i (little-endian
-        # words, unpacked least significant bit first).
-        v = self.vocab_size
-        banned = np.unpackbits((~words_np).view(np.uint8), axis=1, bitorder="little")[:, :v]
-        order = [i for i, _ in rows]
-        if order != list(range(n)):  # unconstrained rows ban nothing
-            full = np.zeros((n, v), dtype=np.uint8)
-            full[order] = banned
-            banned = full
-        return torch.from_numpy(np.ascontiguousarray(banned)).view(torch.bool)
+        self.fill_s += time.perf_counter() - t0
+        return StepMask(bitmask, torch.tensor([i for i, _ in rows], dtype=torch.int64))
 
     @staticmethod
     def _fill_drafts(matcher, drafts: list[int], bitmask: torch.Tensor, first: int) -> None:
@@ -211,9 +248,12 @@ class Grammars:
         entry = self._matchers[req_id]
         if isinstance(entry, tuple):
             future, replay = entry
-            t0 = time.perf_counter()
+            if not future.done():  # (a request never ordered: a step waits for it)
+                t0 = time.perf_counter()
+                future.exception()
+                self.wait_s += time.perf_counter() - t0
+                self.num_waits += 1
             template = future.result()  # raises the compile's error, if any
-            self.wait_s += time.perf_counter() - t0
             entry = template.deep_copy()
             if replay and not entry.consume_tokens(replay):
                 raise GrammarError(f"request {req_id}: its output so far does not match "
@@ -244,10 +284,29 @@ class Grammars:
                                             eos_token=self.eos_token_ids or None)
 
 
-def apply_banned(logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
-    """float32 logits with the ``banned`` tokens at -inf, in one masked fill in place (the
-    logits are the step's own)."""
-    return logits.float().masked_fill_(banned.to(logits.device), float("-inf"))
+@dataclass
+class StepMask:
+    """A step's grammar mask: llguidance's packed int32 bitmask of the constrained rows
+    (bit i of word j allows token 32 j + i) and the logits row each one applies to."""
+
+    bitmask: torch.Tensor  # int32 [constrained rows, ceil(vocab / 32)]
+    rows: torch.Tensor  # int64 [constrained rows]
+
+
+def apply_mask(logits: torch.Tensor, mask: StepMask) -> torch.Tensor:
+    """float32 logits with each constrained row's forbidden tokens at -inf, in place (the
+    logits are the step's own), straight from the packed bitmask: one native pass over
+    the constrained rows only (kernels/cpu/token_bitmask.py); on another device the
+    bitmask is unpacked there."""
+    logits = logits.float()
+    if logits.device.type == "cpu":
+        return apply_token_bitmask(logits, mask.bitmask, mask.rows)
+    bits = (mask.bitmask.to(logits.device).unsqueeze(-1)
+            >> torch.arange(32, device=logits.device, dtype=torch.int32)) & 1
+    allowed = bits.view(len(mask.rows), -1)[:, :logits.shape[1]].bool()
+    rows = mask.rows.to(logits.device)
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
+    return logits
 
 
 def _fill_row(matcher, bitmask: torch.Tensor, row: int) -> None:

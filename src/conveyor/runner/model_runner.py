@@ -34,7 +34,7 @@ from conveyor.model.quant.apply import quantize_model
 from conveyor.model.quant.kv_cache import attention_backend_for, quantized_kv_caches
 from conveyor.runner import huge_pages
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
-from conveyor.runner.grammar import Grammars, apply_banned
+from conveyor.runner.grammar import Grammars, apply_mask
 from conveyor.runner.host_memory import keep_freed_host_memory
 from conveyor.runner.lora import lora_rows, make_lora_manager
 from conveyor.runner.prompt_logprobs import compute_prompt_logprobs, prompt_spans
@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 # A step with nothing scheduled waits this long for an adapter load in flight (the engine
 # would otherwise step again at once while requests wait only for it).
 LORA_IDLE_WAIT_S = 0.01
+# The longest an empty step waits for an ordered grammar compile to end (the engine has
+# nothing else to run; a new request still gets in within this).
+GRAMMAR_POLL_S = 0.005
 
 
 def default_kv_cache_memory(device: torch.device, gpu_memory_utilization: float = 0.9,
@@ -256,7 +259,7 @@ class ModelRunner:
             dropped = self.requests.pop(rid, None)
             if self.lora is not None and dropped is not None:
                 self.lora.request_dropped(rid, dropped.lora_id)
-            self.grammars.drop(rid)
+            self.grammars.drop(rid, finished=rid not in out.preempted_req_ids)
             if self.proposer is not None and rid not in out.preempted_req_ids:
                 self.proposer.finish(rid)
         for new in out.new_reqs:
@@ -275,6 +278,10 @@ class ModelRunner:
                 del state.block_ids[cached.num_kept_blocks:]  # lookahead given back
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        for key in out.grammar_evictions:  # (before the orders: a key may come back)
+            self.grammars.evict(key)
+        for key, params in out.grammar_compiles.items():
+            self.grammars.order(key, params)
 
     # ---- execution -----------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -282,6 +289,11 @@ class ModelRunner:
         if self.lora is not None:  # adapters loaded since: an idle step waits a little
             result.lora_loaded, result.lora_failed = self.lora.poll(
                 LORA_IDLE_WAIT_S if out.is_empty else 0.0)
+        # Grammars ordered earlier that compiled (or failed) meanwhile, as data for the
+        # scheduler (core/grammar_gate.py); an empty step has nothing else to do, so it
+        # waits a little for one instead of the engine spinning.
+        self.grammars.report(result.grammars_ready, result.grammar_errors,
+                             GRAMMAR_POLL_S if out.is_empty else 0.0)
         return result
 
     @torch.inference_mode()
@@ -301,7 +313,7 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows = self._prepare(order, out)
         constrained = [(i, rid) for i, (_, rid) in enumerate(logits_rows) if rid in self.grammars]
         if constrained:  # the grammars' bitmask fill runs beside the forward pass
-            self.grammars.start_banned(constrained, len(logits_rows), spec)
+            self.grammars.start_mask(constrained, spec)
         if self.lora is not None:
             self.lora.set_step(lora_rows(order, out.num_scheduled_tokens, self.requests))
         t1 = time.perf_counter()
@@ -332,7 +344,7 @@ class ModelRunner:
         if constrained:
             # A request verifying drafts has a row per draft position: each masked by its
             # grammar after the drafts before it.
-            logits = apply_banned(logits, self.grammars.take_banned())
+            logits = apply_mask(logits, self.grammars.take_mask())
             now = time.perf_counter()
             self.timings.add("grammar_mask", now - t3)
             t3 = now

@@ -32,7 +32,11 @@ from conveyor.entrypoints.openai.protocol import (
     ChatTopLogprob,
     DeltaMessage,
 )
-from conveyor.entrypoints.openai.reasoning import ReasoningStream, split_reasoning
+from conveyor.entrypoints.openai.reasoning import (
+    ReasoningStream,
+    prompt_thinking,
+    split_reasoning,
+)
 from conveyor.entrypoints.openai.serving_common import (
     DONE,
     ClientDisconnected,
@@ -89,10 +93,13 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
                                    "structured_outputs", param="tool_choice")
         params = _with_constraint(params, tools)
     reasoner = state.reasoning_parser
-    if reasoner is not None and params.structured_outputs is not None:
+    thinking = prompt_thinking(prompt) if reasoner is not None else "closed"
+    if thinking == "closed":
+        reasoner = None  # the template closed the block: the output is all content
+    elif params.structured_outputs is not None:
         # A thinking model thinks first: the constraint applies to the answer after
-        # </think> (structured_outputs.py, after_reasoning).
-        params = _after_reasoning(params)
+        # </think> (structured_outputs.py, after_reasoning); qwen3 may skip the block.
+        params = _after_reasoning(params, optional=reasoner == "qwen3" and thinking == "none")
     request_id = random_id("chatcmpl")
     created = int(time.time())
     streams = await add_streams(state, [prompt], params, request_id,
@@ -154,8 +161,9 @@ def _with_constraint(params: SamplingParams, tools: ToolPlan) -> SamplingParams:
         raise from_engine_error(e) from None
 
 
-def _after_reasoning(params: SamplingParams) -> SamplingParams:
-    constraint = dataclasses.replace(params.structured_outputs, after_reasoning=True)
+def _after_reasoning(params: SamplingParams, optional: bool) -> SamplingParams:
+    constraint = dataclasses.replace(params.structured_outputs, after_reasoning=True,
+                                     reasoning_optional=optional)
     try:
         constraint.grammar_text()
     except ValueError as e:

@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from conveyor.config.lora import LoRARequest
+from conveyor.core.grammar_gate import GRAMMAR_FAILED
 from conveyor.core.kv_connector import KV_TRANSFER_FAILED
 from conveyor.core.lora_loads import LORA_LOAD_FAILED
 from conveyor.engine.async_engine import AsyncEngine, RequestStream
@@ -362,6 +363,13 @@ def check_not_aborted(outputs: list[RequestOutput]) -> None:
             raise OpenAIError(400, f"the adapter could not be loaded "
                                    f"({lora_failed[0].split(': ', 1)[-1]})",
                               code=LORA_LOAD_FAILED)
+        failed = [c.stop_reason for c in out.outputs if c.finish_reason == "abort"
+                  and isinstance(c.stop_reason, str) and c.stop_reason.startswith(GRAMMAR_FAILED)]
+        if failed:
+            # The constraint passed the front end's check but the grammar engine's compile
+            # refused it: the request's own input, so a 400 with the engine's reason.
+            raise OpenAIError(400, f"the constraint could not be compiled: "
+                                   f"{failed[0].split(': ', 1)[-1]}", code=GRAMMAR_FAILED)
         if any(c.finish_reason == "abort" for c in out.outputs):
             raise OpenAIError(503, "the engine aborted the request before it completed (it may "
                                    "have waited in the queue past --max-queue-wait-s)",

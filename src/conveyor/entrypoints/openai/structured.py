@@ -1,6 +1,6 @@
 """A request's output constraint from its HTTP fields: OpenAI's ``response_format``
-(json_schema, json_object, text), vLLM's ``structured_outputs`` and its older
-``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``.
+(json_schema, json_object, text; vLLM's structural_tag), vLLM's ``structured_outputs``
+and its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``.
 
 At most one of them may constrain a request. Whatever the grammar engine cannot honour
 (an unsupported JSON-schema keyword, a bad regex) is a 400 naming the field it came in.
@@ -54,9 +54,12 @@ def _from_response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None
         return None
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)
+    if kind == "structural_tag":  # vLLM's: structures and triggers beside the type
+        return _make("response_format", {"structural_tag": dict(fmt)})
     if kind != "json_schema":
         raise OpenAIError(400, f"response_format.type {kind!r} is not supported (text, "
-                               "json_object, json_schema)", param="response_format.type")
+                               "json_object, json_schema, structural_tag)",
+                          param="response_format.type")
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
         raise OpenAIError(400, "response_format.json_schema must be an object with a "
