@@ -153,6 +153,12 @@ CONFIGS = {
     "preempt": dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=24),
     "prefix_hits": dict(block_size=4, num_kv_blocks=96, max_num_seqs=1),
     "sdpa_attention": dict(block_size=4, attention_backend="sdpa", max_num_batched_tokens=20),
+    # Step n+1 scheduled (its blocks released) while step n runs.
+    "async_scheduling": dict(block_size=4, num_kv_blocks=24, async_scheduling=True),
+    # Drafts verified past the window, rejected ones rolled back.
+    "ngram_speculation": dict(block_size=4, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "adaptive": False}),
 }
 
 
