@@ -10,7 +10,7 @@ twice on the same engine: its experts' GEMMs grouped in two native calls a layer
 expert (``moe 1by1``, the path before). Rounds alternate the three so machine noise hits
 each; the median step of each is printed, with the ratios.
 
-    python -m benchmarks.steps.moe_decode --batch 1,8,32 --threads 2
+    python -m benchmarks.steps.moe_decode --batch 1,4,16 --threads 2
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def shapes(args) -> dict[str, dict]:
     return {"moe": moe, "dense": dense}
 
 
-def build(path: str, batch: int, context: int) -> LLM:
+def build(path: str, batch: int, context: int, linear_backend: str) -> LLM:
     llm = LLM(path, dtype="float32", load_format="dummy", max_num_seqs=batch,
+              linear_backend=linear_backend,
               max_num_batched_tokens=max(512, batch * context), enable_prefix_caching=False)
     rng = random.Random(0)
     for i in range(batch):
@@ -84,6 +85,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=5, help="steps a round")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--linear-backend", default="native",
+                   help="both models' projections (native: conveyor's GEMM, what the "
+                        "grouped experts need; auto: measured per shape at start-up)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     paths = {}
@@ -95,7 +99,8 @@ def main() -> None:
           f"{args.layers} layers, float32, {args.threads} threads")
     print("batch  dense ms/step  moe ms/step  moe 1by1 ms/step  moe/dense  1by1/dense")
     for batch in [int(b) for b in args.batch.split(",")]:
-        llms = {name: build(path, batch, args.context) for name, path in paths.items()}
+        llms = {name: build(path, batch, args.context, args.linear_backend)
+                for name, path in paths.items()}
         blocks = moe_blocks(llms["moe"])
         grouped = all(b.grouped_gemms() is not None for b in blocks)
         runs = [("dense", "dense"), ("moe", "moe"), ("moe 1by1", "moe")]
