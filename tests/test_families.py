@@ -279,3 +279,26 @@ def test_bfloat16_runs_and_mostly_agrees(family: str) -> None:
     agree = sum(o.outputs[0].token_ids[0] == reference(path, tuple(p), 2)[0]
                 for o, p in zip(outs, prompts))
     assert agree >= 3
+
+
+@pytest.mark.skipif(_native_missing(), reason="native kernels unavailable")
+@pytest.mark.parametrize("batch", [1, 3, 16, 70])
+def test_grouped_experts_equal_one_gemm_per_expert_bit_for_bit(batch: int) -> None:
+    """Experts on conveyor's GEMM run grouped (two native calls, each expert whole on one
+    thread): every token's output is the bits of the one-call-per-expert path."""
+    from conveyor.model.layers.moe import SparseMoE
+    from conveyor.model.linear.native import NativeLinear, native_gemm_lib
+
+    if native_gemm_lib() is None:
+        pytest.skip("no AVX2 + FMA GEMM on this CPU")
+    torch.manual_seed(batch)
+    block = SparseMoE(64, 40, 6, 2, renormalize=True)
+    for expert in block.experts:
+        expert.gate_up_proj = NativeLinear(torch.randn(80, 64) * 0.1, None, native_gemm_lib(),
+                                           gate_up=True)
+        expert.down_proj = NativeLinear(torch.randn(64, 40) * 0.1, None, native_gemm_lib())
+    x = torch.randn(batch, 64)
+    assert block.grouped_gemms() is not None
+    grouped = block(x)
+    block.grouped_gemms = lambda: None  # the loop: one GEMM call per active expert
+    assert torch.equal(grouped, block(x))

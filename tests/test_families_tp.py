@@ -1,7 +1,9 @@
 """Mixture of experts' checkpoint layouts and tensor parallelism for the newer families:
 experts stacked in one tensor load as per-expert ones do, and TP = 2 (two gloo processes)
 gives the same greedy tokens as one process and transformers, for a MoE (experts' shards
-per rank) and Gemma 2 (per-layer windows and soft caps on half the heads)."""
+per rank), Gemma 2 (per-layer windows and soft caps on half the heads) and OLMo 2 (q/k
+norms over all heads: each rank's slice, the sums of squares all-reduced, a KV head two
+ranks hold counted once)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,10 @@ from conveyor.config import EngineArgs
 from conveyor.engine.llm_engine import LLMEngine
 
 from helpers import hf_greedy, random_prompts
-from test_families import checkpoint
+from test_families import FAMILIES, checkpoint
+
+# OLMo 2 with one KV head: both ranks hold it (its norm's sum of squares counted once).
+FAMILIES.setdefault("olmo2_one_kv_head", ("Olmo2Config", dict(num_key_value_heads=1)))
 
 
 @functools.cache
@@ -100,6 +105,8 @@ TP_CASES = {
     "mixtral": lambda: checkpoint("mixtral"),  # per-expert tensors, renormalized top-2
     "qwen3_moe_stacked": lambda: stacked_copy("qwen3_moe"),  # stacked, plain top-3
     "gemma2": lambda: checkpoint("gemma2"),
+    "olmo2": lambda: checkpoint("olmo2"),
+    "olmo2_one_kv_head": lambda: checkpoint("olmo2_one_kv_head"),
 }
 
 
@@ -122,4 +129,5 @@ def test_tp2_greedy_equals_one_process_and_transformers(case: str, monkeypatch) 
     reference = checkpoint("qwen3_moe") if case == "qwen3_moe_stacked" else path
     for i, prompt in enumerate(prompts):
         assert got[str(i)] == hf_greedy(reference, prompt, max_tokens[i]), f"request {i}"
-    assert [r.kv_heads for r in info] == [[0], [1]]
+    assert [r.kv_heads for r in info] == ([[0], [0]] if case == "olmo2_one_kv_head"
+                                          else [[0], [1]])

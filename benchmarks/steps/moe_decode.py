@@ -4,10 +4,13 @@ parameters per token, dummy weights, side by side in one process.
 The MoE is Mixtral-shaped (E experts of intermediate I, top-k routing); the dense model
 is Llama with intermediate k * I, so a token's FLOPs and the weights one token reads
 are the same. At batch 1 the two read the same bytes; as the batch grows, more experts
-are active and the MoE reads up to E / k times the dense MLP's weights. Rounds alternate
-the two models so machine noise hits both; the median step of each is printed.
+are active and the MoE reads up to E / k times the dense MLP's weights. The MoE runs
+twice on the same engine: its experts' GEMMs grouped in two native calls a layer
+(``moe``, the default where the experts are conveyor's GEMM) and one GEMM call per active
+expert (``moe 1by1``, the path before). Rounds alternate the three so machine noise hits
+each; the median step of each is printed, with the ratios.
 
-    python -m benchmarks.steps.moe_decode --batch 1,8,32 --threads 2
+    python -m benchmarks.steps.moe_decode --batch 1,4,16 --threads 2
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from conveyor import LLM, SamplingParams
 from conveyor.config.presets import write_checkpoint_files
+from conveyor.model.layers.moe import SparseMoE
 
 COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "torch_dtype": "float32",
           "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "vocab_size": 32000,
@@ -40,8 +44,9 @@ def shapes(args) -> dict[str, dict]:
     return {"moe": moe, "dense": dense}
 
 
-def build(path: str, batch: int, context: int) -> LLM:
+def build(path: str, batch: int, context: int, linear_backend: str) -> LLM:
     llm = LLM(path, dtype="float32", load_format="dummy", max_num_seqs=batch,
+              linear_backend=linear_backend,
               max_num_batched_tokens=max(512, batch * context), enable_prefix_caching=False)
     rng = random.Random(0)
     for i in range(batch):
@@ -52,6 +57,20 @@ def build(path: str, batch: int, context: int) -> LLM:
     for _ in range(3):  # the prefill, then the first decode steps
         llm.engine.step()
     return llm
+
+
+def moe_blocks(llm: LLM) -> list[SparseMoE]:
+    model = llm.engine.runner.model
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+def one_by_one(blocks: list[SparseMoE], on: bool) -> None:
+    """The blocks' experts one GEMM call each (on), or grouped where they can be (off)."""
+    for block in blocks:
+        if on:
+            block.grouped_gemms = lambda: None  # an instance attribute shadows the method
+        elif "grouped_gemms" in block.__dict__:
+            del block.grouped_gemms
 
 
 def main() -> None:
@@ -66,6 +85,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=5, help="steps a round")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--linear-backend", default="native",
+                   help="both models' projections (native: conveyor's GEMM, what the "
+                        "grouped experts need; auto: measured per shape at start-up)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     paths = {}
@@ -75,18 +97,25 @@ def main() -> None:
     print(f"MoE: {args.experts} experts x intermediate {args.intermediate}, top-{args.top_k}; "
           f"dense: intermediate {args.top_k * args.intermediate}; hidden {args.hidden}, "
           f"{args.layers} layers, float32, {args.threads} threads")
-    print("batch  dense ms/step  moe ms/step  moe/dense")
+    print("batch  dense ms/step  moe ms/step  moe 1by1 ms/step  moe/dense  1by1/dense")
     for batch in [int(b) for b in args.batch.split(",")]:
-        llms = {name: build(path, batch, args.context) for name, path in paths.items()}
-        times: dict[str, list[float]] = {name: [] for name in llms}
+        llms = {name: build(path, batch, args.context, args.linear_backend)
+                for name, path in paths.items()}
+        blocks = moe_blocks(llms["moe"])
+        grouped = all(b.grouped_gemms() is not None for b in blocks)
+        runs = [("dense", "dense"), ("moe", "moe"), ("moe 1by1", "moe")]
+        times: dict[str, list[float]] = {label: [] for label, _ in runs}
         for _ in range(args.rounds):
-            for name, llm in llms.items():
+            for label, name in runs:
+                one_by_one(blocks, label == "moe 1by1")
                 for _ in range(args.steps):
                     t = time.perf_counter()
-                    llm.engine.step()
-                    times[name].append(time.perf_counter() - t)
-        d, m = (statistics.median(times[n]) * 1e3 for n in ("dense", "moe"))
-        print(f"{batch:5d}  {d:13.2f}  {m:11.2f}  {m / d:9.2f}")
+                    llms[name].engine.step()
+                    times[label].append(time.perf_counter() - t)
+        one_by_one(blocks, False)
+        d, m, m1 = (statistics.median(times[label]) * 1e3 for label, _ in runs)
+        print(f"{batch:5d}  {d:13.2f}  {m:11.2f}  {m1:16.2f}  {m / d:9.2f}  {m1 / d:10.2f}"
+              + ("" if grouped else "  (experts not grouped: not conveyor's GEMM here)"))
         del llms
 
 

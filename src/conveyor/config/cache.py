@@ -17,6 +17,10 @@ class CacheConfig:
     # CUDA: the share of the device's memory the engine may use (weights, a full step's
     # activations as profiled, and the KV pool: the rest), as vLLM's flag.
     gpu_memory_utilization: float = 0.9
+    # A model windowed on every layer: blocks behind every future position's window go
+    # back to the pool (config/kv_window.py); False keeps whole contexts (a benchmark's
+    # baseline).
+    free_outside_window: bool = True
 
 
 

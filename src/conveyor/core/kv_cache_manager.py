@@ -3,6 +3,15 @@
 The manager knows requests only by id and token ids. A request's block table is
 append-only while it holds blocks; it is dropped whole when the request finishes
 or is preempted.
+
+Sliding window (``sliding_window``: every layer of the model attends within it): a
+query at position q reads keys from q - window + 1 on, and no position below the next
+one to compute is ever queried again, so the leading blocks wholly before the window of
+the request's first uncomputed position are released as it advances. The table keeps
+their ids in place (a table index is a position's block) but holds no reference to
+them: ``_num_dropped`` counts those leading entries, which may by then belong to others
+and which no layer reads (their ids stay valid, so a masked read stays finite). A
+released block that is cached stays findable until evicted, for other requests' hits.
 """
 
 from __future__ import annotations
@@ -74,10 +83,13 @@ def _hash_block(parent: bytes, token_bytes: bytes, extra_key: bytes) -> bytes:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 extra_hash_key: bytes = b"") -> None:
+                 extra_hash_key: bytes = b"", sliding_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         # Anything besides token ids that changes the KV (model id, LoRA, dtype) goes here.
@@ -91,6 +103,9 @@ class KVCacheManager:
         # Leading blocks of each request that hold their own hash: they stay cached while
         # held, so cache_computed_blocks need not look at them again.
         self._num_registered: dict[str, int] = {}
+        # Leading entries of each table released behind the window (sliding_window only).
+        self._num_dropped: dict[str, int] = {}
+        self.num_window_freed = 0  # blocks released behind a window, over the run
         self.stats = PrefixCacheStats()
         self.peak_used_blocks = 0
 
@@ -185,7 +200,9 @@ class KVCacheManager:
             return
         if num_tokens is None:
             num_tokens = request.num_computed_tokens
-        start = self._num_registered.get(request.request_id, 0)
+        # Entries released behind the window are no longer this request's to register.
+        start = max(self._num_registered.get(request.request_id, 0),
+                    self._num_dropped.get(request.request_id, 0))
         if num_tokens // self.block_size <= start:
             return  # no block filled up since the last call (most decode steps)
         hashes = self._block_hashes(request)
@@ -210,9 +227,12 @@ class KVCacheManager:
         held = self.req_blocks.get(request.request_id, ())
         total_tokens = request.num_computed_tokens + computed.num_tokens + num_new_tokens
         n_new = max(0, self.blocks_needed(total_tokens) - len(held) - len(computed.blocks))
-        # Hits with no other holder sit in the free queue: taking them shrinks what is free.
+        # Hits with no other holder sit in the free queue: taking them shrinks what is free
+        # (those behind the window are not taken).
         ref = self.pool.ref_cnt
-        n_hits_free = sum(1 for b in computed.blocks if ref[b] == 0)
+        skip = self._num_behind_window(request.num_computed_tokens + computed.num_tokens) \
+            if computed.blocks else 0
+        n_hits_free = sum(1 for b in computed.blocks[skip:] if ref[b] == 0)
         return n_new, n_hits_free
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int,
@@ -230,7 +250,35 @@ class KVCacheManager:
     def num_exclusive_blocks(self, request_id: str) -> int:
         """Blocks only this request holds: what freeing it gives back to the free queue."""
         ref = self.pool.ref_cnt
-        return sum(1 for b in self.req_blocks.get(request_id, ()) if ref[b] == 1)
+        return sum(1 for b in self.held_blocks(request_id) if ref[b] == 1)
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """The blocks the request holds a reference on: its table less the entries
+        released behind the window."""
+        blocks = self.req_blocks.get(request_id, [])
+        return blocks[self._num_dropped.get(request_id, 0):]
+
+    # ---- sliding window ------------------------------------------------------------------
+    def _num_behind_window(self, num_computed: int) -> int:
+        """Leading blocks no query at position >= ``num_computed`` reads: those ending at or
+        before its window's first key, ``num_computed - window + 1``."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (num_computed - self.sliding_window + 1) // self.block_size)
+
+    def _drop_behind_window(self, request: Request) -> None:
+        """Release the request's leading blocks its next queries' windows have passed."""
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if not blocks:
+            return
+        done = self._num_dropped.get(rid, 0)
+        upto = min(self._num_behind_window(request.num_computed_tokens), len(blocks))
+        if upto <= done:
+            return
+        self.pool.release(blocks[done:upto][::-1])
+        self._num_dropped[rid] = upto
+        self.num_window_freed += upto - done
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: ComputedBlocks = _NO_HIT) -> list[int] | None:
@@ -239,6 +287,8 @@ class KVCacheManager:
         ``computed`` (a prefix-cache hit, only for a request holding no blocks yet) is
         shared by reference and its block ids are included in the result.
         """
+        if self.sliding_window is not None:
+            self._drop_behind_window(request)
         if not computed.blocks:
             held = self.req_blocks.get(request.request_id)
             if held is not None and \
@@ -250,8 +300,12 @@ class KVCacheManager:
         table = self.req_blocks.setdefault(request.request_id, [])
         if computed.blocks:
             assert not table, "prefix hits are only taken by a request holding no blocks"
-            self.pool.touch(computed.blocks)
+            # Hits behind the window of the first position to compute are not taken.
+            skip = self._num_behind_window(request.num_computed_tokens + computed.num_tokens)
+            self.pool.touch(computed.blocks[skip:])
             table.extend(computed.blocks)
+            if skip:
+                self._num_dropped[request.request_id] = skip
         new_blocks = self.pool.allocate(n_new) if n_new else []
         assert new_blocks is not None
         table.extend(new_blocks)
@@ -281,14 +335,18 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request_id, None)
         self._req_hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
+        dropped = self._num_dropped.pop(request_id, 0)
         if blocks:
-            self.pool.release(list(reversed(blocks)))
+            self.pool.release(blocks[dropped:][::-1])
 
     def detach(self, request_id: str, key: str) -> list[int]:
         """Move a finishing request's blocks, references and all, to a transfer under
         ``key``; returns their ids. ``free(request_id)`` then finds nothing."""
         if key in self.detached:
             raise ValueError(f"blocks already detached under {key!r}")
+        if self._num_dropped.get(request_id):
+            raise ValueError("a request whose blocks were released behind its window cannot "
+                             "hand its K/V to a transfer")
         blocks = self.req_blocks.pop(request_id, [])
         self._req_hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
@@ -308,7 +366,8 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         self.pool.check_invariants()
         refs: dict[int, int] = {}
-        for blocks in [*self.req_blocks.values(), *self.detached.values()]:
+        tables = [self.held_blocks(rid) for rid in self.req_blocks]
+        for blocks in [*tables, *self.detached.values()]:
             assert len(blocks) == len(set(blocks)), "a block appears twice in one block table"
             for b in blocks:
                 refs[b] = refs.get(b, 0) + 1

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from conveyor.config import EngineConfig, kv_hash_key
+from conveyor.config.kv_window import kv_free_window
 from conveyor.config.lora import lora_tenant
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import Scheduler
@@ -80,7 +81,8 @@ class EngineCore:
         cache = config.cache
         assert cache.num_kv_blocks is not None, "resolve the KV pool before the core"
         self.kv = KVCacheManager(num_kv_blocks or cache.num_kv_blocks, cache.block_size,
-                                 cache.enable_prefix_caching, kv_hash_key(config.model))
+                                 cache.enable_prefix_caching, kv_hash_key(config.model),
+                                 sliding_window=kv_free_window(config))
         # Prefill/decode disaggregation: the KV connector's scheduler half (None: "both").
         self.kv_connector = (KVConnectorScheduler(config.kv_transfer, self.kv)
                              if config.kv_transfer.enabled else None)
@@ -302,6 +304,7 @@ class EngineCore:
             "peak_kv_blocks": self.kv.peak_used_blocks,
             "kv_blocks_in_use": self.kv.pool.num_used_blocks,
             "kv_usage": self.kv.usage,
+            "kv_window_freed_blocks": self.kv.num_window_freed,  # behind a sliding window
             "prefix_cache_queries": self.kv.stats.queries,
             "prefix_cache_hits": self.kv.stats.hits,
             "prefix_cache_hit_rate": self.kv.stats.hit_rate,

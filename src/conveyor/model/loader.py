@@ -266,6 +266,12 @@ def _rank_slice(model: DecoderForCausalLM, our_name: str, shard: int | None, src
     if our_name.endswith(("embed_tokens.weight", "lm_head.weight")):
         rows = tp.vocab_shard(cfg.vocab_size)
         return src[tp.rank * rows:min(cfg.vocab_size, (tp.rank + 1) * rows)]
+    if our_name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")) \
+            and attn.qk_norm_full and tp.enabled:  # OLMo 2: its heads' part of the norm
+        split = tp.heads(cfg.num_heads, cfg.num_kv_heads)
+        if our_name.endswith("q_norm.weight"):
+            return src[split.q_start * hd:split.q_start * hd + attn.q_size]
+        return src[split.kv_start * hd:split.kv_start * hd + attn.kv_size]
     return src[:]  # norms: every rank holds them whole
 
 

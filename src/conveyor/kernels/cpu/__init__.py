@@ -233,6 +233,7 @@ SIGNATURES: dict[str, list] = {
     "gemm_f32": [_PTR, _I32, _PTR, _PTR, _PTR] + [_I32] * 5,
     "gemm_pack_weight_bf16": [_PTR] * 2 + [_I32] * 3,
     "gemm_f32_w16": [_PTR, _I32, _PTR, _PTR, _PTR] + [_I32] * 5,
+    "gemm_f32_grouped": [_I32, _PTR, _I32, _PTR, _I32, _PTR, _I32, _PTR] + [_I32] * 3,
     "draft_propose_f32": [_PTR, _PTR, _F32, _F32, _I32] + [_PTR] * 5 + [_I32, _PTR],
 }
 RESTYPES = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
@@ -241,6 +242,7 @@ RESTYPES = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": cty
             "gemm_f32_available": ctypes.c_int, "amx_tiles_available": ctypes.c_int,
             "gemm_packed_size": ctypes.c_int64,
             "gemm_f32": ctypes.c_int, "gemm_f32_w16": ctypes.c_int,
+            "gemm_f32_grouped": ctypes.c_int,
             "draft_propose_f32": ctypes.c_int}
 
 

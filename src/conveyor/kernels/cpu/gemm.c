@@ -429,10 +429,11 @@ static const float* widen_panel(const uint16_t* b, int kc, const char* pf) {
 /*
  * x: [M, K] rows lda apart; wp packed (see above) for N output columns, or for N = 2I
  * gate/up rows when gate_up (then out is [M, I]); bias: NULL or N floats (plain only);
- * out: rows ldo apart. Returns 0, or -1 if memory ran out.
+ * out: rows ldo apart; serial: run every tile on the calling thread (a group of
+ * gemm_f32_grouped). Returns 0, or -1 if memory ran out.
  */
 static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const float* bias,
-                    float* out, int ldo, int M, int N, int K, int gate_up) {
+                    float* out, int ldo, int M, int N, int K, int gate_up, int serial) {
     const size_t wsize = wbf16 ? sizeof(uint16_t) : sizeof(float);
     const int nout = gate_up ? N / 2 : N;
     const int cols = gate_up ? 8 : NR; /* output columns per panel */
@@ -449,7 +450,7 @@ static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const fl
     if (few && ncp < 4) ncp = np < 4 ? np : 4;
     const int nnb = (np + ncp - 1) / ncp;
     int failed = 0;
-    #pragma omp parallel
+    #pragma omp parallel if (!serial)
     {
         /* Gate/up partial sums over K blocks need a home: out holds only I columns. */
         float* part = NULL;
@@ -544,13 +545,37 @@ static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const fl
 
 int gemm_f32(const float* x, int lda, const float* wp, const float* bias, float* out,
              int ldo, int M, int N, int K, int gate_up) {
-    return gemm_run(x, lda, wp, 0, bias, out, ldo, M, N, K, gate_up);
+    return gemm_run(x, lda, wp, 0, bias, out, ldo, M, N, K, gate_up, 0);
 }
 
 /* As gemm_f32, with wp packed by gemm_pack_weight_bf16. */
 int gemm_f32_w16(const float* x, int lda, const uint16_t* wp, const float* bias, float* out,
                  int ldo, int M, int N, int K, int gate_up) {
-    return gemm_run(x, lda, wp, 1, bias, out, ldo, M, N, K, gate_up);
+    return gemm_run(x, lda, wp, 1, bias, out, ldo, M, N, K, gate_up, 0);
+}
+
+/*
+ * n GEMMs of one shape in one parallel region (a mixture of experts' projections at
+ * decode sizes, where a region per expert's few rows costs more than its FMAs): group g
+ * is rows starts[g] .. starts[g + 1] - 1 of x times the weight packed at wps[g] (as
+ * gemm_f32 or, wbf16, gemm_f32_w16 packs it), into the same rows of out. A group runs
+ * whole on one thread, its tiles exactly as gemm_f32 alone computes them (the same
+ * bits); groups are handed out dynamically, empty ones skipped. No bias.
+ */
+int gemm_f32_grouped(int n, const float* x, int lda, const void* const* wps, int wbf16,
+                     float* out, int ldo, const int* starts, int N, int K, int gate_up) {
+    int failed = 0;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int g = 0; g < n; g++) {
+        const int m = starts[g + 1] - starts[g];
+        if (m <= 0) continue;
+        if (gemm_run(x + (int64_t)starts[g] * lda, lda, wps[g], wbf16, NULL,
+                     out + (int64_t)starts[g] * ldo, ldo, m, N, K, gate_up, 1)) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+    }
+    return failed ? -1 : 0;
 }
 
 #else
@@ -562,6 +587,10 @@ int gemm_f32(const float* x, int lda, const float* wp, const float* bias, float*
 }
 int gemm_f32_w16(const float* x, int lda, const uint16_t* wp, const float* bias, float* out,
                  int ldo, int M, int N, int K, int gate_up) {
+    return -1;
+}
+int gemm_f32_grouped(int n, const float* x, int lda, const void* const* wps, int wbf16,
+                     float* out, int ldo, const int* starts, int N, int K, int gate_up) {
     return -1;
 }
 #endif

@@ -468,6 +468,63 @@ class PackedGemm:
         return out
 
 
+class GroupedGemm:
+    """Several ``PackedGemm``s of one shape (a mixture of experts' gate/up or down
+    projections) run in one native call (``gemm_f32_grouped``): rows ``starts[g]`` to
+    ``starts[g + 1]`` of x through gemm ``g``, each group whole on one thread, its rows
+    the same bits as that gemm's own call. The gemms are checked here and kept alive; a
+    call checks x and ``starts`` (int32, one more than there are gemms, from 0 up to x's
+    rows)."""
+
+    __slots__ = ("_gemms", "_ptrs", "gate_up", "in_features", "out_features", "wbf16",
+                 "width")
+
+    def __init__(self, gemms: list[PackedGemm]) -> None:
+        first = gemms[0]
+        if any(g.out_features != first.out_features or g.in_features != first.in_features
+               or g.gate_up != first.gate_up or g._fn != first._fn or g.bias is not None
+               for g in gemms):
+            raise ValueError("conveyor::gemm_grouped: the gemms differ in shape, weight "
+                             "dtype or fused activation, or have a bias")
+        self._gemms = list(gemms)
+        self._ptrs = torch.tensor([g.packed.data_ptr() for g in gemms], dtype=I64)
+        self.out_features, self.in_features = first.out_features, first.in_features
+        self.gate_up, self.width = first.gate_up, first.width
+        self.wbf16 = first._fn == "gemm_f32_w16"
+
+    def __call__(self, x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        n = len(self._gemms)
+        try:
+            rows, k = x.shape
+            ok = (x.dtype is F32 and x.is_cpu and x.stride(1) == 1 and k == self.in_features
+                  and x.stride(0) <= _INT_MAX and starts.dtype is I32 and starts.is_cpu
+                  and starts.dim() == 1 and starts.is_contiguous()
+                  and starts.shape[0] == n + 1)
+            ok = ok and int(starts[0]) == 0 and int(starts[-1]) == rows \
+                and bool((starts[1:] >= starts[:-1]).all())
+        except (AttributeError, ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"conveyor::gemm_grouped: x must be float32 [rows, {self.in_features}] "
+                f"with unit column stride and starts int32 [{n + 1}] rising from 0 to "
+                f"rows (got x {getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}"
+                f", starts {getattr(starts, 'dtype', None)} "
+                f"{tuple(getattr(starts, 'shape', ()))})")
+        if not (_gemm_ok or gemm_available()):
+            raise RuntimeError("conveyor::gemm: this CPU has no AVX2 + FMA, the GEMM is not "
+                               "built")
+        out = torch.empty((rows, self.width), dtype=F32)
+        if rows:
+            rc = (_lib or _native()).gemm_f32_grouped(
+                n, x.data_ptr(), x.stride(0), self._ptrs.data_ptr(), int(self.wbf16),
+                out.data_ptr(), self.width, starts.data_ptr(), self.out_features,
+                self.in_features, int(self.gate_up))
+            if rc != 0:
+                raise MemoryError("native GEMM: out of memory for its work buffers")
+        return out
+
+
 # --- draft_forward.c -------------------------------------------------------------------
 
 class DraftForward:

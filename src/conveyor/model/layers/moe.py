@@ -12,10 +12,15 @@ Each expert's projections are ``nn.Linear``s (``experts.E.gate_up_proj``, gate r
 up rows, and ``experts.E.down_proj``), so the linear backends pack them like any other
 projection (oneDNN, conveyor's GEMM with silu(gate) * up fused in, measured per shape):
 ``torch._grouped_mm`` runs on CPU but measured no faster than one GEMM per active expert
-(docs/results). The loader fills them from either checkpoint layout (stacked, or one
-tensor per expert) in place. Under tensor parallelism a rank holds every expert's slice
-of the intermediate dimension (its rows of gate and up, its columns of down) and the
-block's output is all-reduced; the router is replicated.
+(docs/results). Where every expert's projections are conveyor's GEMM (``NativeLinear``,
+gate/up with silu fused), a step's experts run in two native calls instead
+(``GroupedGemm``: all gate/ups in one parallel region, then all downs), each expert whole
+on one thread: at decode sizes an expert has a few rows, and a parallel region per
+expert's GEMM cost more than splitting its rows across threads saved; each row comes out
+the same bits as the expert's own GEMM gives it. The loader fills them from either
+checkpoint layout (stacked, or one tensor per expert) in place. Under tensor parallelism
+a rank holds every expert's slice of the intermediate dimension (its rows of gate and
+up, its columns of down) and the block's output is all-reduced; the router is replicated.
 """
 
 from __future__ import annotations
@@ -68,6 +73,10 @@ class SparseMoE(nn.Module):
         self.float32_weights = float32_weights
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
         self.experts = nn.ModuleList(Expert(hidden, intermediate) for _ in range(num_experts))
+        # The experts' GEMMs grouped (gate/up, down), built on the first call after the
+        # backends packed them; keyed by expert 0's gate/up module (a repack rebuilds).
+        self._grouped: tuple | None = None
+        self._grouped_key: nn.Module | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) as transformers computes them: softmax in
@@ -79,6 +88,27 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.float32_weights else weights.to(x.dtype)), experts
 
+    def grouped_gemms(self) -> tuple | None:
+        """(gate/up, down) ``GroupedGemm``s over every expert, or None where an expert's
+        projection is not conveyor's float32-input GEMM with silu fused into gate/up."""
+        key = self.experts[0].gate_up_proj
+        if self._grouped_key is not key:
+            from conveyor.kernels.cpu.ops import GroupedGemm
+            from conveyor.model.linear.native import NativeLinear
+
+            gate_ups = [e.gate_up_proj for e in self.experts]
+            downs = [e.down_proj for e in self.experts]
+            ok = (all(isinstance(m, NativeLinear) for m in gate_ups + downs)
+                  and all(m.applies_silu_mul for m in gate_ups)
+                  and not any(m.applies_silu_mul or m.bias is not None for m in downs))
+            try:
+                self._grouped = (GroupedGemm([m.gemm for m in gate_ups]),
+                                 GroupedGemm([m.gemm for m in downs])) if ok else None
+            except ValueError:  # mixed weight dtypes: one GEMM per expert
+                self._grouped = None
+            self._grouped_key = key
+        return self._grouped
+
     def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
         weights, experts = self.route(x)
         out = torch.zeros_like(x)
@@ -86,9 +116,20 @@ class SparseMoE(nn.Module):
         # (by slot, then token): a GEMM's last rows may round otherwise than its first.
         flat = experts.t().reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        bins = torch.bincount(flat, minlength=self.num_experts)
         tokens = order % x.shape[0]
         pair_weights = weights.t().reshape(-1)[order]
+        grouped = self.grouped_gemms() if x.dtype is torch.float32 else None
+        if grouped is not None:
+            starts = torch.zeros(self.num_experts + 1, dtype=torch.int32)
+            starts[1:] = bins.cumsum(0)
+            gate_up, down = grouped
+            h = down(gate_up(x[tokens], starts), starts)
+            # One index_add_ adds the pairs in order (expert after expert), as the loop
+            # below does.
+            out.index_add_(0, tokens, (h * pair_weights[:, None]).to(out.dtype))
+            return self.tp.all_reduce(out)
+        counts = bins.tolist()
         start = 0
         for e, n in enumerate(counts):
             if not n:

@@ -80,18 +80,34 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps)
             self.k_norm = RMSNorm(self.head_dim, eps)
         self.qk_norm_full = traits.qk_norm_full
-        if self.qk_norm_full:  # OLMo 2: one norm over all heads (needs them all: no TP)
-            if tp.enabled:
-                raise ValueError("q/k norms over all heads (OLMo 2) do not split across "
-                                 "tensor-parallel ranks")
+        if self.qk_norm_full:  # OLMo 2: one norm over all heads
+            # Under TP a rank holds its heads' slice of each norm's weight; the mean square
+            # is over every head: the ranks' sums of squares are all-reduced, a KV head
+            # held by several ranks (more ranks than KV heads) counted once.
             eps = hf.get("rms_norm_eps", 1e-6)
             self.q_norm = RMSNorm(self.q_size, eps)
             self.k_norm = RMSNorm(self.kv_size, eps)
+            self.qk_full = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+            self.k_copies = max(1, tp.world_size // cfg.num_kv_heads)
         self.scale = self.head_dim ** -0.5
         if hf.get("query_pre_attn_scalar"):  # Gemma
             self.scale = float(hf["query_pre_attn_scalar"]) ** -0.5
         if hf.get("attention_multiplier") is not None:  # Granite
             self.scale = float(hf["attention_multiplier"])
+
+    def _sharded_qk_norms(self, q: torch.Tensor, k: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm's arithmetic over the whole q and k rows from this rank's slices: one
+        all-reduce of both rows' sums of squares."""
+        q32, k32 = q.float(), k.float()
+        sums = torch.stack([q32.pow(2).sum(-1), k32.pow(2).sum(-1)], dim=-1)
+        self.tp.all_reduce(sums)
+        q_full, k_full = self.qk_full
+        out = []
+        for x, x32, norm, var in ((q, q32, self.q_norm, sums[:, :1] / q_full),
+                                  (k, k32, self.k_norm, sums[:, 1:] / self.k_copies / k_full)):
+            out.append(norm.weight * (x32 * torch.rsqrt(var + norm.eps)).to(x.dtype))
+        return out[0], out[1]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -100,8 +116,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         if self.qk_norm_full:  # norms over the whole q and k rows, before the rotation
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q).view(t, self.num_heads, self.head_dim)
-            k = self.k_norm(k).view(t, self.num_kv_heads, self.head_dim)
+            if self.tp.enabled:
+                q, k = self._sharded_qk_norms(q, k)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
             q, k = rope(positions, q, k)
             v = v.view(t, self.num_kv_heads, self.head_dim)
         elif self.qk_norm:  # per-head norms come before the rotation (reference ops)

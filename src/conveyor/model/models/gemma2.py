@@ -5,6 +5,7 @@ final logits soft-capped, and a sliding window on alternating layers (even ones)
 
 from __future__ import annotations
 
+from conveyor.config.kv_window import gemma2_layer_types
 from conveyor.model.models.decoder import DecoderForCausalLM, FamilyTraits
 
 
@@ -14,8 +15,7 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def layer_types(cls, hf: dict, num_layers: int) -> list[str]:
-        return hf.get("layer_types") or [
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        return gemma2_layer_types(hf, num_layers)
 
 
 MODEL = Gemma2ForCausalLM

@@ -4,6 +4,7 @@ a global one, the sliding layers rotating with their own (local) rope base."""
 
 from __future__ import annotations
 
+from conveyor.config.kv_window import gemma3_layer_types
 from conveyor.model.models.decoder import DecoderForCausalLM, FamilyTraits
 
 
@@ -13,11 +14,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def layer_types(cls, hf: dict, num_layers: int) -> list[str]:
-        pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern")
-                      or 6)
-        return hf.get("layer_types") or [
-            "sliding_attention" if (i + 1) % pattern else "full_attention"
-            for i in range(num_layers)]
+        return gemma3_layer_types(hf, num_layers)
 
 
 MODEL = Gemma3ForCausalLM

@@ -1,0 +1,79 @@
+"""The mixture-of-experts block with its experts grouped (``gemm_f32_grouped``: all
+gate/ups in one native call, then all downs, each expert whole on one thread) against one
+GEMM call per active expert, on the same block and weights, side by side in one run.
+
+Mixtral-shaped block (hidden 768, 8 experts x intermediate 1024, top-2 by default),
+float32, experts on conveyor's GEMM (``NativeLinear``). The outputs are asserted equal bit
+for bit at every batch; rounds alternate the two paths; the median time of each is
+printed with the ratio grouped / one-by-one (below 1: grouped is faster).
+
+    python -m benchmarks.kernels.moe_grouped --threads 2
+    python -m benchmarks.kernels.moe_grouped --threads 1 --batch 1,4,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from conveyor.model.layers.moe import SparseMoE
+from conveyor.model.linear.native import NativeLinear, native_gemm_lib
+
+
+def block(hidden: int, inter: int, experts: int, top_k: int) -> SparseMoE:
+    lib = native_gemm_lib()
+    if lib is None:
+        raise SystemExit("conveyor's GEMM is unavailable here (needs AVX2 + FMA and the "
+                         "native kernels built)")
+    torch.manual_seed(0)
+    moe = SparseMoE(hidden, inter, experts, top_k, renormalize=True)
+    for e in moe.experts:
+        e.gate_up_proj = NativeLinear(torch.randn(2 * inter, hidden) * 0.05, None, lib,
+                                      gate_up=True)
+        e.down_proj = NativeLinear(torch.randn(hidden, inter) * 0.05, None, lib)
+    assert moe.grouped_gemms() is not None
+    return moe
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", default="1,4,16,64,256")
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--intermediate", type=int, default=1024, help="per expert")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    moe = block(args.hidden, args.intermediate, args.experts, args.top_k)
+    print(f"{args.experts} experts x {args.intermediate}, top-{args.top_k}, hidden "
+          f"{args.hidden}, float32, {args.threads} threads")
+    print("batch  one-by-one ms  grouped ms  grouped/one-by-one")
+    for batch in [int(b) for b in args.batch.split(",")]:
+        x = torch.randn(batch, args.hidden)
+        grouped = moe(x)
+        moe.grouped_gemms = lambda: None  # an instance attribute shadows the method
+        assert torch.equal(grouped, moe(x)), f"batch {batch}: the two paths differ"
+        del moe.grouped_gemms
+        reps = 20 if batch <= 16 else 5
+        times: dict[str, list[float]] = {"one": [], "grouped": []}
+        for _ in range(args.rounds):
+            for name in ("one", "grouped"):
+                if name == "one":
+                    moe.grouped_gemms = lambda: None
+                t = time.perf_counter()
+                for _ in range(reps):
+                    moe(x)
+                times[name].append((time.perf_counter() - t) / reps)
+                if name == "one":
+                    del moe.grouped_gemms
+        one, grp = (statistics.median(times[n]) * 1e3 for n in ("one", "grouped"))
+        print(f"{batch:5d}  {one:13.3f}  {grp:10.3f}  {grp / one:18.2f}")
+
+
+if __name__ == "__main__":
+    main()
