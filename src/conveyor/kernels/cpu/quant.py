@@ -4,6 +4,9 @@ rebuild or re-key the others' kernels.
 
 ``qgemm`` checks every argument before handing pointers to C. None from ``load()``
 where the kernels are off (``CONVEYOR_NATIVE_KERNELS=0``) or cannot be built.
+``load(isa)`` builds another instruction-set cap (tests run the AVX2 and portable bodies
+side by side); ``build(source, isa)`` another version of the source (a benchmark's
+before and after in one process).
 """
 
 from __future__ import annotations
@@ -27,44 +30,51 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "quant_gemm.c")
 _PTR, _I32 = ctypes.c_void_p, ctypes.c_int
 
 
-def _key(flags: list[str]) -> str:
+def _key(flags: list[str], source: str) -> str:
     # "linked-apart": libraries linked with -ffast-math (before) are never reused.
     digest = hashlib.sha256(" ".join(flags).encode() + kernels._cpu_key().encode()
                             + b"linked-apart")
-    with open(_SOURCE, "rb") as f:
+    with open(source, "rb") as f:
         digest.update(f.read())
     return digest.hexdigest()[:16]
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The library, built on first use; None if kernels are off or it does not build."""
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The library (for ISA cap ``isa``, default ``CONVEYOR_KERNEL_ISA``'s), built on
+    first use; None if kernels are off or it does not build."""
     if not kernels.native_kernels_enabled() or platform.system() != "Linux":
         return None
-    compiler = kernels.find_compiler()
-    if compiler is None:
-        return None
-    flags = [*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())]
-    path = os.path.join(envs.cache_root(), "kernels", "quant-" + _key(flags),
-                        "libconveyor_quant.so")
     try:
-        if not os.path.isfile(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            # Compiled with -ffast-math, linked without it: linking with it adds
-            # crtfastmath, whose constructor flushes subnormals to zero process-wide.
-            obj = f"{tmp}.o"
-            subprocess.run([compiler, *flags, "-c", _SOURCE, "-o", obj],
-                           check=True, capture_output=True, text=True)
-            subprocess.run([compiler, "-shared", "-fopenmp", obj, "-o", tmp, "-lm"],
-                           check=True, capture_output=True, text=True)
-            os.remove(obj)
-            os.replace(tmp, path)  # atomic: concurrent builders never see half a file
-        lib = ctypes.CDLL(path)
+        return build(_SOURCE, isa)
     except (OSError, subprocess.CalledProcessError) as e:
         logger.warning("quantized GEMM kernel disabled: %s",
                        (getattr(e, "stderr", "") or str(e)).strip()[:500])
         return None
+
+
+def build(source: str, isa: str | None = None) -> ctypes.CDLL:
+    """``source`` (this file's ``quant_gemm.c`` or another version of it) built with the
+    kernels' flags for ``isa`` (cached by content), loaded, its functions typed."""
+    compiler = kernels.find_compiler()
+    if compiler is None:
+        raise OSError("no C compiler")
+    flags = [*kernels._FLAGS, *kernels._isa_flags(isa or kernels.kernel_isa())]
+    path = os.path.join(envs.cache_root(), "kernels", "quant-" + _key(flags, source),
+                        "libconveyor_quant.so")
+    if not os.path.isfile(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        # Compiled with -ffast-math, linked without it: linking with it adds
+        # crtfastmath, whose constructor flushes subnormals to zero process-wide.
+        obj = f"{tmp}.o"
+        subprocess.run([compiler, *flags, "-c", source, "-o", obj],
+                       check=True, capture_output=True, text=True)
+        subprocess.run([compiler, "-shared", "-fopenmp", obj, "-o", tmp, "-lm"],
+                       check=True, capture_output=True, text=True)
+        os.remove(obj)
+        os.replace(tmp, path)  # atomic: concurrent builders never see half a file
+    lib = ctypes.CDLL(path)
     lib.qgemm_f32.restype = ctypes.c_int
     lib.qgemm_f32.argtypes = [_PTR, _I32, _I32, _I32, _PTR, _I32, _I32, _PTR, _PTR, _I32,
                               _PTR, _PTR, _I32]
@@ -125,6 +135,8 @@ def qgemm(x: torch.Tensor, qweight: torch.Tensor, bits: int, scales: torch.Tenso
                        scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
                        group, bias.data_ptr() if bias is not None else None,
                        y.data_ptr(), n)
+    if rc == -2:
+        raise MemoryError("conveyor::qgemm: no memory for the widening buffer")
     if rc != 0:
         raise ValueError("conveyor::qgemm: the kernel refused its arguments")
     return y
