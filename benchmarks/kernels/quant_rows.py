@@ -8,11 +8,10 @@ reported (ms, the fastest of ``--passes`` in any of ``--rounds``, kinds in alter
 each round: on a shared machine the fastest pass is the one least hit by others' load),
 and GB/s = the weight bytes a pass reads / its time.
 
-    python -m benchmarks.kernels.quant_rows --rows 1,8,32 --rounds 3 --against HEAD
+    python -m benchmarks.kernels.quant_rows --rows 1,8,32 --rounds 3
 
-``--against REV`` adds int8 and int4 through git revision REV's ``quant_gemm.c`` (built
-with this tree's flags, on the same weights, in the same alternation): a kernel change's
-before and after in one run.
+(An older kernel with the same weight layout: ``kernels.cpu.quant.build(its source)``,
+passed to ``NativeQuantLinear`` as ``lib``.)
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -77,8 +75,6 @@ def main() -> int:
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="cpu: the process's CPU time (with --threads 1: a kernel's own "
                    "time, steadier than wall time where others load the machine)")
-    p.add_argument("--against", metavar="REV", help="also time git revision REV's "
-                   "quant_gemm.c")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not ops.gemm_available() or not qkernel.simd():
@@ -90,15 +86,6 @@ def main() -> int:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     shapes = SHAPES[args.model]
     kinds = ["bf16 native", "int8", "int4"]
-    libs = {}
-    if args.against:
-        from benchmarks.common import git_extract
-
-        src = git_extract(args.against, tempfile.mkdtemp(),
-                          "src/conveyor/kernels/cpu/quant_gemm.c")
-        old = qkernel.build(src)
-        libs = {f"int8 @ {args.against}": old, f"int4 @ {args.against}": old}
-        kinds += list(libs)
     total = {kd: args.layers * sum(weight_bytes(kd, n, k) for n, k in shapes)
              for kd in kinds}
     gen = torch.Generator().manual_seed(0)
@@ -106,13 +93,13 @@ def main() -> int:
           f"{args.model}'s projection shapes; {args.clock} ms per pass (GB/s of weights)")
     width = max(18, *(len(k) for k in kinds))
     print(f"{'rows':>5} " + " ".join(f"{k:>{width}}" for k in kinds)
-          + "   int8/bf16 int4/bf16" + ("   new/old: int8 int4" if libs else ""))
+          + "   int8/bf16 int4/bf16")
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
         times: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(args.rounds):
             for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
-                calls = build(kind, shapes, args.layers, gen, libs.get(kind))
+                calls = build(kind, shapes, args.layers, gen)
                 one_pass(calls, xs)  # untimed: first touches
                 times[kind].append(min(one_pass(calls, xs, clock) for _ in range(args.passes)))
                 del calls
@@ -121,9 +108,6 @@ def main() -> int:
         line = (f"{rows:>5} " + " ".join(f"{c:>{width}}" for c in cells)
                 + f"   {med['bf16 native'] / med['int8']:.2f}x"
                 + f"     {med['bf16 native'] / med['int4']:.2f}x")
-        if libs:
-            line += (f"   {med[f'int8 @ {args.against}'] / med['int8']:.2f}x"
-                     f" {med[f'int4 @ {args.against}'] / med['int4']:.2f}x")
         print(line, flush=True)
     return 0
 

@@ -89,36 +89,38 @@ def simd() -> bool:
     return bool(lib is not None and lib.qgemm_f32_simd())
 
 
-def check_weight(qweight: torch.Tensor, bits: int, scales: torch.Tensor,
-                 zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None
-                 ) -> tuple[int, int]:
-    """(N, K) of a weight ``qgemm`` takes, or ValueError naming what is wrong."""
+def check_weight(qweight: torch.Tensor, bits: int, n: int, k: int, scales: torch.Tensor,
+                 zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None) -> None:
+    """ValueError naming what is wrong unless the weight is one ``qgemm`` takes for N = n
+    outputs and K = k inputs, packed in panels of 16 outputs (``quant_gemm.c``): int8
+    [P, K, 16], int4 uint8 [P, K, 8]; scales (and zeros) float32 [P, K / group, 16]."""
     if bits not in (4, 8):
         raise ValueError(f"conveyor::qgemm: bits must be 4 or 8, got {bits}")
-    want = torch.int8 if bits == 8 else torch.uint8
-    if qweight.dtype != want or qweight.dim() != 2 or not qweight.is_contiguous() \
-            or qweight.device.type != "cpu":
-        raise ValueError(f"conveyor::qgemm: a {bits}-bit weight must be a contiguous 2-D "
-                         f"{want} CPU tensor, got {qweight.dtype} {tuple(qweight.shape)}")
-    n, k = qweight.shape[0], qweight.shape[1] * (2 if bits == 4 else 1)
     if group <= 0 or k % group:
         raise ValueError(f"conveyor::qgemm: group {group} does not divide K = {k}")
+    want = torch.int8 if bits == 8 else torch.uint8
+    panels = -(-n // 16)
+    shape = (panels, k, 16 if bits == 8 else 8)
+    if qweight.dtype != want or tuple(qweight.shape) != shape \
+            or not qweight.is_contiguous() or qweight.device.type != "cpu":
+        raise ValueError(f"conveyor::qgemm: a {bits}-bit weight must be a contiguous "
+                         f"{want} CPU tensor {shape}, got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
     for name, t in (("scales", scales), ("zeros", zeros)):
         if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()
-                              or tuple(t.shape) != (n, k // group)):
+                              or tuple(t.shape) != (panels, k // group, 16)):
             raise ValueError(f"conveyor::qgemm: {name} must be contiguous float32 "
-                             f"[{n}, {k // group}], got {t.dtype} {tuple(t.shape)}")
+                             f"[{panels}, {k // group}, 16], got {t.dtype} {tuple(t.shape)}")
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)
                              or not bias.is_contiguous()):
         raise ValueError(f"conveyor::qgemm: bias must be contiguous float32 [{n}]")
-    return n, k
 
 
 def qgemm(x: torch.Tensor, qweight: torch.Tensor, bits: int, scales: torch.Tensor,
           zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None, n: int,
           k: int, lib=None) -> torch.Tensor:
     """``x @ dequant(W).T + bias`` for float32 x [M, K] (rows unit-stride); the weight
-    checked once by ``check_weight`` (its N, K given)."""
+    checked once by ``check_weight`` for these N = n, K = k."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 \
             or x.device.type != "cpu":
         raise ValueError(f"conveyor::qgemm: x must be float32 [M, {k}] on CPU with unit "

@@ -4,43 +4,41 @@
  * the whole weight): a decode step reads one or half a byte per weight, which is what it
  * is bound by at a few rows.
  *
- * W is [N, K] integers: bits 8, int8 row-major; bits 4, two per byte along K (the low
- * nibble holds the even k), unsigned 0..15. scales and zeros are [N, K / group] floats;
- * zeros (NULL: none) are subtracted from the integer before the scale, as the checkpoint
- * formats dequantise: w = (q - zero) * scale.
+ * W is packed at load (model/quant/linear.py) in panels of 16 output rows, K-contiguous,
+ * as the float GEMM packs its weights (gemm.c): panel p, column k holds outputs
+ * 16p..16p+15 (zeros past N), int8: 16 bytes at (p * K + k) * 16; int4 (unsigned 0..15):
+ * 8 bytes at (p * K + k) * 8, byte j holding output j (low nibble) and j + 8 (high).
+ * scales and zeros (NULL: none) likewise [P, K / group, 16] floats: w = (q - zero) * scale.
+ * A panel is one long contiguous stream (the hardware prefetcher follows it; row-major
+ * rows of 576 bytes were too short for it to ramp up on), a k step widens 16 outputs'
+ * weights at once, and no group size or K is too odd for the vector body.
  *
  * The value multiplied by x: with one group per row (a scale per output row), q - zero
- * (exact for an integer zero), the row's sum then multiplied by its scale once; with
+ * (exact for an integer zero), each sum multiplied by its scale once at the end; with
  * groups, (q - zero) * scale rounded to float32, as the dequantised float32 weight holds
- * it. Each output is one float32 FMA chain per 8-lane slot over k ascending, the 8 slots
- * then summed in one fixed order (hsum4): the same bits whichever path below computes it
- * and however many rows the call has.
+ * it. Each output is one float32 FMA chain over k ascending, in every path below and
+ * whatever the row count: a row's result does not depend on the rows beside it.
  *
- * Threads split the output columns in tasks of NB weight rows. Up to DIRECT_MAX rows of x
- * the weights are widened in registers, four weight rows a pass sharing each load of x
- * (four independent FMA chains a row: one chain waited on the FMA latency, not memory).
- * From DIRECT_MAX + 1 rows a task widens its NB rows once into a float buffer (L1/L2)
- * and register tiles of TR rows x TC weight rows run over it: the widening is paid once
- * per weight, not once per few rows.
+ * Up to DIRECT_MAX rows the weights are widened in registers, one or two panels a pass
+ * sharing each broadcast of x. Past it a task widens a KC x 16 slice of a panel once into
+ * a float buffer (L1) and runs 6 x 16 register tiles over it (gemm.c's tile: 12
+ * accumulators, two loads and six broadcasts a k step), the slivers' accumulators
+ * carried over K blocks through y (loaded back into the same FMA chain).
  */
 #include <stdint.h>
 #include <stddef.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
-#define NB 12        /* weight rows a task owns: a multiple of DC and TC */
-#define DC 4         /* weight rows a direct pass widens in registers */
-#define DIRECT_MAX 2 /* rows of x up to which the weights are widened in registers */
-#define TR 4         /* buffered tile: rows of x ... */
-#define TC 3         /* ... by weight rows (12 accumulators) */
-/* Bytes ahead of where a pass reads the weight that it prefetches. A task's weight rows
- * are one contiguous block, read a few rows at a time; a row is a few cache lines (576
- * bytes at K = 576, int8), too short a stream for the hardware prefetcher to ramp up on,
- * so without it every pass waited on its rows' first lines: 6.7 against 23 GB/s on one
- * core of the Zen 3 machine (benchmarks/kernels/quant_rows.py measures it in place). */
-#define PF_DIST 4096
+#define DIRECT_MAX 4 /* rows of x up to which the weights are widened in registers */
+#define KC 256       /* a buffered slice: 256 x 16 floats, 16 KB (inside L1) */
+#define MR 6         /* rows of a buffered tile */
+/* Bytes ahead of its reads in a panel's stream that a pass prefetches (a whole decode
+ * step's weights come from memory). */
+#define PF_DIST 2048
 
 int qgemm_f32_simd(void) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -53,246 +51,270 @@ int qgemm_f32_simd(void) {
 /* The weight as the kernel reads it. chan: one group a row (scale applied at the end). */
 typedef struct {
     const uint8_t* w;
-    size_t wstride;
-    int bits, K, group, groups, chan;
-    const float* scales;
+    int bits, K, N, group, groups, chan;
+    const float* scales; /* [P, groups, 16] */
     const float* zeros;
 } QW;
 
-static inline float q_at(const uint8_t* wrow, int bits, int k) {
-    if (bits == 8) return (float)((const int8_t*)wrow)[k];
-    const uint8_t b = wrow[k >> 1];
-    return (float)((k & 1) ? (b >> 4) : (b & 15));
+/* The value x[k] is multiplied by for output n (see above). */
+static inline float w_at(const QW* q, int n, int k) {
+    const int p = n >> 4, j = n & 15;
+    const size_t at = (size_t)p * q->K + k;
+    float v;
+    if (q->bits == 8) {
+        v = (float)((const int8_t*)q->w)[at * 16 + j];
+    } else {
+        const uint8_t b = q->w[at * 8 + (j & 7)];
+        v = (float)(j >= 8 ? b >> 4 : b & 15);
+    }
+    const size_t s = ((size_t)p * q->groups + k / q->group) * 16 + j;
+    if (q->zeros) v -= q->zeros[s];
+    return q->chan ? v : v * q->scales[s];
 }
 
-/* The value x[k] is multiplied by for weight row n (see above). */
-static inline float w_at(const QW* q, int n, int k) {
-    const int g = k / q->group;
-    float v = q_at(q->w + (size_t)n * q->wstride, q->bits, k);
-    if (q->zeros) v -= q->zeros[(size_t)n * q->groups + g];
-    return q->chan ? v : v * q->scales[(size_t)n * q->groups + g];
+static inline float finish(const QW* q, float acc, int n, const float* bias) {
+    if (q->chan) acc *= q->scales[(size_t)(n >> 4) * 16 + (n & 15)];
+    return acc + (bias ? bias[n] : 0.0f);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 q8_load(const uint8_t* p) { /* 8 int8 -> 8 floats */
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-
-static inline __m256 q4_load(const uint8_t* p) { /* 4 bytes = 8 nibbles -> 8 floats */
-    int32_t word;
-    __builtin_memcpy(&word, p, 4);
-    const __m128i dup = _mm_shuffle_epi8(_mm_cvtsi32_si128(word),
-                                         _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1,
-                                                       -1, -1, -1, -1, -1));
-    __m256i v = _mm256_cvtepu8_epi32(dup);
-    v = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
-    v = _mm256_and_si256(v, _mm256_set1_epi32(15));
-    return _mm256_cvtepi32_ps(v);
-}
-
-/* The 8 slots of each of a, b, c, d summed, ((0+1)+(2+3))+((4+5)+(6+7)): the same order
- * for each of the four. */
-static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-/* Eight weights of one row at k (in group g) as the kernel multiplies them. */
-static inline __attribute__((always_inline)) __m256
-deq8(const uint8_t* row, int k, __m256 s, __m256 z, const int BITS, const int ZERO,
-     const int CHAN) {
-    __m256 v = BITS == 8 ? q8_load(row + k) : q4_load(row + (k >> 1));
-    if (ZERO) v = _mm256_sub_ps(v, z);
-    return CHAN ? v : _mm256_mul_ps(v, s);
-}
-
-/* The R x C sums of a tile (acc[r][c]) as floats, row-major with row length C. */
+/* Column k of panel p (16 outputs) as the kernel multiplies them, in v[0] (outputs 0-7)
+ * and v[1] (8-15); sz: the group's 16 scales (and zeros at sz + zoff). */
 static inline __attribute__((always_inline)) void
-reduce_tile(__m256 acc[][4], const int R, const int C, float* out) {
-    for (int r = 0; r < R; r++) {
-        const __m256 zero = _mm256_setzero_ps();
-        float t[4];
-        _mm_storeu_ps(t, hsum4(acc[r][0], C > 1 ? acc[r][1] : zero, C > 2 ? acc[r][2] : zero,
-                               C > 3 ? acc[r][3] : zero));
-        for (int c = 0; c < C; c++) out[r * C + c] = t[c];
+deq16(const QW* q, int p, int k, const float* s, const float* z, const int BITS,
+      const int ZERO, const int CHAN, __m256 v[2]) {
+    const size_t at = (size_t)p * q->K + k;
+    if (BITS == 8) {
+        /* two 8-byte loads, each folded into its sign extension (one 16-byte load took a
+         * shuffle more for its upper half) */
+        const uint8_t* b = q->w + at * 16;
+        v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)b)));
+        v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b + 8))));
+    } else {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q->w + at * 8)));
+        v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+        v[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    }
+    for (int h = 0; h < 2; h++) {
+        if (ZERO) v[h] = _mm256_sub_ps(v[h], _mm256_loadu_ps(z + 8 * h));
+        if (!CHAN) v[h] = _mm256_mul_ps(v[h], _mm256_loadu_ps(s + 8 * h));
     }
 }
 
-/* R (1..DIRECT_MAX) rows of x against C (1..DC) weight rows from n, widened in
- * registers; out: R x C sums. */
+/* The tile's sums (acc[r][2 * pp + h]: row r, panel p0 + pp, half h) into y: the scale
+ * for one group a row, the bias, the outputs past N left out. */
 static inline __attribute__((always_inline)) void
-direct_tile(const float* x, int ldx, const QW* q, int n, const int R, const int C,
-            const int BITS, const int ZERO, const int CHAN, float* out) {
+store_sums(const QW* q, __m256 acc[][4], const int R, const int P, int p0, const float* bias,
+           float* y, int ldy) {
+    for (int r = 0; r < R; r++)
+        for (int pp = 0; pp < P; pp++) {
+            float t[16];
+            _mm256_storeu_ps(t, acc[r][2 * pp]);
+            _mm256_storeu_ps(t + 8, acc[r][2 * pp + 1]);
+            const int n0 = (p0 + pp) * 16;
+            for (int j = 0; j < 16 && n0 + j < q->N; j++)
+                y[(size_t)r * ldy + n0 + j] = finish(q, t[j], n0 + j, bias);
+        }
+}
+
+/* R (1..DIRECT_MAX) rows of x against P (1..2) panels from p0, widened in registers. */
+static inline __attribute__((always_inline)) void
+direct_tile(const float* x, int ldx, const QW* q, int p0, const int R, const int P,
+            const int BITS, const int ZERO, const int CHAN, const float* bias, float* y,
+            int ldy) {
     __m256 acc[DIRECT_MAX][4];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    const uint8_t* rows[DC];
-    for (int c = 0; c < C; c++) rows[c] = q->w + (size_t)(n + c) * q->wstride;
-    const char* pf = (const char*)rows[0] + PF_DIST;
-    const size_t STEP = (size_t)C * (BITS == 8 ? 8 : 4); /* weight bytes a k step reads */
-    size_t done = 0;
+        for (int i = 0; i < 2 * P; i++) acc[r][i] = _mm256_setzero_ps();
     for (int g = 0; g < q->groups; g++) {
-        __m256 s[DC], z[DC];
-        for (int c = 0; c < C; c++) {
-            const size_t i = (size_t)(n + c) * q->groups + g;
-            s[c] = CHAN ? _mm256_setzero_ps() : _mm256_broadcast_ss(q->scales + i);
-            z[c] = ZERO ? _mm256_broadcast_ss(q->zeros + i) : _mm256_setzero_ps();
+        const float* s[2];
+        const float* z[2];
+        for (int pp = 0; pp < P; pp++) {
+            const size_t i = ((size_t)(p0 + pp) * q->groups + g) * 16;
+            s[pp] = q->scales + i;
+            z[pp] = ZERO ? q->zeros + i : NULL;
         }
         const int k1 = (g + 1) * q->group;
-        for (int k = g * q->group; k < k1; k += 8) {
-            /* one line PF_DIST ahead for every 64 bytes this pass has read (the C rows
-             * are contiguous; past the weight's end a prefetch does not fault) */
-            if ((done & 63) < STEP) _mm_prefetch(pf + done, _MM_HINT_T0);
-            done += STEP;
-            __m256 w[DC];
-            for (int c = 0; c < C; c++) w[c] = deq8(rows[c], k, s[c], z[c], BITS, ZERO, CHAN);
+        for (int k = g * q->group; k < k1; k++) {
+            /* a line PF_DIST ahead of each panel's stream for every 64 bytes read */
+            if (k % (BITS == 8 ? 4 : 8) == 0)
+                for (int pp = 0; pp < P; pp++)
+                    _mm_prefetch((const char*)q->w + ((size_t)(p0 + pp) * q->K + k)
+                                 * (BITS == 8 ? 16 : 8) + PF_DIST, _MM_HINT_T0);
+            __m256 w[2][2];
+            for (int pp = 0; pp < P; pp++)
+                deq16(q, p0 + pp, k, s[pp], z[pp], BITS, ZERO, CHAN, w[pp]);
             for (int r = 0; r < R; r++) {
-                const __m256 xv = _mm256_loadu_ps(x + (size_t)r * ldx + k);
-                for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, w[c], acc[r][c]);
+                const __m256 xv = _mm256_broadcast_ss(x + (size_t)r * ldx + k);
+                for (int pp = 0; pp < P; pp++) {
+                    acc[r][2 * pp] = _mm256_fmadd_ps(xv, w[pp][0], acc[r][2 * pp]);
+                    acc[r][2 * pp + 1] = _mm256_fmadd_ps(xv, w[pp][1], acc[r][2 * pp + 1]);
+                }
             }
         }
     }
-    reduce_tile(acc, R, C, out);
-}
-
-/* Weight rows n..n+nn widened into buf (nn rows of K floats, the values direct_tile
- * widens in registers). */
-static inline __attribute__((always_inline)) void
-widen_rows(const QW* q, int n, int nn, float* buf, const int BITS, const int ZERO,
-           const int CHAN) {
-    for (int j = 0; j < nn; j++) {
-        const uint8_t* row = q->w + (size_t)(n + j) * q->wstride;
-        float* dst = buf + (size_t)j * q->K;
-        for (int g = 0; g < q->groups; g++) {
-            const size_t i = (size_t)(n + j) * q->groups + g;
-            const __m256 s = CHAN ? _mm256_setzero_ps() : _mm256_broadcast_ss(q->scales + i);
-            const __m256 z = ZERO ? _mm256_broadcast_ss(q->zeros + i) : _mm256_setzero_ps();
-            const int k1 = (g + 1) * q->group;
-            for (int k = g * q->group; k < k1; k += 8) {
-                const int byte = BITS == 8 ? k : k >> 1; /* the rows are contiguous */
-                if (byte % 64 == 0) _mm_prefetch((const char*)row + byte + PF_DIST, _MM_HINT_T0);
-                _mm256_store_ps(dst + k, deq8(row, k, s, z, BITS, ZERO, CHAN));
-            }
-        }
-    }
-}
-
-/* R (1..TR) rows of x against C (1..TC) widened weight rows (buf, rows K apart). */
-static inline __attribute__((always_inline)) void
-buffer_tile(const float* x, int ldx, const float* buf, int K, const int R, const int C,
-            float* out) {
-    __m256 acc[TR][4];
+    /* (a copy: handing acc itself to store_sums kept it on the stack through the loop) */
+    __m256 sums[DIRECT_MAX][4];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    for (int k = 0; k < K; k += 8) {
-        __m256 w[TC];
-        for (int c = 0; c < C; c++) w[c] = _mm256_load_ps(buf + (size_t)c * K + k);
-        for (int r = 0; r < R; r++) {
-            const __m256 xv = _mm256_loadu_ps(x + (size_t)r * ldx + k);
-            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, w[c], acc[r][c]);
-        }
-    }
-    reduce_tile(acc, R, C, out);
+        for (int i = 0; i < 2 * P; i++) sums[r][i] = acc[r][i];
+    store_sums(q, sums, R, P, p0, bias, y, ldy);
 }
 
-/* The R x C sums into y (scale for one group a row, then bias). */
-static inline void store_tile(const float* t, int R, int C, const QW* q, int n,
-                              const float* bias, float* y, int ldy) {
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            float v = t[r * C + c];
-            if (q->chan) v *= q->scales[(size_t)(n + c) * q->groups];
-            y[(size_t)r * ldy + n + c] = v + (bias ? bias[n + c] : 0.0f);
-        }
-}
-
-#define DIRECT_C(R, BITS, ZERO, CHAN)                                                   \
-    switch (C) {                                                                        \
-    case 1: direct_tile(xr, ldx, q, n, R, 1, BITS, ZERO, CHAN, t); break;                \
-    case 2: direct_tile(xr, ldx, q, n, R, 2, BITS, ZERO, CHAN, t); break;                \
-    case 3: direct_tile(xr, ldx, q, n, R, 3, BITS, ZERO, CHAN, t); break;                \
-    default: direct_tile(xr, ldx, q, n, R, 4, BITS, ZERO, CHAN, t); break;               \
-    }
-
-/* Rows 0..M of x against weight rows n0..n1, widened in registers. */
+/* Panels p0..p1, rows 0..M (M <= DIRECT_MAX). */
 static inline __attribute__((always_inline)) void
-task_direct(const float* x, int M, int ldx, const QW* q, int n0, int n1,
-            const float* bias, float* y, int ldy, const int BITS, const int ZERO,
+task_direct(const float* x, int M, int ldx, const QW* q, int p0, int p1, const float* bias,
+            float* y, int ldy, const int BITS, const int ZERO, const int CHAN) {
+    for (int p = p0; p < p1;) {
+        /* two panels a pass at one or two rows (4 and 8 accumulators), one at 3-4 */
+        const int P = (M <= 2 && p1 - p >= 2) ? 2 : 1;
+#define DT(R, PP) direct_tile(x, ldx, q, p, R, PP, BITS, ZERO, CHAN, bias, y, ldy)
+        if (P == 2) { if (M == 1) DT(1, 2); else DT(2, 2); }
+        else if (M == 1) DT(1, 1);
+        else if (M == 2) DT(2, 1);
+        else if (M == 3) DT(3, 1);
+        else DT(4, 1);
+#undef DT
+        p += P;
+    }
+}
+
+/* Slice k0..k0 + kc of panel p widened into buf (kc x 16 floats). */
+static inline __attribute__((always_inline)) void
+widen_slice(const QW* q, int p, int k0, int kc, float* buf, const int BITS, const int ZERO,
             const int CHAN) {
-    for (int n = n0; n < n1; n += DC) {
-        const int C = n1 - n < DC ? n1 - n : DC;
-        for (int m = 0; m < M; m += DIRECT_MAX) {
-            const int R = M - m < DIRECT_MAX ? M - m : DIRECT_MAX;
-            const float* xr = x + (size_t)m * ldx;
-            float t[DIRECT_MAX * DC];
-            if (R == 1) { DIRECT_C(1, BITS, ZERO, CHAN) }
-            else { DIRECT_C(2, BITS, ZERO, CHAN) }
-            store_tile(t, R, C, q, n, bias, y + (size_t)m * ldy, ldy);
+    const uint8_t* pf = q->w + ((size_t)p * q->K + k0) * (BITS == 8 ? 16 : 8) + PF_DIST;
+    for (int k = k0; k < k0 + kc;) {
+        const int g = k / q->group, k1 = (g + 1) * q->group < k0 + kc ? (g + 1) * q->group
+                                                                     : k0 + kc;
+        const size_t i = ((size_t)p * q->groups + g) * 16;
+        for (; k < k1; k++) {
+            if ((k - k0) % (BITS == 8 ? 4 : 8) == 0)
+                _mm_prefetch((const char*)pf + (size_t)(k - k0) * (BITS == 8 ? 16 : 8),
+                             _MM_HINT_T0);
+            __m256 v[2];
+            deq16(q, p, k, q->scales + i, ZERO ? q->zeros + i : NULL, BITS, ZERO, CHAN, v);
+            _mm256_store_ps(buf + (size_t)(k - k0) * 16, v[0]);
+            _mm256_store_ps(buf + (size_t)(k - k0) * 16 + 8, v[1]);
         }
     }
 }
 
-#define BUFFER_C(R)                                                                     \
-    switch (C) {                                                                        \
-    case 1: buffer_tile(xr, ldx, b, q->K, R, 1, t); break;                              \
-    case 2: buffer_tile(xr, ldx, b, q->K, R, 2, t); break;                              \
-    default: buffer_tile(xr, ldx, b, q->K, R, 3, t); break;                             \
+/* R (1..MR) rows of x (at this slice's first column) against a widened slice; rows past
+ * R (up to RMAX: 2, 4 or 6, the tile's size) read row 0 again (their sums are never
+ * stored). The accumulators start from y's
+ * partial sums when carry (the same FMA chain continues) and end in y (a last panel past
+ * N: in spill, M x 16 floats) or, on the last slice, through finish. Named accumulators,
+ * as gemm.c's tile: an array of them was kept on the stack. */
+static inline __attribute__((always_inline)) void
+buffer_tile(const float* x, int ldx, const float* restrict buf, int kc, int R, int carry,
+            int last, const QW* q, int p, const float* bias, float* y, int ldy, float* spill,
+            const int RMAX) {
+    const float* restrict a0 = x;
+    const float* restrict a1 = R > 1 ? x + (size_t)ldx : x;
+    const float* restrict a2 = R > 2 ? x + 2 * (size_t)ldx : x;
+    const float* restrict a3 = R > 3 ? x + 3 * (size_t)ldx : x;
+    const float* restrict a4 = R > 4 ? x + 4 * (size_t)ldx : x;
+    const float* restrict a5 = R > 5 ? x + 5 * (size_t)ldx : x;
+    const int full = (p + 1) * 16 <= q->N;
+    float* part = full ? y + p * 16 : spill;
+    const int ldp = full ? ldy : 16;
+    __m256 c[MR][2];
+    for (int r = 0; r < MR; r++)
+        for (int h = 0; h < 2; h++)
+            c[r][h] = carry && r < R ? _mm256_loadu_ps(part + (size_t)r * ldp + 8 * h)
+                                     : _mm256_setzero_ps();
+    __m256 c00 = c[0][0], c01 = c[0][1], c10 = c[1][0], c11 = c[1][1], c20 = c[2][0],
+           c21 = c[2][1], c30 = c[3][0], c31 = c[3][1], c40 = c[4][0], c41 = c[4][1],
+           c50 = c[5][0], c51 = c[5][1];
+    for (int k = 0; k < kc; k++) {
+        const __m256 b0 = _mm256_load_ps(buf + (size_t)k * 16);
+        const __m256 b1 = _mm256_load_ps(buf + (size_t)k * 16 + 8);
+        __m256 xv = _mm256_broadcast_ss(a0 + k);
+        c00 = _mm256_fmadd_ps(xv, b0, c00); c01 = _mm256_fmadd_ps(xv, b1, c01);
+        if (RMAX > 1) {
+            xv = _mm256_broadcast_ss(a1 + k);
+            c10 = _mm256_fmadd_ps(xv, b0, c10); c11 = _mm256_fmadd_ps(xv, b1, c11);
+        }
+        if (RMAX > 2) {
+            xv = _mm256_broadcast_ss(a2 + k);
+            c20 = _mm256_fmadd_ps(xv, b0, c20); c21 = _mm256_fmadd_ps(xv, b1, c21);
+            xv = _mm256_broadcast_ss(a3 + k);
+            c30 = _mm256_fmadd_ps(xv, b0, c30); c31 = _mm256_fmadd_ps(xv, b1, c31);
+        }
+        if (RMAX > 4) {
+            xv = _mm256_broadcast_ss(a4 + k);
+            c40 = _mm256_fmadd_ps(xv, b0, c40); c41 = _mm256_fmadd_ps(xv, b1, c41);
+            xv = _mm256_broadcast_ss(a5 + k);
+            c50 = _mm256_fmadd_ps(xv, b0, c50); c51 = _mm256_fmadd_ps(xv, b1, c51);
+        }
     }
-
-/* Rows 0..M of x against weight rows n0..n1 (at most NB), widened once into buf. */
-static void task_buffered(const float* x, int M, int ldx, const QW* q, int n0, int n1,
-                          const float* bias, float* y, int ldy, float* buf) {
-    const int nn = n1 - n0;
-    const int z = q->zeros != NULL;
-    if (q->bits == 8) {
-        if (q->chan) { if (z) widen_rows(q, n0, nn, buf, 8, 1, 1); else widen_rows(q, n0, nn, buf, 8, 0, 1); }
-        else { if (z) widen_rows(q, n0, nn, buf, 8, 1, 0); else widen_rows(q, n0, nn, buf, 8, 0, 0); }
-    } else {
-        if (q->chan) { if (z) widen_rows(q, n0, nn, buf, 4, 1, 1); else widen_rows(q, n0, nn, buf, 4, 0, 1); }
-        else { if (z) widen_rows(q, n0, nn, buf, 4, 1, 0); else widen_rows(q, n0, nn, buf, 4, 0, 0); }
-    }
-    for (int m = 0; m < M; m += TR) {
-        const int R = M - m < TR ? M - m : TR;
-        const float* xr = x + (size_t)m * ldx;
-        for (int n = n0; n < n1; n += TC) {
-            const int C = n1 - n < TC ? n1 - n : TC;
-            const float* b = buf + (size_t)(n - n0) * q->K;
-            float t[TR * TC];
-            switch (R) {
-            case 1: BUFFER_C(1) break;
-            case 2: BUFFER_C(2) break;
-            case 3: BUFFER_C(3) break;
-            default: BUFFER_C(4) break;
-            }
-            store_tile(t, R, C, q, n, bias, y + (size_t)m * ldy, ldy);
+    const __m256 out[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                               {c30, c31}, {c40, c41}, {c50, c51}};
+    for (int r = 0; r < R; r++) {
+        float t[16];
+        _mm256_storeu_ps(t, out[r][0]);
+        _mm256_storeu_ps(t + 8, out[r][1]);
+        if (!last) {
+            memcpy(part + (size_t)r * ldp, t, sizeof(t));
+        } else {
+            for (int j = 0; j < 16 && p * 16 + j < q->N; j++)
+                y[(size_t)r * ldy + p * 16 + j] = finish(q, t[j], p * 16 + j, bias);
         }
     }
 }
 
-/* The calling thread's widening buffer (NB rows of K floats), grown as needed. */
 static __thread float* wide_buf = NULL;
-static __thread size_t wide_len = 0;
 
-static float* widen_buffer(size_t floats) {
-    if (floats > wide_len) {
-        free(wide_buf);
-        wide_buf = (float*)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-        wide_len = wide_buf ? floats : 0;
-    }
-    return wide_buf;
+/* Panels p0..p1, any rows: each slice widened once, then every sliver of rows over it.
+ * spill: partial sums of a last panel past N (M x 16 floats). Returns -1 if the buffer
+ * could not be allocated. */
+static inline __attribute__((always_inline)) int
+task_buffered(const float* x, int M, int ldx, const QW* q, int p0, int p1,
+              const float* bias, float* y, int ldy, float* spill, const int BITS,
+              const int ZERO, const int CHAN) {
+    if (wide_buf == NULL && (wide_buf = (float*)aligned_alloc(64, sizeof(float) * KC * 16)) == NULL)
+        return -1;
+    float* buf = wide_buf;
+    const int nkb = (q->K + KC - 1) / KC;
+    for (int p = p0; p < p1; p++)
+        for (int kb = 0; kb < nkb; kb++) {
+            const int k0 = kb * KC, kc = q->K - k0 < KC ? q->K - k0 : KC;
+            widen_slice(q, p, k0, kc, buf, BITS, ZERO, CHAN);
+            for (int m = 0; m < M; m += MR) {
+                /* a sliver of 6 rows; a last one of 1-2 or 3-4 in a 2- or 4-row tile */
+                const int R = M - m < MR ? M - m : MR;
+#define BT(RMAX) buffer_tile(x + (size_t)m * ldx + k0, ldx, buf, kc, R, kb > 0, kb == nkb - 1, \
+                             q, p, bias, y + (size_t)m * ldy, ldy, spill + (size_t)m * 16, RMAX)
+                if (R <= 2) BT(2);
+                else if (R <= 4) BT(4);
+                else BT(MR);
+#undef BT
+            }
+        }
+    return 0;
 }
+
+#define BY_KIND(CALL)                                                                    \
+    do {                                                                                 \
+        const int z_ = q.zeros != NULL;                                                  \
+        if (q.bits == 8) {                                                               \
+            if (q.chan) { if (z_) CALL(8, 1, 1); else CALL(8, 0, 1); }                   \
+            else { if (z_) CALL(8, 1, 0); else CALL(8, 0, 0); }                          \
+        } else {                                                                         \
+            if (q.chan) { if (z_) CALL(4, 1, 1); else CALL(4, 0, 1); }                   \
+            else { if (z_) CALL(4, 1, 0); else CALL(4, 0, 0); }                          \
+        }                                                                                \
+    } while (0)
 #endif
 
-/* Rows 0..M of x against weight rows n0..n1, one output at a time (any group size). */
-static void task_scalar(const float* x, int M, int ldx, const QW* q, int n0, int n1,
+/* Outputs of panels p0..p1, rows 0..M, one at a time. */
+static __attribute__((unused)) void task_scalar(const float* x, int M, int ldx, const QW* q, int p0, int p1,
                         const float* bias, float* y, int ldy) {
-    for (int n = n0; n < n1; n++)
+    for (int n = p0 * 16; n < p1 * 16 && n < q->N; n++)
         for (int m = 0; m < M; m++) {
             const float* xr = x + (size_t)m * ldx;
             float acc = 0.0f;
             for (int k = 0; k < q->K; k++) acc += xr[k] * w_at(q, n, k);
-            if (q->chan) acc *= q->scales[(size_t)n * q->groups];
-            y[(size_t)m * ldy + n] = acc + (bias ? bias[n] : 0.0f);
+            y[(size_t)m * ldy + n] = finish(q, acc, n, bias);
         }
 }
 
@@ -300,40 +322,46 @@ static void task_scalar(const float* x, int M, int ldx, const QW* q, int n0, int
 int qgemm_f32(const float* x, int M, int K, int ldx, const void* w, int bits, int N,
               const float* scales, const float* zeros, int group, const float* bias,
               float* y, int ldy) {
-    if (M < 0 || N <= 0 || K <= 0 || group <= 0 || K % group || (bits != 8 && bits != 4)
-        || (bits == 4 && K % 2))
+    if (M < 0 || N <= 0 || K <= 0 || group <= 0 || K % group || (bits != 8 && bits != 4))
         return -1;
-    const QW q = {(const uint8_t*)w, bits == 8 ? (size_t)K : (size_t)K / 2, bits, K, group,
-                  K / group, K == group, scales, zeros};
-    const int tasks = (N + NB - 1) / NB;
+    const QW q = {(const uint8_t*)w, bits, K, N, group, K / group, K == group, scales, zeros};
+    const int np = (N + 15) / 16;
     int failed = 0;
-#pragma omp parallel for schedule(static)
-    for (int i = 0; i < tasks; i++) {
-        const int n0 = i * NB, n1 = n0 + NB < N ? n0 + NB : N;
+    if (M == 0) return 0;
 #if defined(__AVX2__) && defined(__FMA__)
-        if (group % 8 == 0) {
-            if (M > DIRECT_MAX) {
-                float* buf = widen_buffer((size_t)NB * K);
-                if (buf != NULL) {
-                    task_buffered(x, M, ldx, &q, n0, n1, bias, y, ldy, buf);
-                    continue;
-                }
+    if (M > DIRECT_MAX) {
+        /* tasks of two panels; a last panel past N keeps its partial sums in spill */
+        float* spill = (float*)malloc(sizeof(float) * 16 * (size_t)M);
+        if (spill == NULL) return -2;
+        const int tasks = (np + 1) / 2;
+#pragma omp parallel for schedule(static)
+        for (int i = 0; i < tasks; i++) {
+            const int p0 = 2 * i, p1 = p0 + 2 < np ? p0 + 2 : np;
+            int rc;
+#define TB(B, Z, C) rc = task_buffered(x, M, ldx, &q, p0, p1, bias, y, ldy, spill, B, Z, C)
+            BY_KIND(TB);
+#undef TB
+            if (rc != 0) {
 #pragma omp atomic write
                 failed = 1;
-                continue;
             }
-            const int z = zeros != NULL;
-            if (bits == 8) {
-                if (q.chan) { if (z) task_direct(x, M, ldx, &q, n0, n1, bias, y, ldy, 8, 1, 1); else task_direct(x, M, ldx, &q, n0, n1, bias, y, ldy, 8, 0, 1); }
-                else { if (z) task_direct(x, M, ldx, &q, n0, n1, bias, y, ldy, 8, 1, 0); else task_direct(x, M, ldx, &q, n0, n1, bias, y, ldy, 8, 0, 0); }
-            } else {
-                if (q.chan) { if (z) task_direct(x, M, ldx, &q, n0, n1, bias, y, ldy, 4, 1, 1); else task_direct(x, M, ldx, &q, n0, n1, bias, y, ldy, 4, 0, 1); }
-                else { if (z) task_direct(x, M, ldx, &q, n0, n1, bias, y, ldy, 4, 1, 0); else task_direct(x, M, ldx, &q, n0, n1, bias, y, ldy, 4, 0, 0); }
-            }
-            continue;
         }
-#endif
-        task_scalar(x, M, ldx, &q, n0, n1, bias, y, ldy);
+        free(spill);
+        return failed ? -2 : 0;
     }
-    return failed ? -2 : 0;
+    const int tasks = (np + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < tasks; i++) {
+        const int p0 = 2 * i, p1 = p0 + 2 < np ? p0 + 2 : np;
+#define TD(B, Z, C) task_direct(x, M, ldx, &q, p0, p1, bias, y, ldy, B, Z, C)
+        BY_KIND(TD);
+#undef TD
+    }
+    return 0;
+#else
+    (void)failed;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < np; p++) task_scalar(x, M, ldx, &q, p, p + 1, bias, y, ldy);
+    return 0;
+#endif
 }
