@@ -40,6 +40,13 @@ def _key(flags: list[str], source: str) -> str:
 
 
 @functools.cache
+def build_id() -> str:
+    """This kernel's source and flags as a key: measured backend choices that can land on
+    it are keyed by it (the main library's build key does not cover this source)."""
+    return _key([*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())], _SOURCE)
+
+
+@functools.cache
 def load(isa: str | None = None) -> ctypes.CDLL | None:
     """The library (for ISA cap ``isa``, default ``CONVEYOR_KERNEL_ISA``'s), built on
     first use; None if kernels are off or it does not build."""
