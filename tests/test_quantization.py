@@ -109,6 +109,52 @@ def test_native_kernel_equals_dequantised_matmul(bits, group, zero, rows):
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
+# (bits, K, group (0: the row), zero points): K and groups that are not multiples of the
+# vector width; K over the buffered path's 256-column slices (partial sums carried)
+ODD_SHAPES = [(8, 72, 0, False), (8, 72, 24, True), (8, 36, 12, True), (4, 96, 32, False),
+              (4, 80, 16, True), (4, 72, 0, True), (4, 42, 14, True), (4, 10, 0, False),
+              (8, 600, 0, False), (4, 520, 40, True), (8, 9, 3, True)]
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+@pytest.mark.parametrize("bits,k,group,zero", ODD_SHAPES)
+def test_native_kernel_odd_shapes(isa, bits, k, group, zero):
+    """Every row count 1..33 (the register path, the buffered tiles and their tails) and
+    odd N against the float64 product of the dequantised weight; each row's result is the
+    same bits whatever the rows beside it."""
+    from conveyor.kernels.cpu import cpuinfo, quant
+    from conveyor.model.quant.linear import NativeQuantLinear
+    from conveyor.model.quant.weight import QuantWeight, quantize_int4, quantize_int8
+
+    if isa == "avx2" and not {"avx2", "fma"} <= (cpuinfo.cpu_flags() or frozenset()):
+        pytest.skip("this CPU does not run AVX2 + FMA")
+    lib = quant.load(isa)
+    if lib is None:
+        pytest.skip("native kernels unavailable")
+    assert bool(lib.qgemm_f32_simd()) == (isa == "avx2")
+    gen = torch.Generator().manual_seed(bits * 1000 + k + group)
+    n = 37
+    w = torch.randn(n, k, generator=gen)
+    if bits == 4:
+        qw = quantize_int4(w, group or k, symmetric=not zero)
+    else:
+        qw = quantize_int8(w)
+        if group:
+            g = k // group
+            qw = QuantWeight(qw.q, qw.scale.expand(-1, g).contiguous(),
+                             torch.randint(-3, 3, (n, g), generator=gen).float() if zero
+                             else None, 8, group)
+    bias = torch.randn(n, generator=gen)
+    mod = NativeQuantLinear(qw, bias, lib)
+    x = torch.randn(33, k, generator=gen)
+    want = x.double() @ qw.dequantize().double().T + bias.double()
+    singles = torch.cat([mod(x[i:i + 1]) for i in range(33)])
+    for rows in range(1, 34):
+        got = mod(x[:rows])
+        assert torch.allclose(got.double(), want[:rows], rtol=1e-5, atol=1e-4), rows
+        assert torch.equal(got, singles[:rows]), rows
+
+
 def test_quantization_errors(tmp_path):
     import json
     import shutil

@@ -4,6 +4,9 @@ rebuild or re-key the others' kernels.
 
 ``qgemm`` checks every argument before handing pointers to C. None from ``load()``
 where the kernels are off (``CONVEYOR_NATIVE_KERNELS=0``) or cannot be built.
+``load(isa)`` builds another instruction-set cap (tests run the AVX2 and portable bodies
+side by side); ``build(source, isa)`` another version of the source (a benchmark's
+before and after in one process).
 """
 
 from __future__ import annotations
@@ -27,44 +30,58 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "quant_gemm.c")
 _PTR, _I32 = ctypes.c_void_p, ctypes.c_int
 
 
-def _key(flags: list[str]) -> str:
+def _key(flags: list[str], source: str) -> str:
     # "linked-apart": libraries linked with -ffast-math (before) are never reused.
     digest = hashlib.sha256(" ".join(flags).encode() + kernels._cpu_key().encode()
                             + b"linked-apart")
-    with open(_SOURCE, "rb") as f:
+    with open(source, "rb") as f:
         digest.update(f.read())
     return digest.hexdigest()[:16]
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The library, built on first use; None if kernels are off or it does not build."""
+def build_id() -> str:
+    """This kernel's source and flags as a key: measured backend choices that can land on
+    it are keyed by it (the main library's build key does not cover this source)."""
+    return _key([*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())], _SOURCE)
+
+
+@functools.cache
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The library (for ISA cap ``isa``, default ``CONVEYOR_KERNEL_ISA``'s), built on
+    first use; None if kernels are off or it does not build."""
     if not kernels.native_kernels_enabled() or platform.system() != "Linux":
         return None
-    compiler = kernels.find_compiler()
-    if compiler is None:
-        return None
-    flags = [*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())]
-    path = os.path.join(envs.cache_root(), "kernels", "quant-" + _key(flags),
-                        "libconveyor_quant.so")
     try:
-        if not os.path.isfile(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            # Compiled with -ffast-math, linked without it: linking with it adds
-            # crtfastmath, whose constructor flushes subnormals to zero process-wide.
-            obj = f"{tmp}.o"
-            subprocess.run([compiler, *flags, "-c", _SOURCE, "-o", obj],
-                           check=True, capture_output=True, text=True)
-            subprocess.run([compiler, "-shared", "-fopenmp", obj, "-o", tmp, "-lm"],
-                           check=True, capture_output=True, text=True)
-            os.remove(obj)
-            os.replace(tmp, path)  # atomic: concurrent builders never see half a file
-        lib = ctypes.CDLL(path)
+        return build(_SOURCE, isa)
     except (OSError, subprocess.CalledProcessError) as e:
         logger.warning("quantized GEMM kernel disabled: %s",
                        (getattr(e, "stderr", "") or str(e)).strip()[:500])
         return None
+
+
+def build(source: str, isa: str | None = None) -> ctypes.CDLL:
+    """``source`` (this file's ``quant_gemm.c`` or another version of it) built with the
+    kernels' flags for ``isa`` (cached by content), loaded, its functions typed."""
+    compiler = kernels.find_compiler()
+    if compiler is None:
+        raise OSError("no C compiler")
+    flags = [*kernels._FLAGS, *kernels._isa_flags(isa or kernels.kernel_isa())]
+    path = os.path.join(envs.cache_root(), "kernels", "quant-" + _key(flags, source),
+                        "libconveyor_quant.so")
+    if not os.path.isfile(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        # Compiled with -ffast-math, linked without it: linking with it adds
+        # crtfastmath, whose constructor flushes subnormals to zero process-wide.
+        obj = f"{tmp}.o"
+        subprocess.run([compiler, *flags, "-c", source, "-o", obj],
+                       check=True, capture_output=True, text=True)
+        subprocess.run([compiler, "-shared", "-fopenmp", obj, "-o", tmp, "-lm"],
+                       check=True, capture_output=True, text=True)
+        os.remove(obj)
+        os.replace(tmp, path)  # atomic: concurrent builders never see half a file
+    lib = ctypes.CDLL(path)
     lib.qgemm_f32.restype = ctypes.c_int
     lib.qgemm_f32.argtypes = [_PTR, _I32, _I32, _I32, _PTR, _I32, _I32, _PTR, _PTR, _I32,
                               _PTR, _PTR, _I32]
@@ -79,36 +96,38 @@ def simd() -> bool:
     return bool(lib is not None and lib.qgemm_f32_simd())
 
 
-def check_weight(qweight: torch.Tensor, bits: int, scales: torch.Tensor,
-                 zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None
-                 ) -> tuple[int, int]:
-    """(N, K) of a weight ``qgemm`` takes, or ValueError naming what is wrong."""
+def check_weight(qweight: torch.Tensor, bits: int, n: int, k: int, scales: torch.Tensor,
+                 zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None) -> None:
+    """ValueError naming what is wrong unless the weight is one ``qgemm`` takes for N = n
+    outputs and K = k inputs, packed in panels of 16 outputs (``quant_gemm.c``): int8
+    [P, K, 16], int4 uint8 [P, K, 8]; scales (and zeros) float32 [P, K / group, 16]."""
     if bits not in (4, 8):
         raise ValueError(f"conveyor::qgemm: bits must be 4 or 8, got {bits}")
-    want = torch.int8 if bits == 8 else torch.uint8
-    if qweight.dtype != want or qweight.dim() != 2 or not qweight.is_contiguous() \
-            or qweight.device.type != "cpu":
-        raise ValueError(f"conveyor::qgemm: a {bits}-bit weight must be a contiguous 2-D "
-                         f"{want} CPU tensor, got {qweight.dtype} {tuple(qweight.shape)}")
-    n, k = qweight.shape[0], qweight.shape[1] * (2 if bits == 4 else 1)
     if group <= 0 or k % group:
         raise ValueError(f"conveyor::qgemm: group {group} does not divide K = {k}")
+    want = torch.int8 if bits == 8 else torch.uint8
+    panels = -(-n // 16)
+    shape = (panels, k, 16 if bits == 8 else 8)
+    if qweight.dtype != want or tuple(qweight.shape) != shape \
+            or not qweight.is_contiguous() or qweight.device.type != "cpu":
+        raise ValueError(f"conveyor::qgemm: a {bits}-bit weight must be a contiguous "
+                         f"{want} CPU tensor {shape}, got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
     for name, t in (("scales", scales), ("zeros", zeros)):
         if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()
-                              or tuple(t.shape) != (n, k // group)):
+                              or tuple(t.shape) != (panels, k // group, 16)):
             raise ValueError(f"conveyor::qgemm: {name} must be contiguous float32 "
-                             f"[{n}, {k // group}], got {t.dtype} {tuple(t.shape)}")
+                             f"[{panels}, {k // group}, 16], got {t.dtype} {tuple(t.shape)}")
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)
                              or not bias.is_contiguous()):
         raise ValueError(f"conveyor::qgemm: bias must be contiguous float32 [{n}]")
-    return n, k
 
 
 def qgemm(x: torch.Tensor, qweight: torch.Tensor, bits: int, scales: torch.Tensor,
           zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None, n: int,
           k: int, lib=None) -> torch.Tensor:
     """``x @ dequant(W).T + bias`` for float32 x [M, K] (rows unit-stride); the weight
-    checked once by ``check_weight`` (its N, K given)."""
+    checked once by ``check_weight`` for these N = n, K = k."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 \
             or x.device.type != "cpu":
         raise ValueError(f"conveyor::qgemm: x must be float32 [M, {k}] on CPU with unit "
@@ -125,6 +144,8 @@ def qgemm(x: torch.Tensor, qweight: torch.Tensor, bits: int, scales: torch.Tenso
                        scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
                        group, bias.data_ptr() if bias is not None else None,
                        y.data_ptr(), n)
+    if rc == -2:
+        raise MemoryError("conveyor::qgemm: no memory for the widening buffer")
     if rc != 0:
         raise ValueError("conveyor::qgemm: the kernel refused its arguments")
     return y

@@ -1,25 +1,44 @@
 /*
  * y = x @ dequant(W)^T (+ bias) for float32 x and an int8 or int4 weight, the weight
- * widened to float32 in registers (never written back dequantised): a decode step reads
- * one or two bytes per weight for 1-32 rows, which is what it is bound by.
+ * widened to float32 in registers or in a small per-thread buffer (never a float copy of
+ * the whole weight): a decode step reads one or half a byte per weight, which is what it
+ * is bound by at a few rows.
  *
- * W is [N, K] integers: bits 8, int8 row-major; bits 4, two per byte along K (the low
- * nibble holds the even k), unsigned 0..15. scales and zeros are [N, K / group] floats;
- * zeros (NULL: none) are subtracted from the integer before the scale, as the checkpoint
- * formats dequantise: w = (q - zero) * scale. Per group and row the products
- * x * (q - zero) are summed in float32 (exact integers times floats), the group's sum is
- * then multiplied by its scale: the same value as x @ w up to float32 rounding and order.
+ * W is packed at load (model/quant/linear.py) in panels of 16 output rows, K-contiguous,
+ * as the float GEMM packs its weights (gemm.c): panel p, column k holds outputs
+ * 16p..16p+15 (zeros past N), int8: 16 bytes at (p * K + k) * 16; int4 (unsigned 0..15):
+ * 8 bytes at (p * K + k) * 8, byte j holding output j (low nibble) and j + 8 (high).
+ * scales and zeros (NULL: none) likewise [P, K / group, 16] floats: w = (q - zero) * scale.
+ * A panel is one long contiguous stream (the hardware prefetcher follows it; row-major
+ * rows of 576 bytes were too short for it to ramp up on), a k step widens 16 outputs'
+ * weights at once, and no group size or K is too odd for the vector body.
  *
- * Rows are taken four at a time over each weight row (the weight row's bytes converted
- * once per four rows); threads split the output columns.
+ * The value multiplied by x: with one group per row (a scale per output row), q - zero
+ * (exact for an integer zero), each sum multiplied by its scale once at the end; with
+ * groups, (q - zero) * scale rounded to float32, as the dequantised float32 weight holds
+ * it. Each output is one float32 FMA chain over k ascending, in every path below and
+ * whatever the row count: a row's result does not depend on the rows beside it.
+ *
+ * Up to DIRECT_MAX rows the weights are widened in registers, one or two panels a pass
+ * sharing each broadcast of x. Past it a task widens a KC x 16 slice of a panel once into
+ * a float buffer (L1) and runs 6 x 16 register tiles over it (gemm.c's tile: 12
+ * accumulators, two loads and six broadcasts a k step), the slivers' accumulators
+ * carried over K blocks through y (loaded back into the same FMA chain).
  */
 #include <stdint.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
-#define ROWS 4
+#define DIRECT_MAX 4 /* rows of x up to which the weights are widened in registers */
+#define KC 256       /* a buffered slice: 256 x 16 floats, 16 KB (inside L1) */
+#define MR 6         /* rows of a buffered tile */
+/* Bytes ahead of its reads in a panel's stream that a pass prefetches (a whole decode
+ * step's weights come from memory). */
+#define PF_DIST 2048
 
 int qgemm_f32_simd(void) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -29,155 +48,320 @@ int qgemm_f32_simd(void) {
 #endif
 }
 
-static inline float q_at(const uint8_t* wrow, int bits, int k) {
-    if (bits == 8) return (float)((const int8_t*)wrow)[k];
-    const uint8_t b = wrow[k >> 1];
-    return (float)((k & 1) ? (b >> 4) : (b & 15));
+/* The weight as the kernel reads it. chan: one group a row (scale applied at the end). */
+typedef struct {
+    const uint8_t* w;
+    int bits, K, N, group, groups, chan;
+    const float* scales; /* [P, groups, 16] */
+    const float* zeros;
+} QW;
+
+/* The value x[k] is multiplied by for output n (see above). */
+static inline float w_at(const QW* q, int n, int k) {
+    const int p = n >> 4, j = n & 15;
+    const size_t at = (size_t)p * q->K + k;
+    float v;
+    if (q->bits == 8) {
+        v = (float)((const int8_t*)q->w)[at * 16 + j];
+    } else {
+        const uint8_t b = q->w[at * 8 + (j & 7)];
+        v = (float)(j >= 8 ? b >> 4 : b & 15);
+    }
+    const size_t s = ((size_t)p * q->groups + k / q->group) * 16 + j;
+    if (q->zeros) v -= q->zeros[s];
+    return q->chan ? v : v * q->scales[s];
+}
+
+static inline float finish(const QW* q, float acc, int n, const float* bias) {
+    if (q->chan) acc *= q->scales[(size_t)(n >> 4) * 16 + (n & 15)];
+    return acc + (bias ? bias[n] : 0.0f);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 q8_load(const uint8_t* p) {  /* 8 int8 -> 8 floats */
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-
-static inline __m256 q4_load(const uint8_t* p) {  /* 4 bytes = 8 nibbles -> 8 floats */
-    int32_t word;
-    __builtin_memcpy(&word, p, 4);
-    const __m128i dup = _mm_shuffle_epi8(_mm_cvtsi32_si128(word),
-                                         _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1,
-                                                       -1, -1, -1, -1, -1));
-    __m256i v = _mm256_cvtepu8_epi32(dup);
-    v = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
-    v = _mm256_and_si256(v, _mm256_set1_epi32(15));
-    return _mm256_cvtepi32_ps(v);
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__)
-/* rows 0..NR of x against one weight row; NR, BITS and ZERO are constants at each call
- * site (always inlined), so the accumulators stay in registers and the loops unroll. */
+/* Column k of panel p (16 outputs) as the kernel multiplies them, in v[0] (outputs 0-7)
+ * and v[1] (8-15); sz: the group's 16 scales (and zeros at sz + zoff). */
 static inline __attribute__((always_inline)) void
-q_rows_simd(const float* x, int ldx, int K, const uint8_t* wrow, const float* srow,
-            const float* zrow, int group, float* out, const int NR, const int BITS,
-            const int ZERO) {
-    const int groups = K / group;
-    __m256 tot0 = _mm256_setzero_ps(), tot1 = tot0, tot2 = tot0, tot3 = tot0;
-    for (int g = 0; g < groups; g++) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        const __m256 z = _mm256_set1_ps(ZERO ? zrow[g] : 0.0f);
-        const float* xk = x + (size_t)g * group;
-        const uint8_t* wk = wrow + (BITS == 8 ? (size_t)g * group : (size_t)g * group / 2);
-        for (int k = 0; k < group; k += 8) {
-            __m256 w = BITS == 8 ? q8_load(wk + k) : q4_load(wk + (k >> 1));
-            if (ZERO) w = _mm256_sub_ps(w, z);
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + k), w, a0);
-            if (NR > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + ldx + k), w, a1);
-            if (NR > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 2 * (size_t)ldx + k), w, a2);
-            if (NR > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 3 * (size_t)ldx + k), w, a3);
+deq16(const QW* q, int p, int k, const float* s, const float* z, const int BITS,
+      const int ZERO, const int CHAN, __m256 v[2]) {
+    const size_t at = (size_t)p * q->K + k;
+    if (BITS == 8) {
+        /* two 8-byte loads, each folded into its sign extension (one 16-byte load took a
+         * shuffle more for its upper half) */
+        const uint8_t* b = q->w + at * 16;
+        v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)b)));
+        v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b + 8))));
+    } else {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q->w + at * 8)));
+        v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+        v[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    }
+    for (int h = 0; h < 2; h++) {
+        if (ZERO) v[h] = _mm256_sub_ps(v[h], _mm256_loadu_ps(z + 8 * h));
+        if (!CHAN) v[h] = _mm256_mul_ps(v[h], _mm256_loadu_ps(s + 8 * h));
+    }
+}
+
+/* The tile's sums (acc[r][2 * pp + h]: row r, panel p0 + pp, half h) into y: the scale
+ * for one group a row, the bias, the outputs past N left out. */
+static inline __attribute__((always_inline)) void
+store_sums(const QW* q, __m256 acc[][4], const int R, const int P, int p0, const float* bias,
+           float* y, int ldy) {
+    for (int r = 0; r < R; r++)
+        for (int pp = 0; pp < P; pp++) {
+            float t[16];
+            _mm256_storeu_ps(t, acc[r][2 * pp]);
+            _mm256_storeu_ps(t + 8, acc[r][2 * pp + 1]);
+            const int n0 = (p0 + pp) * 16;
+            for (int j = 0; j < 16 && n0 + j < q->N; j++)
+                y[(size_t)r * ldy + n0 + j] = finish(q, t[j], n0 + j, bias);
         }
-        const __m256 s = _mm256_set1_ps(srow[g]);
-        tot0 = _mm256_fmadd_ps(a0, s, tot0);
-        if (NR > 1) tot1 = _mm256_fmadd_ps(a1, s, tot1);
-        if (NR > 2) tot2 = _mm256_fmadd_ps(a2, s, tot2);
-        if (NR > 3) tot3 = _mm256_fmadd_ps(a3, s, tot3);
-    }
-    out[0] = hsum(tot0);
-    if (NR > 1) out[1] = hsum(tot1);
-    if (NR > 2) out[2] = hsum(tot2);
-    if (NR > 3) out[3] = hsum(tot3);
 }
 
-/* One group (a scale per output row) and no zero point: eight rows a pass, the sums
- * scaled once at the end (eight accumulators, the weight converted once per 8 rows). */
+/* R (1..DIRECT_MAX) rows of x against P (1..2) panels from p0, widened in registers. */
 static inline __attribute__((always_inline)) void
-q_rows8_channel(const float* x, int ldx, int K, const uint8_t* wrow, float scale,
-                float* out, const int BITS) {
-    __m256 a[8];
-    for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-    for (int k = 0; k < K; k += 8) {
-        const __m256 w = BITS == 8 ? q8_load(wrow + k) : q4_load(wrow + (k >> 1));
-        for (int r = 0; r < 8; r++)
-            a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)r * ldx + k), w, a[r]);
+direct_tile(const float* x, int ldx, const QW* q, int p0, const int R, const int P,
+            const int BITS, const int ZERO, const int CHAN, const float* bias, float* y,
+            int ldy) {
+    __m256 acc[DIRECT_MAX][4];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 2 * P; i++) acc[r][i] = _mm256_setzero_ps();
+    for (int g = 0; g < q->groups; g++) {
+        const float* s[2];
+        const float* z[2];
+        for (int pp = 0; pp < P; pp++) {
+            const size_t i = ((size_t)(p0 + pp) * q->groups + g) * 16;
+            s[pp] = q->scales + i;
+            z[pp] = ZERO ? q->zeros + i : NULL;
+        }
+        const int k1 = (g + 1) * q->group;
+        for (int k = g * q->group; k < k1; k++) {
+            /* a line PF_DIST ahead of each panel's stream for every 64 bytes read */
+            if (k % (BITS == 8 ? 4 : 8) == 0)
+                for (int pp = 0; pp < P; pp++)
+                    _mm_prefetch((const char*)q->w + ((size_t)(p0 + pp) * q->K + k)
+                                 * (BITS == 8 ? 16 : 8) + PF_DIST, _MM_HINT_T0);
+            __m256 w[2][2];
+            for (int pp = 0; pp < P; pp++)
+                deq16(q, p0 + pp, k, s[pp], z[pp], BITS, ZERO, CHAN, w[pp]);
+            for (int r = 0; r < R; r++) {
+                const __m256 xv = _mm256_broadcast_ss(x + (size_t)r * ldx + k);
+                for (int pp = 0; pp < P; pp++) {
+                    acc[r][2 * pp] = _mm256_fmadd_ps(xv, w[pp][0], acc[r][2 * pp]);
+                    acc[r][2 * pp + 1] = _mm256_fmadd_ps(xv, w[pp][1], acc[r][2 * pp + 1]);
+                }
+            }
+        }
     }
-    for (int r = 0; r < 8; r++) out[r] = hsum(a[r]) * scale;
+    /* (a copy: handing acc itself to store_sums kept it on the stack through the loop) */
+    __m256 sums[DIRECT_MAX][4];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 2 * P; i++) sums[r][i] = acc[r][i];
+    store_sums(q, sums, R, P, p0, bias, y, ldy);
 }
 
-#define Q_ROWS_CASE(BITS, ZERO)                                                          \
-    switch (nr) {                                                                        \
-    case 1: q_rows_simd(x, ldx, K, wrow, srow, zrow, group, out, 1, BITS, ZERO); break;  \
-    case 2: q_rows_simd(x, ldx, K, wrow, srow, zrow, group, out, 2, BITS, ZERO); break;  \
-    case 3: q_rows_simd(x, ldx, K, wrow, srow, zrow, group, out, 3, BITS, ZERO); break;  \
-    default: q_rows_simd(x, ldx, K, wrow, srow, zrow, group, out, 4, BITS, ZERO); break; \
+/* Panels p0..p1, rows 0..M (M <= DIRECT_MAX). */
+static inline __attribute__((always_inline)) void
+task_direct(const float* x, int M, int ldx, const QW* q, int p0, int p1, const float* bias,
+            float* y, int ldy, const int BITS, const int ZERO, const int CHAN) {
+    for (int p = p0; p < p1;) {
+        /* two panels a pass at one or two rows (4 and 8 accumulators), one at 3-4 */
+        const int P = (M <= 2 && p1 - p >= 2) ? 2 : 1;
+#define DT(R, PP) direct_tile(x, ldx, q, p, R, PP, BITS, ZERO, CHAN, bias, y, ldy)
+        if (P == 2) { if (M == 1) DT(1, 2); else DT(2, 2); }
+        else if (M == 1) DT(1, 1);
+        else if (M == 2) DT(2, 1);
+        else if (M == 3) DT(3, 1);
+        else DT(4, 1);
+#undef DT
+        p += P;
     }
+}
+
+/* Slice k0..k0 + kc of panel p widened into buf (kc x 16 floats). */
+static inline __attribute__((always_inline)) void
+widen_slice(const QW* q, int p, int k0, int kc, float* buf, const int BITS, const int ZERO,
+            const int CHAN) {
+    const uint8_t* pf = q->w + ((size_t)p * q->K + k0) * (BITS == 8 ? 16 : 8) + PF_DIST;
+    for (int k = k0; k < k0 + kc;) {
+        const int g = k / q->group, k1 = (g + 1) * q->group < k0 + kc ? (g + 1) * q->group
+                                                                     : k0 + kc;
+        const size_t i = ((size_t)p * q->groups + g) * 16;
+        for (; k < k1; k++) {
+            if ((k - k0) % (BITS == 8 ? 4 : 8) == 0)
+                _mm_prefetch((const char*)pf + (size_t)(k - k0) * (BITS == 8 ? 16 : 8),
+                             _MM_HINT_T0);
+            __m256 v[2];
+            deq16(q, p, k, q->scales + i, ZERO ? q->zeros + i : NULL, BITS, ZERO, CHAN, v);
+            _mm256_store_ps(buf + (size_t)(k - k0) * 16, v[0]);
+            _mm256_store_ps(buf + (size_t)(k - k0) * 16 + 8, v[1]);
+        }
+    }
+}
+
+/* R (1..MR) rows of x (at this slice's first column) against a widened slice; rows past
+ * R (up to RMAX: 2, 4 or 6, the tile's size) read row 0 again (their sums are never
+ * stored). The accumulators start from y's
+ * partial sums when carry (the same FMA chain continues) and end in y (a last panel past
+ * N: in spill, M x 16 floats) or, on the last slice, through finish. Named accumulators,
+ * as gemm.c's tile: an array of them was kept on the stack. */
+static inline __attribute__((always_inline)) void
+buffer_tile(const float* x, int ldx, const float* restrict buf, int kc, int R, int carry,
+            int last, const QW* q, int p, const float* bias, float* y, int ldy, float* spill,
+            const int RMAX) {
+    const float* restrict a0 = x;
+    const float* restrict a1 = R > 1 ? x + (size_t)ldx : x;
+    const float* restrict a2 = R > 2 ? x + 2 * (size_t)ldx : x;
+    const float* restrict a3 = R > 3 ? x + 3 * (size_t)ldx : x;
+    const float* restrict a4 = R > 4 ? x + 4 * (size_t)ldx : x;
+    const float* restrict a5 = R > 5 ? x + 5 * (size_t)ldx : x;
+    const int full = (p + 1) * 16 <= q->N;
+    float* part = full ? y + p * 16 : spill;
+    const int ldp = full ? ldy : 16;
+    __m256 c[MR][2];
+    for (int r = 0; r < MR; r++)
+        for (int h = 0; h < 2; h++)
+            c[r][h] = carry && r < R ? _mm256_loadu_ps(part + (size_t)r * ldp + 8 * h)
+                                     : _mm256_setzero_ps();
+    __m256 c00 = c[0][0], c01 = c[0][1], c10 = c[1][0], c11 = c[1][1], c20 = c[2][0],
+           c21 = c[2][1], c30 = c[3][0], c31 = c[3][1], c40 = c[4][0], c41 = c[4][1],
+           c50 = c[5][0], c51 = c[5][1];
+    for (int k = 0; k < kc; k++) {
+        const __m256 b0 = _mm256_load_ps(buf + (size_t)k * 16);
+        const __m256 b1 = _mm256_load_ps(buf + (size_t)k * 16 + 8);
+        __m256 xv = _mm256_broadcast_ss(a0 + k);
+        c00 = _mm256_fmadd_ps(xv, b0, c00); c01 = _mm256_fmadd_ps(xv, b1, c01);
+        if (RMAX > 1) {
+            xv = _mm256_broadcast_ss(a1 + k);
+            c10 = _mm256_fmadd_ps(xv, b0, c10); c11 = _mm256_fmadd_ps(xv, b1, c11);
+        }
+        if (RMAX > 2) {
+            xv = _mm256_broadcast_ss(a2 + k);
+            c20 = _mm256_fmadd_ps(xv, b0, c20); c21 = _mm256_fmadd_ps(xv, b1, c21);
+            xv = _mm256_broadcast_ss(a3 + k);
+            c30 = _mm256_fmadd_ps(xv, b0, c30); c31 = _mm256_fmadd_ps(xv, b1, c31);
+        }
+        if (RMAX > 4) {
+            xv = _mm256_broadcast_ss(a4 + k);
+            c40 = _mm256_fmadd_ps(xv, b0, c40); c41 = _mm256_fmadd_ps(xv, b1, c41);
+            xv = _mm256_broadcast_ss(a5 + k);
+            c50 = _mm256_fmadd_ps(xv, b0, c50); c51 = _mm256_fmadd_ps(xv, b1, c51);
+        }
+    }
+    const __m256 out[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                               {c30, c31}, {c40, c41}, {c50, c51}};
+    for (int r = 0; r < R; r++) {
+        float t[16];
+        _mm256_storeu_ps(t, out[r][0]);
+        _mm256_storeu_ps(t + 8, out[r][1]);
+        if (!last) {
+            memcpy(part + (size_t)r * ldp, t, sizeof(t));
+        } else {
+            for (int j = 0; j < 16 && p * 16 + j < q->N; j++)
+                y[(size_t)r * ldy + p * 16 + j] = finish(q, t[j], p * 16 + j, bias);
+        }
+    }
+}
+
+static __thread float* wide_buf = NULL;
+
+/* Panels p0..p1, any rows: each slice widened once, then every sliver of rows over it.
+ * spill: partial sums of a last panel past N (M x 16 floats). Returns -1 if the buffer
+ * could not be allocated. */
+static inline __attribute__((always_inline)) int
+task_buffered(const float* x, int M, int ldx, const QW* q, int p0, int p1,
+              const float* bias, float* y, int ldy, float* spill, const int BITS,
+              const int ZERO, const int CHAN) {
+    if (wide_buf == NULL && (wide_buf = (float*)aligned_alloc(64, sizeof(float) * KC * 16)) == NULL)
+        return -1;
+    float* buf = wide_buf;
+    const int nkb = (q->K + KC - 1) / KC;
+    for (int p = p0; p < p1; p++)
+        for (int kb = 0; kb < nkb; kb++) {
+            const int k0 = kb * KC, kc = q->K - k0 < KC ? q->K - k0 : KC;
+            widen_slice(q, p, k0, kc, buf, BITS, ZERO, CHAN);
+            for (int m = 0; m < M; m += MR) {
+                /* a sliver of 6 rows; a last one of 1-2 or 3-4 in a 2- or 4-row tile */
+                const int R = M - m < MR ? M - m : MR;
+#define BT(RMAX) buffer_tile(x + (size_t)m * ldx + k0, ldx, buf, kc, R, kb > 0, kb == nkb - 1, \
+                             q, p, bias, y + (size_t)m * ldy, ldy, spill + (size_t)m * 16, RMAX)
+                if (R <= 2) BT(2);
+                else if (R <= 4) BT(4);
+                else BT(MR);
+#undef BT
+            }
+        }
+    return 0;
+}
+
+#define BY_KIND(CALL)                                                                    \
+    do {                                                                                 \
+        const int z_ = q.zeros != NULL;                                                  \
+        if (q.bits == 8) {                                                               \
+            if (q.chan) { if (z_) CALL(8, 1, 1); else CALL(8, 0, 1); }                   \
+            else { if (z_) CALL(8, 1, 0); else CALL(8, 0, 0); }                          \
+        } else {                                                                         \
+            if (q.chan) { if (z_) CALL(4, 1, 1); else CALL(4, 0, 1); }                   \
+            else { if (z_) CALL(4, 1, 0); else CALL(4, 0, 0); }                          \
+        }                                                                                \
+    } while (0)
 #endif
 
-/* rows r0..r0+nr (nr <= ROWS) of x against weight row n */
-static void q_rows(const float* x, int ldx, int nr, int K, const uint8_t* wrow, int bits,
-                   const float* srow, const float* zrow, int group, float* out) {
-#if defined(__AVX2__) && defined(__FMA__)
-    if (group % 8 == 0) {
-        if (bits == 8 && zrow) { Q_ROWS_CASE(8, 1) }
-        else if (bits == 8) { Q_ROWS_CASE(8, 0) }
-        else if (zrow) { Q_ROWS_CASE(4, 1) }
-        else { Q_ROWS_CASE(4, 0) }
-        return;
-    }
-#endif
-    const int groups = K / group;
-    for (int r = 0; r < nr; r++) {
-        const float* xr = x + (size_t)r * ldx;
-        float tot = 0.0f;
-        for (int g = 0; g < groups; g++) {
-            const float z = zrow ? zrow[g] : 0.0f;
+/* Outputs of panels p0..p1, rows 0..M, one at a time. */
+static __attribute__((unused)) void task_scalar(const float* x, int M, int ldx, const QW* q, int p0, int p1,
+                        const float* bias, float* y, int ldy) {
+    for (int n = p0 * 16; n < p1 * 16 && n < q->N; n++)
+        for (int m = 0; m < M; m++) {
+            const float* xr = x + (size_t)m * ldx;
             float acc = 0.0f;
-            for (int k = g * group; k < (g + 1) * group; k++)
-                acc += xr[k] * (q_at(wrow, bits, k) - z);
-            tot += acc * srow[g];
+            for (int k = 0; k < q->K; k++) acc += xr[k] * w_at(q, n, k);
+            y[(size_t)m * ldy + n] = finish(q, acc, n, bias);
         }
-        out[r] = tot;
-    }
 }
 
-/* Returns 0, or -1 for arguments it does not take. */
+/* Returns 0, -1 for arguments it does not take, or -2 if memory ran out. */
 int qgemm_f32(const float* x, int M, int K, int ldx, const void* w, int bits, int N,
               const float* scales, const float* zeros, int group, const float* bias,
               float* y, int ldy) {
-    if (M < 0 || N <= 0 || K <= 0 || group <= 0 || K % group || (bits != 8 && bits != 4)
-        || (bits == 4 && K % 2))
+    if (M < 0 || N <= 0 || K <= 0 || group <= 0 || K % group || (bits != 8 && bits != 4))
         return -1;
-    const int groups = K / group;
-    const size_t wstride = bits == 8 ? (size_t)K : (size_t)K / 2;
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const uint8_t* wrow = (const uint8_t*)w + n * wstride;
-        const float* srow = scales + (size_t)n * groups;
-        const float* zrow = zeros ? zeros + (size_t)n * groups : NULL;
-        int r0 = 0;
+    const QW q = {(const uint8_t*)w, bits, K, N, group, K / group, K == group, scales, zeros};
+    const int np = (N + 15) / 16;
+    int failed = 0;
+    if (M == 0) return 0;
 #if defined(__AVX2__) && defined(__FMA__)
-        if (groups == 1 && !zrow && K % 8 == 0) {
-            for (; r0 + 8 <= M; r0 += 8) {
-                float out[8];
-                if (bits == 8) q_rows8_channel(x + (size_t)r0 * ldx, ldx, K, wrow, srow[0], out, 8);
-                else q_rows8_channel(x + (size_t)r0 * ldx, ldx, K, wrow, srow[0], out, 4);
-                for (int r = 0; r < 8; r++)
-                    y[(size_t)(r0 + r) * ldy + n] = out[r] + (bias ? bias[n] : 0.0f);
+    if (M > DIRECT_MAX) {
+        /* tasks of two panels; a last panel past N keeps its partial sums in spill */
+        float* spill = (float*)malloc(sizeof(float) * 16 * (size_t)M);
+        if (spill == NULL) return -2;
+        const int tasks = (np + 1) / 2;
+#pragma omp parallel for schedule(static)
+        for (int i = 0; i < tasks; i++) {
+            const int p0 = 2 * i, p1 = p0 + 2 < np ? p0 + 2 : np;
+            int rc;
+#define TB(B, Z, C) rc = task_buffered(x, M, ldx, &q, p0, p1, bias, y, ldy, spill, B, Z, C)
+            BY_KIND(TB);
+#undef TB
+            if (rc != 0) {
+#pragma omp atomic write
+                failed = 1;
             }
         }
-#endif
-        for (; r0 < M; r0 += ROWS) {
-            const int nr = M - r0 < ROWS ? M - r0 : ROWS;
-            float out[ROWS];
-            q_rows(x + (size_t)r0 * ldx, ldx, nr, K, wrow, bits, srow, zrow, group, out);
-            for (int r = 0; r < nr; r++)
-                y[(size_t)(r0 + r) * ldy + n] = out[r] + (bias ? bias[n] : 0.0f);
-        }
+        free(spill);
+        return failed ? -2 : 0;
+    }
+    const int tasks = (np + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < tasks; i++) {
+        const int p0 = 2 * i, p1 = p0 + 2 < np ? p0 + 2 : np;
+#define TD(B, Z, C) task_direct(x, M, ldx, &q, p0, p1, bias, y, ldy, B, Z, C)
+        BY_KIND(TD);
+#undef TD
     }
     return 0;
+#else
+    (void)failed;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < np; p++) task_scalar(x, M, ldx, &q, p, p + 1, bias, y, ldy);
+    return 0;
+#endif
 }

@@ -20,6 +20,7 @@ from torch import nn
 
 from conveyor.config.quantization import ON_THE_FLY
 from conveyor.distributed.parallel import TPShard
+from conveyor.kernels.cpu import quant as qkernel
 from conveyor.model.autotune import linears as linear_choice
 from conveyor.model.linear.shape import LinearShape
 from conveyor.model.quant.backends import Scheme, candidates, quant_linear_backends
@@ -119,8 +120,11 @@ def _choose(sites, device: torch.device, dtype: torch.dtype, rows: tuple[int, in
         if len(names) == 1 or not linear_choice.measuring_enabled():
             choice.update({(scheme, s.key): names[0] for s in counts})
             continue
-        # (keyed by scheme too: the measurement cache holds one choice per candidate set)
-        backends = {f"{n}:{scheme.tag}": quant_linear_backends.get(n)(device, dtype, scheme)
+        # (keyed by scheme too: the measurement cache holds one choice per candidate set;
+        # and by the quantized kernel's build, which the cache's kernel key leaves out)
+        build = qkernel.build_id()
+        backends = {f"{n}:{scheme.tag}:{build}": quant_linear_backends.get(n)(device, dtype,
+                                                                              scheme)
                     for n in names}
         shapes = sorted(counts, key=lambda s: s.key)
         picked = linear_choice.choose(shapes, backends, device, dtype, *rows,

@@ -1,6 +1,6 @@
 """Quantized linear backends by name (a registry like the float linears'), each for the
-weights it can run: ``native-int`` (conveyor's kernel: int8 and int4, any group size that
-is a multiple of 8, zero points; needs the kernels built), ``torch-int8mm`` (torch's
+weights it can run: ``native-int`` (conveyor's kernel: int8 and int4, any group size,
+zero points; needs the kernels built with AVX2 + FMA), ``torch-int8mm`` (torch's
 int8 weight-only matmul: symmetric int8 per row, bfloat16 or float16 compute on CPU) and
 ``dequant`` (anywhere). ``auto`` measures the candidates per weight shape on the machine
 (``autotune/linears.py``, cached), as the float linears are.
@@ -95,8 +95,6 @@ class NativeQuantBackend(QuantLinearBackend):
         if not qkernel.simd():
             return "needs a CPU with AVX2 and FMA (else its scalar body is slower than " \
                    "dequantising)"
-        if scheme.group % 8:
-            return f"needs a group size that is a multiple of 8, got {scheme.group}"
         return None
 
     def make_linear(self, weight, bias, gate_up=False) -> nn.Module:

@@ -1,7 +1,8 @@
 """The modules that compute ``x @ dequant(W).T + bias`` from a ``QuantWeight``.
 
 - ``NativeQuantLinear``: conveyor's kernel (``kernels/cpu/quant_gemm.c``), int8 or int4
-  (nibbles) widened in registers, float32 sums; x in any float dtype, computed in float32.
+  (nibbles) packed in panels of 16 output rows at load, widened in registers or a small
+  buffer, float32 sums; x in any float dtype, computed in float32.
 - ``Int8MMLinear``: torch's ``_weight_int8pack_mm`` (int8, one scale per row); fast on
   this project's AVX2 CPU for bfloat16 x only.
 - ``DequantLinear``: the weight dequantised on every call, then ``F.linear``: portable (any
@@ -21,6 +22,16 @@ from conveyor.model.quant.weight import QuantWeight
 
 def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
     return bias.detach().to(torch.float32).contiguous() if bias is not None else None
+
+
+def to_panels(t: torch.Tensor, pad: float = 0) -> torch.Tensor:
+    """[N, C] as ``quant_gemm.c``'s panels of 16 rows: [ceil(N / 16), C, 16], row 16p + j
+    at [p, :, j], rows past N filled with ``pad``."""
+    n, c = t.shape
+    panels = -(-n // 16)
+    out = torch.full((panels * 16, c), pad, dtype=t.dtype)
+    out[:n] = t
+    return out.view(panels, 16, c).transpose(1, 2).contiguous()
 
 
 class _QuantLinear(nn.Module):
@@ -48,15 +59,16 @@ class NativeQuantLinear(_QuantLinear):
             if int(q.min()) < 0:  # signed -8..7: stored as 0..15 with the zero moved by 8
                 q = q + 8
                 zero = (zero if zero is not None else torch.zeros_like(weight.scale)) + 8
-            u = q.to(torch.uint8)
-            q = (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
-        self.qweight = q.contiguous()
-        self.scales = weight.scale.to(torch.float32).contiguous()
-        self.zeros = zero.to(torch.float32).contiguous() if zero is not None else None
+            u = to_panels(q.to(torch.uint8))
+            self.qweight = (u[:, :, :8] | (u[:, :, 8:] << 4)).contiguous()
+        else:
+            self.qweight = to_panels(q)
+        self.scales = to_panels(weight.scale.to(torch.float32), 1.0)
+        self.zeros = to_panels(zero.to(torch.float32)) if zero is not None else None
         self.bias = _bias(bias)
         self.perm = weight.perm  # act-order: x's columns in the weight's order
-        qkernel.check_weight(self.qweight, self.bits, self.scales, self.zeros, self.group,
-                             self.bias)
+        qkernel.check_weight(self.qweight, self.bits, self.out_features, self.in_features,
+                             self.scales, self.zeros, self.group, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
