@@ -7,13 +7,18 @@ from dataclasses import dataclass
 
 from conveyor.config.names import PREDICTOR_NAMES
 
+# sjf's default aging: no request is overtaken by one that arrived this many seconds after
+# it, so a long prompt under a stream of short ones waits at most for the work that
+# arrived before then. Long enough that sjf keeps its order under ordinary queueing.
+SJF_AGING_S = 60.0
+
 
 @dataclass(frozen=True)
 class PolicyConfig:
     """Knobs every policy may read; each policy reads only its own."""
 
     # sjf: a request is never overtaken by one that arrived this much later (0: no aging).
-    sjf_aging_s: float = 0.0
+    sjf_aging_s: float = SJF_AGING_S
     # sjf: how the expected output length is predicted (a name in ``PREDICTOR_NAMES``).
     sjf_predictor: str = "hint"
     # sjf: cost of a token still to prefill relative to an output token still to generate.

@@ -39,8 +39,9 @@ from conveyor.config import SchedulerConfig
 from conveyor.request import Request
 
 # Queued long prompts the waiting scan may pass over in one step (the long cap full):
-# short prompts queued behind more of them than this wait for the next step's scan.
-MAX_PASSED_OVER = 64
+# short prompts queued behind more of them than this wait until some start. Each one
+# passed costs a prefix-cache lookup of its prompt, hence a small bound.
+MAX_PASSED_OVER = 8
 
 
 @dataclass
