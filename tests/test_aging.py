@@ -1,8 +1,11 @@
-"""Starvation bounds at the default settings, on a virtual clock (one step = 1 s): ``sjf``
-admits a long prompt under a stream of short ones within its aging bound, and ``lpm``
-admits a cache miss among a stream of hits within its overtake bound."""
+"""Starvation bounds on a virtual clock (one step = 1 s): ``sjf`` with aging admits a long
+prompt under a stream of short ones within its aging bound (without it, never while the
+stream lasts), and ``lpm`` at its default window admits a cache miss among a stream of
+hits within its overtake bound."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from policy_harness import Sim, make_req
@@ -20,8 +23,8 @@ def short_stream(num: int, start: float = 0.0) -> list:
     return [make_req(f"s{i}", 4, 4, arrival=start + i) for i in range(num)]
 
 
-def sjf_run(aging_s: float | None, num_short: int) -> Sim:
-    policy = PolicyConfig() if aging_s is None else PolicyConfig(sjf_aging_s=aging_s)
+def sjf_run(aging_s: float, num_short: int) -> Sim:
+    policy = PolicyConfig(sjf_aging_s=aging_s)
     sched = make_scheduler(scheduling_policy="sjf", policy=policy, num_blocks=1024,
                            max_num_seqs=2, max_num_batched_tokens=32,
                            max_model_len=MAX_MODEL_LEN)
@@ -31,13 +34,14 @@ def sjf_run(aging_s: float | None, num_short: int) -> Sim:
     return sim
 
 
-def test_sjf_ages_by_default_and_serves_a_long_prompt_within_its_bound():
-    """The default key ages: no request that arrived ``sjf_aging_s`` or more after the
-    long prompt is admitted before it, so the long prompt starts while the stream goes on."""
-    aging = PolicyConfig().sjf_aging_s
-    assert aging > 0
-    num_short = int(2 * aging) + 20
-    sim = sjf_run(None, num_short)
+@pytest.mark.parametrize("aging", [10.0, 60.0])
+def test_sjf_aging_serves_a_long_prompt_within_its_bound(aging):
+    """No request that arrived ``sjf_aging_s`` or more after the long prompt is admitted
+    before it, so the long prompt starts while the stream goes on."""
+    # Shorts (work 8) overtake the long prompt (work 102) for aging * (102 - 8) / 512 s;
+    # the stream goes on well past that.
+    num_short = math.ceil(aging * (102 - 8) / MAX_MODEL_LEN) + 30
+    sim = sjf_run(aging, num_short)
     long_ = sim.all["long"]
     before = [r for rid, r in sim.all.items()
               if rid != "long" and r.first_scheduled_time < long_.first_scheduled_time]

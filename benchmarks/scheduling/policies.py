@@ -378,7 +378,7 @@ def main() -> int:
     p.add_argument("--load", type=float, default=2.0,
                    help="offered request rate as a multiple of the measured capacity")
     p.add_argument("--sjf-aging-s", type=float, default=600.0,
-                   help="sjf aging (the engine's default is 60 s)")
+                   help="sjf aging (the engine's default is 0: no aging)")
     p.add_argument("--sjf-prompt-weight", type=float, default=1 / 16,
                    help="sjf: a prompt token's cost relative to an output token's (the "
                         "engine's default is 1; sjf-w1 runs with 1)")

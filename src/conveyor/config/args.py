@@ -238,7 +238,7 @@ class EngineArgs:
                             "--attention-backend triton)")
         g.add_argument("--sjf-aging-s", type=float, default=SJF_AGING_S,
                        help="sjf: never let a request that arrived this much later go "
-                            f"first (default {SJF_AGING_S:g}; 0: no aging)")
+                            f"first (default {SJF_AGING_S:g}: no aging)")
         g.add_argument("--sjf-predictor", default="hint", choices=sorted(PREDICTOR_NAMES),
                        help="sjf: expected output length (hint: expected_output_tokens, "
                             "else max_tokens)")

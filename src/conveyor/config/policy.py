@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 from conveyor.config.names import PREDICTOR_NAMES
 
-# sjf's default aging: no request is overtaken by one that arrived this many seconds after
-# it, so a long prompt under a stream of short ones waits at most for the work that
-# arrived before then. Long enough that sjf keeps its order under ordinary queueing.
-SJF_AGING_S = 60.0
+# sjf's default aging: off. With A > 0 no request is overtaken by one that arrived A
+# seconds after it; on an overloaded queue (backlog of minutes) that turns sjf towards
+# fcfs and loses its makespan (docs/scheduling.md), so the bound is the user's choice.
+SJF_AGING_S = 0.0
 
 
 @dataclass(frozen=True)
