@@ -187,13 +187,13 @@ def test_fcfs_arrival_order_with_preempted_at_the_front() -> None:
 
 
 def test_sjf_orders_by_remaining_work_and_uses_the_hint() -> None:
-    p = make_policy("sjf")
+    p = make_policy("sjf", PolicyConfig(sjf_aging_s=0.0))  # pure SJF
     p.add(make_req("long", 10, 50, arrival=0.0), 0.0)  # work 60
     p.add(make_req("hinted", 10, 50, arrival=1.0, expected=5), 1.0)  # work 15
     p.add(make_req("short", 20, 10, arrival=2.0), 2.0)  # work 30
     p.add(make_req("tie", 20, 10, arrival=3.0), 3.0)  # work 30, later
     assert order(p) == ["hinted", "short", "tie", "long"]
-    p = make_policy("sjf", PolicyConfig(sjf_predictor="max_tokens"))
+    p = make_policy("sjf", PolicyConfig(sjf_predictor="max_tokens", sjf_aging_s=0.0))
     p.add(make_req("long", 10, 50), 0.0)
     p.add(make_req("hinted", 10, 50, expected=5), 0.0)
     p.add(make_req("short", 20, 10), 0.0)
@@ -213,7 +213,7 @@ def test_sjf_counts_recomputation_of_a_preempted_request() -> None:
 def test_sjf_predictor_is_pluggable() -> None:
     register_predictor("test-oracle", lambda r: 1)
     try:
-        p = make_policy("sjf", PolicyConfig(sjf_predictor="test-oracle"))
+        p = make_policy("sjf", PolicyConfig(sjf_predictor="test-oracle", sjf_aging_s=0.0))
         p.add(make_req("a", 10, 50), 0.0)
         p.add(make_req("b", 12, 5), 0.0)
         assert order(p) == ["a", "b"]  # 10 + 1 < 12 + 1

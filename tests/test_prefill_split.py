@@ -91,6 +91,23 @@ def test_several_long_prompts_advance_one_at_a_time_and_shorts_pass():
     assert sim.all["long2"].prefill_paused_s > 0
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "fair", "sjf", "slo"])
+def test_short_prompts_pass_queued_long_prompts_at_the_defaults(policy):
+    """Several long prompts at once, default caps (one partial prefill): the long prompts
+    that cannot start yet stay queued, but the short prompts behind them are not held
+    back by them (fcfs: they go through beside the oldest prefill), and the long prompts
+    still start and end in arrival order."""
+    sim = Sim(sched(policy), long_with_shorts(num_long=3, every=1.0))
+    sim.run()
+    for rid, req in sim.all.items():
+        if rid.startswith("s"):
+            assert ttft(req) <= 2.0, (rid, ttft(req))
+    starts = [sim.all[f"long{i}"].first_scheduled_time for i in range(3)]
+    ends = [sim.all[f"long{i}"].first_token_time for i in range(3)]
+    assert starts == sorted(starts) and ends == sorted(ends)
+    assert sim.sched.stats.num_paused_prefills == 0  # none was admitted paused
+
+
 def test_priority_pauses_a_long_prefill_without_recompute():
     """An urgent arrival takes the whole step; the long prefill keeps its blocks."""
     sim = Sim(sched("priority", max_num_batched_tokens=16),

@@ -30,9 +30,11 @@ def order(policy, now: float = 0.0) -> list[str]:
 
 def test_prompt_weight_prices_prefill_below_decode():
     # chat: 100-token prompt, 40 tokens out; summary: 800-token prompt, 4 tokens out.
-    same = make_policy("sjf")  # weight 1: work 140 vs 804
-    cheap = make_policy("sjf", PolicyConfig(sjf_prompt_weight=1 / 16))  # 46.25 vs 54
-    none = make_policy("sjf", PolicyConfig(sjf_prompt_weight=0.0))  # 40 vs 4
+    # (pure SJF: no aging, so no max_model_len to bind)
+    same = make_policy("sjf", PolicyConfig(sjf_aging_s=0.0))  # weight 1: work 140 vs 804
+    cheap = make_policy("sjf", PolicyConfig(sjf_prompt_weight=1 / 16,
+                                            sjf_aging_s=0.0))  # 46.25 vs 54
+    none = make_policy("sjf", PolicyConfig(sjf_prompt_weight=0.0, sjf_aging_s=0.0))  # 40 vs 4
     for p in (same, cheap, none):
         p.add(req("chat", 100, 40), 0.0)
         p.add(req("summary", 800, 4), 0.0)

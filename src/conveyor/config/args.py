@@ -18,7 +18,7 @@ from conveyor.config.kv_transfer import KV_FALLBACKS, KV_ROLES, KVTransferConfig
 from conveyor.config.lora import LoRAConfig, parse_lora_modules
 from conveyor.config.model import DTYPES, ModelConfig, load_model_config
 from conveyor.config.names import POLICY_NAMES, PREDICTOR_NAMES
-from conveyor.config.policy import PolicyConfig
+from conveyor.config.policy import SJF_AGING_S, PolicyConfig
 from conveyor.config.presets import PRESETS, resolve_model_path
 from conveyor.config.quantization import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from conveyor.config.scheduler import TOKEN_BUDGET_MODES, SchedulerConfig
@@ -60,7 +60,7 @@ class EngineArgs:
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
     long_prefill_min_share: float = 0.5
-    sjf_aging_s: float = 0.0
+    sjf_aging_s: float = SJF_AGING_S
     sjf_predictor: str = "hint"
     sjf_prompt_weight: float = 1.0
     fair_input_weight: float = 1.0
@@ -236,9 +236,9 @@ class EngineArgs:
                        help="no CUDA graphs: decode steps run eagerly (graphs are captured "
                             "for decode batches at padded sizes on CUDA with "
                             "--attention-backend triton)")
-        g.add_argument("--sjf-aging-s", type=float, default=0.0,
+        g.add_argument("--sjf-aging-s", type=float, default=SJF_AGING_S,
                        help="sjf: never let a request that arrived this much later go "
-                            "first (0: no aging)")
+                            f"first (default {SJF_AGING_S:g}: no aging)")
         g.add_argument("--sjf-predictor", default="hint", choices=sorted(PREDICTOR_NAMES),
                        help="sjf: expected output length (hint: expected_output_tokens, "
                             "else max_tokens)")

@@ -7,13 +7,18 @@ from dataclasses import dataclass
 
 from conveyor.config.names import PREDICTOR_NAMES
 
+# sjf's default aging: off. With A > 0 no request is overtaken by one that arrived A
+# seconds after it; on an overloaded queue (backlog of minutes) that turns sjf towards
+# fcfs and loses its makespan (docs/scheduling.md), so the bound is the user's choice.
+SJF_AGING_S = 0.0
+
 
 @dataclass(frozen=True)
 class PolicyConfig:
     """Knobs every policy may read; each policy reads only its own."""
 
     # sjf: a request is never overtaken by one that arrived this much later (0: no aging).
-    sjf_aging_s: float = 0.0
+    sjf_aging_s: float = SJF_AGING_S
     # sjf: how the expected output length is predicted (a name in ``PREDICTOR_NAMES``).
     sjf_predictor: str = "hint"
     # sjf: cost of a token still to prefill relative to an output token still to generate.

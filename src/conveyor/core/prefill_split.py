@@ -17,11 +17,16 @@ every step (unless the KV pool makes it preempt), so its prefill takes at most `
 share`` times its steps alone.
 
 Caps: at most ``max_num_partial_prefills`` prefills advance in a step without ending
-(the reserved long ones counted first); a waiting long prompt that finds the long cap
-full is admitted paused (no tokens this step), so short prompts behind it in the queue
-still pass, unless ``max_num_partial_prefills`` long prefills already run (paused ones
-hold sequence slots and blocks: then it waits at the head of the queue). No clock and
-no tensor here either: counts only.
+(the reserved long ones counted first). A waiting long prompt that finds the long cap
+full is admitted paused (no tokens this step) while fewer than
+``max_num_partial_prefills`` long prefills run (paused ones hold sequence slots and
+blocks); otherwise it stays queued, in its place, and the scan passes over it for this
+step. Either way the prompts behind it in the queue still pass: a long prompt waits for
+the long cap, never a short one behind it. The queued long prompts keep their order (they
+start when the cap frees, at the head of the queue) and take their cached prefix when
+they start. At most ``MAX_PASSED_OVER`` are passed over in a step, so a step's scan stays
+bounded when the queue is full of long prompts. No clock and no tensor here either:
+counts only.
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ from typing import Any
 
 from conveyor.config import SchedulerConfig
 from conveyor.request import Request
+
+# Queued long prompts the waiting scan may pass over in one step (the long cap full):
+# short prompts queued behind more of them than this wait until some start. Each one
+# passed costs a prefix-cache lookup of its prompt, hence a small bound.
+MAX_PASSED_OVER = 8
 
 
 @dataclass
@@ -50,6 +60,7 @@ class PrefillSplit:
     num_long_running: int = 0  # long prefills running, advancing or paused
     admitted: set[str] = field(default_factory=set)  # admitted this step: never victims
     waived: bool = False  # the long prefills keep no share this step (``waive``)
+    num_passed_over: int = 0  # queued long prompts the waiting scan passed this step
 
     @classmethod
     def plan(cls, config: SchedulerConfig, prefills: list[Request],
@@ -96,6 +107,14 @@ class PrefillSplit:
         ``max_num_partial_prefills`` long prefills hold sequence slots and blocks at once,
         so that paused ones never crowd out the decodes."""
         return self.num_long_running < self.max_partial
+
+    def pass_over(self) -> bool:
+        """Whether the waiting scan may pass over one more queued long prompt that the
+        long cap keeps from starting (and count it)."""
+        if self.num_passed_over >= MAX_PASSED_OVER:
+            return False
+        self.num_passed_over += 1
+        return True
 
     def may_advance(self, tokens_left: int, num_new: int) -> bool:
         """Whether a prefill may compute ``num_new`` of its ``tokens_left`` this step."""

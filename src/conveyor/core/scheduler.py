@@ -380,7 +380,9 @@ class Scheduler:
                           budget: int, now: float, split: PrefillSplit) -> int:
         """Admit in the policy's order; stop at the first request that cannot get room.
         A long prompt that finds the long-prefill cap full is admitted paused (no tokens
-        this step) so that the requests behind it pass. Returns the budget left."""
+        this step) or, when no more long prefills may hold slots, stays queued and is
+        passed over this step: either way the requests behind it pass. Returns the
+        budget left."""
         admitted = split.admitted  # admitted in this step: never preempted for another
         while (req := self._next_waiting(now)) is not None:
             if self.lora_gate is not None and not (self.lora_gate.may_admit(req)
@@ -398,7 +400,10 @@ class Scheduler:
             if self.config.batching == "continuous":
                 if split.is_long(left) and split.long_full:
                     if not split.may_admit_paused:
-                        return budget  # enough long prefills hold slots: the queue waits
+                        if not split.pass_over():
+                            return budget  # too many long prompts passed: the queue waits
+                        self._put_aside(req)  # it waits for the long cap; the rest pass
+                        continue
                     num_new = 0  # admitted paused: it waits for the long cap, not the queue
                 elif num_new is not None and not split.may_advance(left, num_new):
                     return budget  # the partial-prefill cap is full
@@ -538,16 +543,17 @@ class Scheduler:
         self.policy.on_admitted(req, now)
 
     def _put_aside(self, req: Request) -> None:
-        """Out of the waiting queue for the rest of this step (the LoRA gate refused it)."""
-        self.policy.pop(req)
+        """Out of the waiting queue for the rest of this step (the LoRA gate refused it,
+        or it is a long prompt waiting for the long-prefill cap)."""
+        self.policy.set_aside(req)
         overdue = req.request_id in self._overdue_ids
         self._overdue_ids.discard(req.request_id)
         self._set_aside.append((req, overdue))
 
     def _restore_set_aside(self, now: float) -> None:
-        """Set-aside requests back at the front of the queue, in their order."""
+        """Set-aside requests back in the queue, where they were."""
+        self.policy.restore_set_aside([req for req, _ in self._set_aside], now)
         for req, overdue in reversed(self._set_aside):
-            self.policy.requeue(req, now)
             if overdue:
                 self._overdue_ids.add(req.request_id)
                 self._overdue.appendleft(req)

@@ -73,6 +73,19 @@ class SchedulingPolicy(abc.ABC):
     def pop(self, request: Request) -> None:
         """Remove a waiting request (admitted, aborted or rejected) from the queue."""
 
+    def set_aside(self, request: Request) -> None:
+        """The scheduler passes over waiting ``request`` for the rest of this step (``peek``
+        must not offer it again); ``restore_set_aside`` follows before the step ends.
+        Default: out of the queue, back at the front (right for orders that only ever
+        offer their front, or whose key is fixed)."""
+        self.pop(request)
+
+    def restore_set_aside(self, requests: list[Request], now: float) -> None:
+        """The step's set-aside requests, in the order they were set aside, back where
+        they were in the queue."""
+        for request in reversed(requests):
+            self.requeue(request, now)
+
     @abc.abstractmethod
     def __len__(self) -> int: ...
 

@@ -40,6 +40,8 @@ class LPMPolicy(SchedulingPolicy):
         self._overtaken: dict[str, int] = {}
         self._back = itertools.count()
         self._front = itertools.count(-1, -1)
+        # Set aside by the scheduler for this step: still queued in place, not offered.
+        self._hidden: set[str] = set()
         self.num_forced = 0  # admissions forced by the overtake bound
         self.num_reordered = 0  # admissions that overtook an older request
 
@@ -54,7 +56,18 @@ class LPMPolicy(SchedulingPolicy):
         self._overtaken[request.request_id] = 0
 
     def _window(self) -> list[Request]:
-        return list(itertools.islice(self._queue, self.config.lpm_window))
+        queue = self._queue
+        if self._hidden:
+            queue = (r for r in self._queue if r.request_id not in self._hidden)
+        return list(itertools.islice(queue, self.config.lpm_window))
+
+    def set_aside(self, request: Request) -> None:
+        # Kept in its place (set aside requests come from anywhere in the window, so
+        # pushing them back to the front would reorder the queue) and with its count.
+        self._hidden.add(request.request_id)
+
+    def restore_set_aside(self, requests: list[Request], now: float) -> None:
+        self._hidden.clear()
 
     def peek(self, now: float) -> Request | None:
         window = self._window()
@@ -75,6 +88,7 @@ class LPMPolicy(SchedulingPolicy):
     def pop(self, request: Request) -> None:
         # The bookkeeping goes in on_admitted / on_finished, which follow every pop.
         self._queue.remove(request)
+        self._hidden.discard(request.request_id)
 
     def on_admitted(self, request: Request, now: float) -> None:
         rid = request.request_id
