@@ -72,6 +72,22 @@ def test_a_strided_slice_of_rows(isa: str) -> None:
     assert torch.allclose(got[0], want[0], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("isa", BUILDS)
+def test_bf16_rows_give_what_their_float32_upcast_gives(isa: str) -> None:
+    lib = build(isa)
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(21, 3001, generator=gen) * 4).to(torch.bfloat16)  # many ties
+    targets = torch.randint(0, 3001, (21,), generator=gen)
+    for k in (0, 1, 7):
+        got = logprob_rows.reduce_rows(logits, targets, k, lib)
+        want = logprob_rows.reduce_rows(logits.float(), targets, k, lib)
+        # Ids and ranks exact; the sums may vectorise differently per element type.
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+        assert ((got[0] - want[0]).abs() <= tolerance(want[0], logits.float())).all()
+        assert ((got[3] - want[3]).abs() <= tolerance(want[3], logits.float())).all()
+    assert torch.equal(got[1], reduce_rows_torch(logits.float(), targets, 7)[1])
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_ties_rank_by_strictly_greater_and_top_k_lower_id_first(data) -> None:

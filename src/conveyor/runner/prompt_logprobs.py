@@ -97,12 +97,14 @@ def compute_prompt_logprobs(hidden: torch.Tensor, spans: list[PromptSpan],
     token_lps, ranks, top_ids, top_lps = [], [], [], []
     for lo in range(0, rows.numel(), slice_rows):
         hi = min(lo + slice_rows, rows.numel())
-        logits = compute_logits(hidden[rows[lo:hi]]).float()
-        if lib is not None:
+        logits = compute_logits(hidden[rows[lo:hi]])
+        if lib is not None and logits.dtype in (torch.float32, torch.bfloat16):
+            # (bf16 logits read as they are: the kernel widens them as .float() would)
             token_lp, rank, ids, vals = logprob_rows.reduce_rows(logits, targets[lo:hi],
                                                                  k_max, lib)
         else:
-            token_lp, rank, ids, vals = reduce_rows_torch(logits, targets[lo:hi], k_max)
+            token_lp, rank, ids, vals = reduce_rows_torch(logits.float(), targets[lo:hi],
+                                                          k_max)
         token_lps.append(token_lp)
         ranks.append(rank)
         top_ids.append(ids)

@@ -10,13 +10,16 @@
  * when a block raises the max), its rank count, and its top-k candidates (scanned only
  * where the block holds a logit above the current k-th).
  *
- * Rows are split over OpenMP threads; an AVX2 + FMA body and a portable scalar one.
+ * Rows are float32 or bfloat16 (widened exactly to float32 as they are read: the same
+ * numbers as the float32 upcast's). Rows are split over OpenMP threads; an AVX2 + FMA
+ * body and a portable scalar one.
  * No -inf or NaN logits (the build has -ffast-math): the caller passes finite rows.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stddef.h>
+#include "bf16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #include "simd_math.h"
@@ -59,15 +62,29 @@ static inline void topk_offer(TopK* t, float v, int32_t id) {
     t->id[i] = id;
 }
 
+/* Element i of a row of float32 (bf16 = 0) or bfloat16 (bf16 = 1) values, as float32;
+ * a constant bf16 at each call site, so each element type gets its own loops. */
+static inline float at(const void* x, int i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load8(const void* x, int i, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float*)x + i);
+    const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)x + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
 /* One row: the running max, the sum of exp(x - max), the rank count, the top k. */
-static void reduce_row(const float* x, int vocab, float xt, TopK* top, float* max_out,
-                       double* sum_out, int64_t* greater_out) {
+static inline __attribute__((always_inline)) void reduce_row(
+        const void* x, int bf16, int vocab, float xt, TopK* top, float* max_out,
+        double* sum_out, int64_t* greater_out) {
     float m = -FLT_MAX;
     double s = 0.0;
     int64_t greater = 0;
     for (int b0 = 0; b0 < vocab; b0 += BLOCK) {
         const int n = vocab - b0 < BLOCK ? vocab - b0 : BLOCK;
-        const float* p = x + b0;
         int j = 0;
         float bm = -FLT_MAX;
         float bs = 0.f;
@@ -76,7 +93,7 @@ static void reduce_row(const float* x, int vocab, float xt, TopK* top, float* ma
         const __m256 vt = _mm256_set1_ps(xt);
         __m256i vg = _mm256_setzero_si256();
         for (; j + 8 <= n; j += 8) {
-            const __m256 v = _mm256_loadu_ps(p + j);
+            const __m256 v = load8(x, b0 + j, bf16);
             vm = _mm256_max_ps(vm, v);
             /* a true lane is all ones (-1): subtracting it counts it */
             vg = _mm256_sub_epi32(vg, _mm256_castps_si256(_mm256_cmp_ps(v, vt, _CMP_GT_OQ)));
@@ -91,8 +108,9 @@ static void reduce_row(const float* x, int vocab, float xt, TopK* top, float* ma
         greater += _mm_cvtsi128_si32(g);
 #endif
         for (int i = j; i < n; i++) {
-            bm = p[i] > bm ? p[i] : bm;
-            greater += p[i] > xt;
+            const float v = at(x, b0 + i, bf16);
+            bm = v > bm ? v : bm;
+            greater += v > xt;
         }
         if (bm > m) {
             if (s != 0.0) s *= exp((double)m - (double)bm);
@@ -103,29 +121,29 @@ static void reduce_row(const float* x, int vocab, float xt, TopK* top, float* ma
         const __m256 vmax = _mm256_set1_ps(m);
         __m256 vs = _mm256_setzero_ps();
         for (; j + 8 <= n; j += 8)
-            vs = _mm256_add_ps(vs, exp256(_mm256_sub_ps(_mm256_loadu_ps(p + j), vmax)));
+            vs = _mm256_add_ps(vs, exp256(_mm256_sub_ps(load8(x, b0 + j, bf16), vmax)));
         __m128 q = _mm_add_ps(_mm256_castps256_ps128(vs), _mm256_extractf128_ps(vs, 1));
         q = _mm_add_ps(q, _mm_movehl_ps(q, q));
         q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
         bs = _mm_cvtss_f32(q);
 #endif
-        for (int i = j; i < n; i++) bs += expf(p[i] - m);
+        for (int i = j; i < n; i++) bs += expf(at(x, b0 + i, bf16) - m);
         s += bs;
         if (top->k && bm > topk_floor(top)) {
             j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
             for (; j + 8 <= n; j += 8) {
-                const __m256 v = _mm256_loadu_ps(p + j);
+                const __m256 v = load8(x, b0 + j, bf16);
                 int mask = _mm256_movemask_ps(
                     _mm256_cmp_ps(v, _mm256_set1_ps(topk_floor(top)), _CMP_GT_OQ));
                 while (mask) {
                     const int lane = __builtin_ctz(mask);
-                    topk_offer(top, p[j + lane], b0 + j + lane);
+                    topk_offer(top, at(x, b0 + j + lane, bf16), b0 + j + lane);
                     mask &= mask - 1;
                 }
             }
 #endif
-            for (int i = j; i < n; i++) topk_offer(top, p[i], b0 + i);
+            for (int i = j; i < n; i++) topk_offer(top, at(x, b0 + i, bf16), b0 + i);
         }
     }
     *max_out = m;
@@ -133,29 +151,27 @@ static void reduce_row(const float* x, int vocab, float xt, TopK* top, float* ma
     *greater_out = greater;
 }
 
-/*
- * logits: rows x vocab floats, row r at logits + r * ld. targets[r]: the token scored in
- * row r (0 <= id < vocab). Out: token_lp[r], rank[r], and k ids and logprobs a row in
- * top_ids / top_lp (rows x k; unused when k is 0). Returns 0, or -1 for bad arguments.
- */
-int logprob_rows_f32(const float* logits, int rows, int vocab, int64_t ld,
-                     const int64_t* targets, int k, float* token_lp, int32_t* rank,
-                     int64_t* top_ids, float* top_lp) {
+static int reduce_rows(const void* logits, int bf16, int rows, int vocab, int64_t ld,
+                       const int64_t* targets, int k, float* token_lp, int32_t* rank,
+                       int64_t* top_ids, float* top_lp) {
     if (rows < 0 || vocab <= 0 || ld < vocab || k < 0 || k > MAX_K || k > vocab)
         return -1;
     for (int r = 0; r < rows; r++)
         if (targets[r] < 0 || targets[r] >= vocab) return -1;
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < rows; r++) {
-        const float* x = logits + (int64_t)r * ld;
-        const float xt = x[targets[r]];
+        const char* x = (const char*)logits + (int64_t)r * ld * (bf16 ? 2 : 4);
+        const float xt = at(x, (int)targets[r], bf16);
         TopK top;
         top.n = 0;
         top.k = k;
         float m;
         double s;
         int64_t greater;
-        reduce_row(x, vocab, xt, &top, &m, &s, &greater);
+        if (bf16)
+            reduce_row(x, 1, vocab, xt, &top, &m, &s, &greater);
+        else
+            reduce_row(x, 0, vocab, xt, &top, &m, &s, &greater);
         const float log_sum = (float)log(s);
         token_lp[r] = (xt - m) - log_sum;
         rank[r] = (int32_t)(greater + 1);
@@ -165,4 +181,24 @@ int logprob_rows_f32(const float* logits, int rows, int vocab, int64_t ld,
         }
     }
     return 0;
+}
+
+/*
+ * logits: rows x vocab values (float32, or bfloat16 for the _bf16 entry), row r at
+ * logits + r * ld elements. targets[r]: the token scored in row r (0 <= id < vocab).
+ * Out: token_lp[r], rank[r], and k ids and logprobs a row in top_ids / top_lp (rows x k;
+ * unused when k is 0). Returns 0, or -1 for bad arguments.
+ */
+int logprob_rows_f32(const float* logits, int rows, int vocab, int64_t ld,
+                     const int64_t* targets, int k, float* token_lp, int32_t* rank,
+                     int64_t* top_ids, float* top_lp) {
+    return reduce_rows(logits, 0, rows, vocab, ld, targets, k, token_lp, rank, top_ids,
+                       top_lp);
+}
+
+int logprob_rows_bf16(const uint16_t* logits, int rows, int vocab, int64_t ld,
+                      const int64_t* targets, int k, float* token_lp, int32_t* rank,
+                      int64_t* top_ids, float* top_lp) {
+    return reduce_rows(logits, 1, rows, vocab, ld, targets, k, token_lp, rank, top_ids,
+                       top_lp);
 }

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = os.path.dirname(__file__)
 _SOURCE = os.path.join(_DIR, "logprob_rows.c")
-_HEADERS = [os.path.join(_DIR, name) for name in ("simd_math.h", "simd_exp.h")]
+_HEADERS = [os.path.join(_DIR, name) for name in ("simd_math.h", "simd_exp.h", "bf16.h")]
 _PTR, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
@@ -70,9 +70,10 @@ def load_variant(isa: str) -> ctypes.CDLL | None:
         logger.warning("prompt logprobs' row kernel disabled: %s",
                        (getattr(e, "stderr", "") or str(e)).strip()[:500])
         return None
-    lib.logprob_rows_f32.restype = ctypes.c_int
-    lib.logprob_rows_f32.argtypes = [_PTR, _I32, _I32, _I64, _PTR, _I32, _PTR, _PTR, _PTR,
-                                     _PTR]
+    for name in ("logprob_rows_f32", "logprob_rows_bf16"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = [_PTR, _I32, _I32, _I64, _PTR, _I32, _PTR, _PTR, _PTR,
+                                       _PTR]
     lib.logprob_rows_simd.restype = ctypes.c_int
     lib.logprob_rows_simd.argtypes = []
     lib.logprob_rows_max_k.restype = ctypes.c_int
@@ -95,12 +96,14 @@ def max_k(lib: ctypes.CDLL) -> int:
 
 def reduce_rows(logits: torch.Tensor, targets: torch.Tensor, k: int, lib: ctypes.CDLL
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token logprob [R], rank [R] int32, top ids [R, k] int64, top logprobs [R, k]) of
-    float32 CPU ``logits`` [R, V] (rows unit-stride, finite) for int64 ``targets`` [R]."""
-    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 \
-            or logits.device.type != "cpu":
-        raise ValueError("conveyor::logprob_rows: logits must be float32 [R, V] on CPU with "
-                         f"unit column stride, got {logits.dtype} {tuple(logits.shape)}")
+    """(token logprob [R], rank [R] int32, top ids [R, k] int64, top logprobs [R, k]
+    float32) of float32 or bfloat16 CPU ``logits`` [R, V] (rows unit-stride, finite) for
+    int64 ``targets`` [R]; bfloat16 rows give what their float32 upcast gives."""
+    if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 \
+            or logits.stride(1) != 1 or logits.device.type != "cpu":
+        raise ValueError("conveyor::logprob_rows: logits must be float32 or bfloat16 [R, V] "
+                         f"on CPU with unit column stride, got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
     rows, vocab = logits.shape
     if targets.dtype != torch.int64 or tuple(targets.shape) != (rows,) \
             or not targets.is_contiguous() or targets.device.type != "cpu":
@@ -114,9 +117,9 @@ def reduce_rows(logits: torch.Tensor, targets: torch.Tensor, k: int, lib: ctypes
     top_ids = torch.empty(rows, k, dtype=torch.int64)
     top_lp = torch.empty(rows, k, dtype=torch.float32)
     if rows:
-        rc = lib.logprob_rows_f32(logits.data_ptr(), rows, vocab, logits.stride(0),
-                                  targets.data_ptr(), k, token_lp.data_ptr(),
-                                  rank.data_ptr(), top_ids.data_ptr(), top_lp.data_ptr())
+        fn = lib.logprob_rows_f32 if logits.dtype == torch.float32 else lib.logprob_rows_bf16
+        rc = fn(logits.data_ptr(), rows, vocab, logits.stride(0), targets.data_ptr(), k,
+                token_lp.data_ptr(), rank.data_ptr(), top_ids.data_ptr(), top_lp.data_ptr())
         if rc != 0:
             raise ValueError("conveyor::logprob_rows: the kernel refused its arguments "
                              "(a target id outside the vocabulary?)")
