@@ -4,7 +4,12 @@ its rank and the top-k alternatives, from the hidden rows of a prefill chunk.
 Only requests that ask pay for them, and memory stays bounded: their rows' logits are
 computed a slice of at most ``SLICE_ROWS`` rows at a time, and only (top ids, top
 logprobs, rank, logprob) per token leaves the step, never a vocabulary-wide row.
-The numbers are the sampler's own: ``log_softmax`` of the float32 logits.
+The numbers are the sampler's own: ``log_softmax`` of the float32 logits. Each slice is
+reduced in one pass per row by the native kernel (``kernels/cpu/logprob_rows.c``), or by
+torch's passes where the kernels are off or k is beyond it; both rank a token 1 + the
+count of logits strictly greater than its own and order the top k by logit, equal logits
+lower id first: on the logits, since log_softmax's rounding can tie logits a few ulps
+apart, and the two paths would then disagree.
 """
 
 from __future__ import annotations
