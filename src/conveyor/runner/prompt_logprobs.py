@@ -103,7 +103,8 @@ def compute_prompt_logprobs(hidden: torch.Tensor, spans: list[PromptSpan],
     for lo in range(0, rows.numel(), slice_rows):
         hi = min(lo + slice_rows, rows.numel())
         logits = compute_logits(hidden[rows[lo:hi]])
-        if lib is not None and logits.dtype in (torch.float32, torch.bfloat16):
+        if lib is not None and logits.dtype in (torch.float32, torch.bfloat16) \
+                and logits.stride(1) == 1:
             # (bf16 logits read as they are: the kernel widens them as .float() would)
             token_lp, rank, ids, vals = logprob_rows.reduce_rows(logits, targets[lo:hi],
                                                                  k_max, lib)
