@@ -4,7 +4,12 @@ its rank and the top-k alternatives, from the hidden rows of a prefill chunk.
 Only requests that ask pay for them, and memory stays bounded: their rows' logits are
 computed a slice of at most ``SLICE_ROWS`` rows at a time, and only (top ids, top
 logprobs, rank, logprob) per token leaves the step, never a vocabulary-wide row.
-The numbers are the sampler's own: ``log_softmax`` of the float32 logits.
+The numbers are the sampler's own: ``log_softmax`` of the float32 logits. Each slice is
+reduced in one pass per row by the native kernel (``kernels/cpu/logprob_rows.c``), or by
+torch's passes where the kernels are off or k is beyond it; both rank a token 1 + the
+count of logits strictly greater than its own and order the top k by logit, equal logits
+lower id first: on the logits, since log_softmax's rounding can tie logits a few ulps
+apart, and the two paths would then disagree.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from conveyor.kernels.cpu import logprob_rows
 from conveyor.runner.request_state import RequestState
 
 # Rows of logits held at once (a slice is SLICE_ROWS x vocabulary float32 values).
@@ -55,46 +61,71 @@ def prompt_spans(order: list[str], num_scheduled: Mapping[str, int],
     return spans
 
 
+def reduce_rows_torch(logits: torch.Tensor, targets: torch.Tensor, k: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token logprob [R], rank [R], top ids [R, k], top logprobs [R, k]) of float32
+    ``logits`` [R, V]: torch's passes, the fused kernel's definition (the rank counts
+    logits strictly greater; the top k by logit), for where the kernel is off or k is
+    beyond it."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    token_lp = logprobs.gather(1, targets[:, None])[:, 0]
+    # An int32 count: the default int64 sum of a bool tensor is several times slower.
+    rank = (logits > logits.gather(1, targets[:, None])).sum(dim=1, dtype=torch.int32) + 1
+    if k == 1:  # max is one cheap pass; topk is not
+        ids = logits.max(dim=-1, keepdim=True).indices
+    else:
+        ids = torch.topk(logits, k, dim=-1).indices
+    return token_lp, rank, ids, logprobs.gather(1, ids)
+
+
+def _row_kernel(device: torch.device, k: int):
+    """The fused row kernel where it runs these rows (CPU, k within its limit), else None."""
+    if device.type != "cpu":
+        return None
+    lib = logprob_rows.load()
+    return lib if lib is not None and k <= logprob_rows.max_k(lib) else None
+
+
 def compute_prompt_logprobs(hidden: torch.Tensor, spans: list[PromptSpan],
                             compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                            slice_rows: int = SLICE_ROWS
+                            slice_rows: int = SLICE_ROWS, use_kernel: bool = True
                             ) -> dict[str, tuple[int, list[ScoredToken]]]:
-    """req_id -> (first prompt index scored, one entry per scored token)."""
+    """req_id -> (first prompt index scored, one entry per scored token). ``use_kernel``:
+    the fused row kernel where it is built (else torch's passes, as without it)."""
     device = hidden.device
     rows = torch.cat([torch.arange(s.row, s.row + len(s.targets), device=device)
                       for s in spans])
     targets = torch.tensor([t for s in spans for t in s.targets], dtype=torch.long,
                            device=device)
     k_max = max(s.k for s in spans)
+    lib = _row_kernel(device, k_max) if use_kernel else None
     token_lps, ranks, top_ids, top_lps = [], [], [], []
     for lo in range(0, rows.numel(), slice_rows):
         hi = min(lo + slice_rows, rows.numel())
-        logprobs = torch.log_softmax(compute_logits(hidden[rows[lo:hi]]).float(), dim=-1)
-        scored = logprobs.gather(1, targets[lo:hi, None])
-        token_lps.append(scored[:, 0])
-        # An int32 count: the default int64 sum of a bool tensor is several times slower.
-        ranks.append((logprobs > scored).sum(dim=1, dtype=torch.int32) + 1)
-        if k_max == 1:  # max is one cheap pass; topk is not
-            values, indices = logprobs.max(dim=-1, keepdim=True)
-            top_ids.append(indices)
-            top_lps.append(values)
-        elif k_max:
-            top = torch.topk(logprobs, k_max, dim=-1)
-            top_ids.append(top.indices)
-            top_lps.append(top.values)
-        del logprobs
+        logits = compute_logits(hidden[rows[lo:hi]])
+        if lib is not None and logits.dtype in (torch.float32, torch.bfloat16) \
+                and logits.stride(1) == 1:
+            # (bf16 logits read as they are: the kernel widens them as .float() would)
+            token_lp, rank, ids, vals = logprob_rows.reduce_rows(logits, targets[lo:hi],
+                                                                 k_max, lib)
+        else:
+            token_lp, rank, ids, vals = reduce_rows_torch(logits.float(), targets[lo:hi],
+                                                          k_max)
+        token_lps.append(token_lp)
+        ranks.append(rank)
+        top_ids.append(ids)
+        top_lps.append(vals)
+        del logits
     lp_list = torch.cat(token_lps).tolist()
     rank_list = torch.cat(ranks).tolist()
-    ids_list = torch.cat(top_ids).tolist() if k_max else None
-    vals_list = torch.cat(top_lps).tolist() if k_max else None
+    ids_list = torch.cat(top_ids).tolist()
+    vals_list = torch.cat(top_lps).tolist()
     out: dict[str, tuple[int, list[ScoredToken]]] = {}
     i = 0
     for s in spans:
         entries: list[ScoredToken] = []
         for _ in s.targets:
-            ids = ids_list[i][:s.k] if ids_list is not None else []
-            vals = vals_list[i][:s.k] if vals_list is not None else []
-            entries.append((ids, vals, rank_list[i], lp_list[i]))
+            entries.append((ids_list[i][:s.k], vals_list[i][:s.k], rank_list[i], lp_list[i]))
             i += 1
         out[s.req_id] = (s.first, entries)
     return out
