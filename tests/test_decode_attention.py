@@ -130,13 +130,15 @@ def test_native_layer_ops_match_torch_ops() -> None:
 
 @needs_native
 def test_loading_kernels_keeps_subnormals() -> None:
-    """Linking with -ffast-math would flush denormals to zero process-wide."""
+    """Linking any of our libraries with -ffast-math would flush denormals to zero
+    process-wide."""
     import subprocess
     import sys
 
     code = ("import torch\nfrom conveyor.kernels import cpu as kernels\n"
-            "from conveyor.kernels.cpu import quant\nassert kernels.load()\n"
-            "assert quant.load()\n"
+            "from conveyor.kernels.cpu import logprob_rows, quant, token_bitmask\n"
+            "assert kernels.load()\nassert quant.load()\nassert logprob_rows.load()\n"
+            "assert token_bitmask.load()\n"
             "x = torch.tensor([1e-40])\nassert (x * 1.0).item() != 0.0, 'flush-to-zero is on'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
@@ -19,8 +18,8 @@ import subprocess
 
 import torch
 
-from conveyor import envs
 from conveyor.kernels import cpu as kernels
+from conveyor.kernels.cpu import small_library
 
 logger = logging.getLogger(__name__)
 
@@ -30,42 +29,14 @@ _HEADERS = [os.path.join(_DIR, name) for name in ("simd_math.h", "simd_exp.h", "
 _PTR, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
-def _key(isa: str, flags: list[str]) -> str:
-    digest = hashlib.sha256(" ".join(flags).encode() + kernels._cpu_key().encode()
-                            + isa.encode())
-    for path in (_SOURCE, *_HEADERS):
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    return digest.hexdigest()[:16]
-
-
 @functools.cache
 def load_variant(isa: str) -> ctypes.CDLL | None:
     """The library built for ``isa`` (``kernels.ISA_FLAGS``); None if it does not build."""
     if platform.system() != "Linux":
         return None
-    compiler = kernels.find_compiler()
-    if compiler is None:
-        return None
     flags = [*kernels._FLAGS, *kernels._isa_flags(isa)]
-    path = os.path.join(envs.cache_root(), "kernels", "logprob-rows-" + _key(isa, flags),
-                        "libconveyor_logprob_rows.so")
     try:
-        if not os.path.isfile(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            # Compiled with -ffast-math, linked without it: linking with it adds
-            # crtfastmath, whose constructor flushes subnormals to zero process-wide.
-            obj = f"{tmp}.o"
-            subprocess.run([compiler, *flags, "-c", _SOURCE, "-o", obj],
-                           check=True, capture_output=True, text=True)
-            subprocess.run([compiler, "-shared", "-fopenmp", obj, "-o", tmp, "-lm"],
-                           check=True, capture_output=True, text=True)
-            os.remove(obj)
-            os.replace(tmp, path)  # atomic: concurrent builders never see half a file
-        import torch  # noqa: F401  (torch's libgomp first: one thread pool)
-
-        lib = ctypes.CDLL(path)
+        lib = small_library.build("logprob-rows", _SOURCE, flags, tuple(_HEADERS))
     except (OSError, subprocess.CalledProcessError) as e:
         logger.warning("prompt logprobs' row kernel disabled: %s",
                        (getattr(e, "stderr", "") or str(e)).strip()[:500])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
@@ -21,8 +20,8 @@ import subprocess
 
 import torch
 
-from conveyor import envs
 from conveyor.kernels import cpu as kernels
+from conveyor.kernels.cpu import small_library
 
 logger = logging.getLogger(__name__)
 
@@ -30,20 +29,12 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "quant_gemm.c")
 _PTR, _I32 = ctypes.c_void_p, ctypes.c_int
 
 
-def _key(flags: list[str], source: str) -> str:
-    # "linked-apart": libraries linked with -ffast-math (before) are never reused.
-    digest = hashlib.sha256(" ".join(flags).encode() + kernels._cpu_key().encode()
-                            + b"linked-apart")
-    with open(source, "rb") as f:
-        digest.update(f.read())
-    return digest.hexdigest()[:16]
-
-
 @functools.cache
 def build_id() -> str:
     """This kernel's source and flags as a key: measured backend choices that can land on
     it are keyed by it (the main library's build key does not cover this source)."""
-    return _key([*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())], _SOURCE)
+    return small_library.cache_key(
+        _SOURCE, [*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())])
 
 
 @functools.cache
@@ -63,25 +54,8 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
 def build(source: str, isa: str | None = None) -> ctypes.CDLL:
     """``source`` (this file's ``quant_gemm.c`` or another version of it) built with the
     kernels' flags for ``isa`` (cached by content), loaded, its functions typed."""
-    compiler = kernels.find_compiler()
-    if compiler is None:
-        raise OSError("no C compiler")
     flags = [*kernels._FLAGS, *kernels._isa_flags(isa or kernels.kernel_isa())]
-    path = os.path.join(envs.cache_root(), "kernels", "quant-" + _key(flags, source),
-                        "libconveyor_quant.so")
-    if not os.path.isfile(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        # Compiled with -ffast-math, linked without it: linking with it adds
-        # crtfastmath, whose constructor flushes subnormals to zero process-wide.
-        obj = f"{tmp}.o"
-        subprocess.run([compiler, *flags, "-c", source, "-o", obj],
-                       check=True, capture_output=True, text=True)
-        subprocess.run([compiler, "-shared", "-fopenmp", obj, "-o", tmp, "-lm"],
-                       check=True, capture_output=True, text=True)
-        os.remove(obj)
-        os.replace(tmp, path)  # atomic: concurrent builders never see half a file
-    lib = ctypes.CDLL(path)
+    lib = small_library.build("quant", source, flags)
     lib.qgemm_f32.restype = ctypes.c_int
     lib.qgemm_f32.argtypes = [_PTR, _I32, _I32, _I32, _PTR, _I32, _I32, _PTR, _PTR, _I32,
                               _PTR, _PTR, _I32]

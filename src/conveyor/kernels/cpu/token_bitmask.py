@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
@@ -19,8 +18,8 @@ import subprocess
 import numpy as np
 import torch
 
-from conveyor import envs
 from conveyor.kernels import cpu as kernels
+from conveyor.kernels.cpu import small_library
 
 logger = logging.getLogger(__name__)
 
@@ -29,32 +28,14 @@ _FLAGS = ["-O3", "-march=native", "-fPIC"]
 _PTR, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
-def _key(flags: list[str]) -> str:
-    digest = hashlib.sha256(" ".join(flags).encode() + kernels._cpu_key().encode())
-    with open(_SOURCE, "rb") as f:
-        digest.update(f.read())
-    return digest.hexdigest()[:16]
-
-
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The library, built on first use; None if kernels are off or it does not build."""
     if not kernels.native_kernels_enabled() or platform.system() != "Linux":
         return None
-    compiler = kernels.find_compiler()
-    if compiler is None:
-        return None
     flags = [*_FLAGS, *kernels._isa_flags(kernels.kernel_isa())]
-    path = os.path.join(envs.cache_root(), "kernels", "bitmask-" + _key(flags),
-                        "libconveyor_bitmask.so")
     try:
-        if not os.path.isfile(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            subprocess.run([compiler, *flags, "-shared", _SOURCE, "-o", tmp],
-                           check=True, capture_output=True, text=True)
-            os.replace(tmp, path)  # atomic: concurrent builders never see half a file
-        lib = ctypes.CDLL(path)
+        lib = small_library.build("bitmask", _SOURCE, flags)
     except (OSError, subprocess.CalledProcessError) as e:
         logger.warning("token bitmask kernel disabled: %s",
                        (getattr(e, "stderr", "") or str(e)).strip()[:500])
