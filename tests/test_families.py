@@ -11,11 +11,12 @@ import tempfile
 
 import pytest
 import torch
+from test_exactness import reference
 
 from conveyor import LLM, SamplingParams
 from conveyor.distributed.parallel import SINGLE
 
-from helpers import hf_greedy, random_prompts
+from helpers import random_prompts
 
 _BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -77,11 +78,6 @@ def checkpoint(family: str) -> str:
     model.save_pretrained(path, safe_serialization=True)
     save_synthetic_tokenizer(path, cfg.vocab_size)
     return path
-
-
-@functools.cache
-def reference(path: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
-    return hf_greedy(path, list(prompt), max_tokens)
 
 
 def _batch(n: int = 8, seed: int = 0):
