@@ -111,6 +111,24 @@ def _unpack(row: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.flatten()[:vocab].bool()
 
 
+def strict_json_walks(walks: int, new_matcher, allocate, fill, accept, done, hf,
+                      rng: random.Random, vocab: int) -> dict:
+    """``walks`` random walks of up to 400 tokens, each with a fresh matcher; of those that
+    reach the grammar's end, how many are not strict JSON (RFC 8259), and one example."""
+    finished, bad, texts = 0, 0, []
+    for _ in range(walks):
+        m, bm = new_matcher(), allocate(1, vocab)
+        text = walk(400, lambda m=m, bm=bm: fill(m, bm), lambda t, m=m: accept(m, t),
+                    lambda ids: hf.decode([t for t in ids if t != hf.eos_token_id]),
+                    rng, vocab, bm, lambda m=m: done(m))
+        if done(m):
+            bad += not _strict_ok(text)
+            finished += 1
+        texts.append(text)
+    return {"walks": walks, "walks_finished": finished, "finished_not_strict_json": bad,
+            "example_bad": next((t for t in texts if not _strict_ok(t)), None)}
+
+
 def bench_xgrammar(tok_path: str, batch_sizes: list[int], walks: int, seed: int) -> dict:
     import xgrammar as xgr
     from transformers import AutoTokenizer
@@ -144,19 +162,10 @@ def bench_xgrammar(tok_path: str, batch_sizes: list[int], walks: int, seed: int)
                                    lambda m, t: m.accept_token(t),
                                    lambda m: m.is_terminated(), vocab, rng)
     out["fill_apply_ms"] = fill_ms
-    bad, done, texts = 0, 0, []
-    for _ in range(walks):
-        m = xgr.GrammarMatcher(compiled)
-        bm = xgr.allocate_token_bitmask(1, vocab)
-        text = walk(400, lambda m=m, bm=bm: m.fill_next_token_bitmask(bm), m.accept_token,
-                    lambda ids: hf.decode([t for t in ids if t != hf.eos_token_id]),
-                    rng, vocab, bm, m.is_terminated)
-        if m.is_terminated():
-            bad += not _strict_ok(text)
-            done += 1
-        texts.append(text)
-    out["walks"], out["walks_finished"], out["finished_not_strict_json"] = walks, done, bad
-    out["example_bad"] = next((t for t in texts if not _strict_ok(t)), None)
+    out.update(strict_json_walks(
+        walks, lambda: xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask,
+        lambda m, bm: m.fill_next_token_bitmask(bm), lambda m, t: m.accept_token(t),
+        lambda m: m.is_terminated(), hf, rng, vocab))
     return out
 
 
@@ -196,20 +205,10 @@ def bench_llguidance(tok_path: str, batch_sizes: list[int], walks: int, seed: in
                                    lambda m, t: m.consume_token(t),
                                    lambda m: m.is_stopped(), vocab, rng)
     out["fill_apply_ms"] = fill_ms
-    bad, done, texts = 0, 0, []
-    for _ in range(walks):
-        m = llguidance.LLMatcher(lltok, grammar)
-        bm = lt.allocate_token_bitmask(1, vocab)
-        text = walk(400, lambda m=m, bm=bm: lt.fill_next_token_bitmask(m, bm, 0),
-                    m.consume_token,
-                    lambda ids: hf.decode([t for t in ids if t != hf.eos_token_id]),
-                    rng, vocab, bm, m.is_stopped)
-        if m.is_stopped():
-            bad += not _strict_ok(text)
-            done += 1
-        texts.append(text)
-    out["walks"], out["walks_finished"], out["finished_not_strict_json"] = walks, done, bad
-    out["example_bad"] = next((t for t in texts if not _strict_ok(t)), None)
+    out.update(strict_json_walks(
+        walks, lambda: llguidance.LLMatcher(lltok, grammar), lt.allocate_token_bitmask,
+        lambda m, bm: lt.fill_next_token_bitmask(m, bm, 0), lambda m, t: m.consume_token(t),
+        lambda m: m.is_stopped(), hf, rng, vocab))
     return out
 
 
