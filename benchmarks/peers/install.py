@@ -144,7 +144,9 @@ def pip_download(name: str, dest: str, log: str, what: str, *, sdist: bool) -> s
     if have:
         return have[-1]
     args = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", dest, name]
-    args += ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
+    # --no-binary names only the package: with :all: pip also builds the sdist's build
+    # requirements (cmake, ninja) from source to read its metadata, which takes an hour.
+    args += ["--no-binary", stem.replace("_", "-")] if sdist else ["--only-binary", ":all:"]
     _run(args, log, what)
     have = sorted(glob.glob(pattern))
     if not have:
