@@ -40,6 +40,10 @@ class SJFPolicy(KeyedPolicy):
       them was already waiting: **no request that joins the queue after it is overdue
       is admitted before it**, so a stream of short arrivals cannot starve it.
 
+    (The scheduler may still pass over a queued request it cannot start this step: a
+    long prompt held by the long-prefill cap, or one whose adapter cannot load; that
+    delays nothing, as it could not start anyway.)
+
     Shortest-first is kept until the bound binds, which is why ``K`` is large by default:
     on a queue that stays overloaded for minutes, serving same-length requests together
     is what gives SJF its prefix-cache hits (prompts sharing a prefix have about the same
@@ -127,4 +131,4 @@ class SJFPolicy(KeyedPolicy):
         return sorted(running, key=self.remaining_work)
 
     def stats(self) -> dict[str, Any]:
-        return {"num_overdue": self.num_overdue, "work_clock": self.work_clock}
+        return {"num_admitted_overdue": self.num_overdue, "work_clock": self.work_clock}
