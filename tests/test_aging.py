@@ -1,7 +1,7 @@
-"""Starvation bounds on a virtual clock (one step = 1 s): ``sjf`` with aging admits a long
-prompt under a stream of short ones within its aging bound (without it, never while the
-stream lasts), and ``lpm`` at its default window admits a cache miss among a stream of
-hits within its overtake bound."""
+"""Starvation bounds on a virtual clock (one step = 1 s): ``sjf`` at its defaults (the
+overtake bound) and with linear aging admits a long prompt under a stream of short ones
+within its bound (without either, never while the stream lasts), and ``lpm`` at its
+default window admits a cache miss among a stream of hits within its overtake bound."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def short_stream(num: int, start: float = 0.0) -> list:
 
 
 def sjf_run(aging_s: float, num_short: int) -> Sim:
-    policy = PolicyConfig(sjf_aging_s=aging_s)
+    policy = PolicyConfig(sjf_aging_s=aging_s, sjf_overtake_factor=0.0)
     sched = make_scheduler(scheduling_policy="sjf", policy=policy, num_blocks=1024,
                            max_num_seqs=2, max_num_batched_tokens=32,
                            max_model_len=MAX_MODEL_LEN)
@@ -58,6 +58,55 @@ def test_sjf_without_aging_starves_a_long_prompt_for_the_whole_stream():
     long_ = sim.all["long"]
     shorts = [r for rid, r in sim.all.items() if rid != "long"]
     assert all(r.first_scheduled_time < long_.first_scheduled_time for r in shorts[:-3])
+
+
+def stream_run(config: PolicyConfig, num_short: int) -> Sim:
+    """A 60-token prompt (work 61) among 40-token ones (work 41), eight arriving a step
+    while at most six start: shorter work waits all along."""
+    sched = make_scheduler(scheduling_policy="sjf", policy=config, num_blocks=4096,
+                           max_num_seqs=8, max_num_batched_tokens=256,
+                           max_model_len=MAX_MODEL_LEN)
+    reqs = [make_req("long", 60, 1, arrival=0.5)]
+    reqs += [make_req(f"s{i}", 40, 1, arrival=float(i // 8)) for i in range(num_short)]
+    sim = Sim(sched, reqs, check=False)
+    sim.run(max_steps=100_000)
+    return sim
+
+
+def work_ahead(sim: Sim, rid: str) -> float:
+    """Work (as sjf counts it) admitted between ``rid`` joining the queue and its start."""
+    ahead, joined = 0.0, False
+    for step in sim.steps:
+        joined = joined or step.start >= sim.all[rid].arrival_time
+        for other in step.admitted if joined else ():
+            if other == rid:
+                return ahead
+            req = sim.all[other]
+            ahead += req.num_prompt_tokens - req.num_cached_tokens + req.max_tokens
+    raise AssertionError(f"{rid} never started")
+
+
+def test_sjf_default_overtake_bound_serves_a_long_prompt_among_a_stream():
+    """At the defaults, at most ``sjf_overtake_factor`` times the long prompt's work (61)
+    is admitted ahead of it, plus the one admission that makes it overdue, although
+    shorter work waits all along; it starts while the stream still arrives."""
+    config = PolicyConfig()
+    factor = config.sjf_overtake_factor
+    assert factor > 0, "the bound is on by default"
+    sim = stream_run(config, 2 * math.ceil(factor * 61 / 41) + 200)
+    ahead = work_ahead(sim, "long")
+    assert ahead > 0.5 * factor * 61, "shorter work goes first for a while"
+    assert ahead <= factor * 61 + 41
+    last_arrival = max(r.arrival_time for r in sim.all.values())
+    assert sim.all["long"].first_scheduled_time < last_arrival - 10
+
+
+def test_sjf_without_the_overtake_bound_starves_the_long_prompt():
+    """The failure the bound prevents: with it off, the same kind of stream passes the
+    long prompt until no shorter work is left."""
+    sim = stream_run(PolicyConfig(sjf_overtake_factor=0.0), 600)
+    last_arrival = max(r.arrival_time for r in sim.all.values())
+    assert sim.all["long"].first_scheduled_time >= last_arrival
 
 
 @pytest.mark.parametrize("window", [None, 4])

@@ -76,6 +76,8 @@ def test_a_registered_policy_is_accepted_by_name() -> None:
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(sjf_aging_s=-1.0), "sjf_aging_s"),
+    (dict(sjf_overtake_factor=-1.0), "sjf_overtake_factor"),
+    (dict(sjf_overtake_factor=math.inf), "sjf_overtake_factor"),
     (dict(sjf_predictor="oracle"), "sjf_predictor"),
     (dict(fair_input_weight=-1.0), "fair_input_weight"),
     (dict(fair_input_weight=0.0, fair_output_weight=0.0), "fair_input_weight"),
@@ -107,6 +109,7 @@ def test_cli_flags_reach_the_policy_config() -> None:
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = parser.parse_args([
         "--scheduling-policy", "fair", "--sjf-aging-s", "4", "--sjf-predictor", "max_tokens",
+        "--sjf-overtake-factor", "50",
         "--fair-input-weight", "0.5", "--fair-output-weight", "3", "--tenant-weights", "a=2,b=1",
         "--default-slo-ttft-ms", "250", "--default-slo-tpot-ms", "40", "--lpm-window", "8",
         "--max-queue-len", "100", "--max-queue-wait-s", "9", "--queue-wait-action", "reject",
@@ -117,7 +120,8 @@ def test_cli_flags_reach_the_policy_config() -> None:
     assert cfg.max_queue_wait_s == 9 and cfg.queue_wait_action == "reject"
     assert cfg.max_preemptions_per_request == 2
     assert cfg.policy == PolicyConfig(
-        sjf_aging_s=4.0, sjf_predictor="max_tokens", fair_input_weight=0.5,
+        sjf_aging_s=4.0, sjf_overtake_factor=50.0, sjf_predictor="max_tokens",
+        fair_input_weight=0.5,
         fair_output_weight=3.0, fair_preempt_gap=None, fair_rejoin_credit=100.0,
         tenant_weights=(("a", 2.0), ("b", 1.0)), default_slo_ttft_s=0.25,
         default_slo_tpot_s=0.04, lpm_window=8)

@@ -116,6 +116,39 @@ def test_sjf_aging_never_lets_a_request_arrived_aging_s_later_go_first(
     assert_exact_outputs(sim)
 
 
+@SETTINGS
+@given(workloads, st.sampled_from([0.5, 2.0, 8.0]), st.integers(1, 4), st.integers(8, 48),
+       st.booleans(), st.booleans())
+def test_sjf_overtake_bound_never_passes_an_overdue_request(
+        workload, factor, max_seqs, budget, small_kv, caching) -> None:
+    """Random arrivals (preemption with a small pool, prefix hits with caching): every
+    request finishes with its tokens, and whenever a waiting request is overdue (the
+    work admitted since it joined the queue reached ``factor`` times its own), the
+    request admitted is overdue too and due no later: nobody passes it any more."""
+    sched = sched_for("sjf", PolicyConfig(sjf_overtake_factor=factor),
+                      max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                      num_blocks=16 if small_kv else 64, enable_prefix_caching=caching)
+    policy = sched.policy
+    admit = policy.on_admitted
+    passed: list[str] = []
+
+    def on_admitted(request, now):
+        due, clock = policy.due_at(request.request_id), policy.work_clock
+        for other in policy.waiting():
+            other_due = policy.due_at(other.request_id)
+            if other_due is not None and other_due <= clock and (
+                    due is None or due > other_due):
+                passed.append(f"{request.request_id} (due {due}) admitted ahead of overdue "
+                              f"{other.request_id} (due {other_due}) at {clock}")
+        admit(request, now)
+
+    policy.on_admitted = on_admitted
+    sim = Sim(sched, build(workload, shared_prefix=8 if caching else 0))
+    sim.run()
+    assert not passed, passed[0]
+    assert_exact_outputs(sim)
+
+
 def long_request_vs_stream_of_short_ones(aging: float) -> tuple[Sim, float]:
     """One long request at t=0 and a new short one every step for 80 steps, one slot."""
     sched = sched_for("sjf", PolicyConfig(sjf_aging_s=aging), max_num_seqs=1,

@@ -18,7 +18,7 @@ from conveyor.config.kv_transfer import KV_FALLBACKS, KV_ROLES, KVTransferConfig
 from conveyor.config.lora import LoRAConfig, parse_lora_modules
 from conveyor.config.model import DTYPES, ModelConfig, load_model_config
 from conveyor.config.names import POLICY_NAMES, PREDICTOR_NAMES
-from conveyor.config.policy import SJF_AGING_S, PolicyConfig
+from conveyor.config.policy import SJF_AGING_S, SJF_OVERTAKE_FACTOR, PolicyConfig
 from conveyor.config.presets import PRESETS, resolve_model_path
 from conveyor.config.quantization import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from conveyor.config.scheduler import TOKEN_BUDGET_MODES, SchedulerConfig
@@ -61,6 +61,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     long_prefill_min_share: float = 0.5
     sjf_aging_s: float = SJF_AGING_S
+    sjf_overtake_factor: float = SJF_OVERTAKE_FACTOR
     sjf_predictor: str = "hint"
     sjf_prompt_weight: float = 1.0
     fair_input_weight: float = 1.0
@@ -239,6 +240,11 @@ class EngineArgs:
         g.add_argument("--sjf-aging-s", type=float, default=SJF_AGING_S,
                        help="sjf: never let a request that arrived this much later go "
                             f"first (default {SJF_AGING_S:g}: no aging)")
+        g.add_argument("--sjf-overtake-factor", type=float, default=SJF_OVERTAKE_FACTOR,
+                       metavar="K",
+                       help="sjf: a waiting request of work w goes first once K * w of "
+                            "work was admitted after it joined the queue (0: no bound; "
+                            f"default {SJF_OVERTAKE_FACTOR:g})")
         g.add_argument("--sjf-predictor", default="hint", choices=sorted(PREDICTOR_NAMES),
                        help="sjf: expected output length (hint: expected_output_tokens, "
                             "else max_tokens)")
@@ -371,6 +377,7 @@ class EngineArgs:
             max_cpu_loras=(self.max_cpu_loras or 0) if self.enable_lora else 0,
             policy=PolicyConfig(
                 sjf_aging_s=self.sjf_aging_s,
+                sjf_overtake_factor=self.sjf_overtake_factor,
                 sjf_predictor=self.sjf_predictor,
                 sjf_prompt_weight=self.sjf_prompt_weight,
                 fair_input_weight=self.fair_input_weight,

@@ -11,6 +11,11 @@ from conveyor.config.names import PREDICTOR_NAMES
 # seconds after it; on an overloaded queue (backlog of minutes) that turns sjf towards
 # fcfs and loses its makespan (docs/scheduling.md), so the bound is the user's choice.
 SJF_AGING_S = 0.0
+# sjf's default overtake bound: a waiting request of work w is passed by at most
+# SJF_OVERTAKE_FACTOR * w of admitted work, then goes first. Large, so that SJF's order
+# (and the prefix-cache hits of serving same-length requests together) is kept until a
+# request would otherwise starve (docs/scheduling.md has the measurements).
+SJF_OVERTAKE_FACTOR = 1000.0
 
 
 @dataclass(frozen=True)
@@ -19,6 +24,9 @@ class PolicyConfig:
 
     # sjf: a request is never overtaken by one that arrived this much later (0: no aging).
     sjf_aging_s: float = SJF_AGING_S
+    # sjf: a waiting request of work w becomes overdue (goes first) once this many times w
+    # of work was admitted after it joined the queue (0: no overtake bound).
+    sjf_overtake_factor: float = SJF_OVERTAKE_FACTOR
     # sjf: how the expected output length is predicted (a name in ``PREDICTOR_NAMES``).
     sjf_predictor: str = "hint"
     # sjf: cost of a token still to prefill relative to an output token still to generate.
@@ -52,6 +60,9 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         _check(self.sjf_aging_s >= 0 and math.isfinite(self.sjf_aging_s), "sjf_aging_s",
                f"must be a finite number >= 0, got {self.sjf_aging_s}")
+        _check(self.sjf_overtake_factor >= 0 and math.isfinite(self.sjf_overtake_factor),
+               "sjf_overtake_factor",
+               f"must be a finite number >= 0, got {self.sjf_overtake_factor}")
         _check(self.sjf_predictor in PREDICTOR_NAMES, "sjf_predictor",
                f"must be one of {', '.join(sorted(PREDICTOR_NAMES))}, "
                f"got {self.sjf_predictor!r}")
