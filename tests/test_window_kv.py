@@ -21,10 +21,12 @@ from helpers import fake_execute, hf_greedy, make_checkpoint, make_request
 WINDOW = 8  # a Mistral checkpoint windowed on every layer, shorter than every prompt
 
 
-def _needed_blocks(kv: KVCacheManager, first_query: int, end: int) -> range:
+def _needed_blocks(kv: KVCacheManager, first_query: int, end: int,
+                   window: int | None = None) -> range:
     """Table indices of the keys queries at positions >= ``first_query`` read, up to
-    ``end`` (exclusive): from the first query's window on."""
-    lo = max(0, first_query - kv.sliding_window + 1)
+    ``end`` (exclusive): from the first query's window on (the layers' ``window``, by
+    default the manager's)."""
+    lo = max(0, first_query - (window or kv.sliding_window) + 1)
     return range(lo // kv.block_size, -(-end // kv.block_size))
 
 
@@ -300,7 +302,8 @@ def test_no_block_a_hybrid_layer_reads_is_released(reqs, num_full, num_window, w
         for rid, n in out.num_scheduled_tokens.items():
             end = sched.requests[rid].num_computed_tokens
             for group, needed in ((kv.full, range(-(-end // 4))),
-                                  (kv.windowed, _needed_blocks(kv.windowed, end - n, end))):
+                                  (kv.windowed, _needed_blocks(kv.windowed, end - n, end,
+                                                               window))):
                 held, table = set(group.held_blocks(rid)), group.req_blocks[rid]
                 for i in needed:
                     assert table[i] in held and group.pool.ref_cnt[table[i]] > 0, (rid, i)
