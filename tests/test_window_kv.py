@@ -1,7 +1,8 @@
 """KV blocks behind the sliding window go back to the pool (a model windowed on every
-layer): greedy ids still equal transformers' under chunking, preemption and prefix hits,
-the pool's free count shows the blocks returned, and no block a window still reads is
-ever released (a hypothesis property over the scheduler and the manager)."""
+layer, and a hybrid one's windowed layer group: Gemma 2 and 3): greedy ids still equal
+transformers' under batching, chunking, preemption and prefix hits, the pool's free count
+shows the blocks returned, and no block a window still reads is ever released (hypothesis
+properties over the scheduler and the managers)."""
 
 from __future__ import annotations
 
