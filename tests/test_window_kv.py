@@ -331,6 +331,13 @@ def test_kv_groups_split_the_same_bytes() -> None:
     assert groups.num_full_blocks + 2 * groups.num_window_blocks == 3 * 400
     assert llm.engine.runner.kv_caches[1][0].shape[0] == groups.num_full_blocks * 4
     assert llm.engine.runner.kv_caches[0][0].shape[0] == groups.num_window_blocks * 4
+    # Gemma 3's own pattern (5 windowed : 1 global) where config.json lists no layer types.
+    six = dataclasses.replace(config, model=dataclasses.replace(
+        config.model, num_layers=6,
+        hf_config={**config.model.hf_config, "layer_types": None,
+                   "sliding_window_pattern": 6}))
+    assert kv_groups(six).layer_groups == (1, 1, 1, 1, 1, 0)
+    assert kv_groups(six).num_full_blocks + 5 * groups.num_window_blocks == 6 * 400
     cache = config.cache
     for off in (dataclasses.replace(config, device="cuda:0"),
                 dataclasses.replace(config, cache=dataclasses.replace(
