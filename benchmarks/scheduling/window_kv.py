@@ -12,8 +12,9 @@ window) and serve ``--num-requests`` requests of ``--prompt-len`` prompt tokens 
 ``--max-tokens`` outputs (ignore_eos) from a pool of ``--num-kv-blocks`` blocks of every
 layer (the same bytes in both modes). Printed per mode: the peak blocks in use, the most
 sequences running at once, preemptions, blocks released behind the window, wall time and
-output tokens/s; then the ratios (freed / whole) the goal is about. The block counts and
-the concurrency are the scheduler's exact decisions; the times depend on the machine.
+output tokens/s; then the ratios (freed / whole) the goal is about. The block counts,
+the concurrency, preemptions and steps are the scheduler's exact decisions; the times
+depend on the machine.
 
     python -m benchmarks.scheduling.window_kv
     python -m benchmarks.scheduling.window_kv --prompt-len 1024 --window 256 --num-kv-blocks 256
@@ -93,7 +94,7 @@ def run(path: str, opts, free: bool) -> dict:
             "pools": (f"full {stats['num_kv_blocks']} + windowed {group['num_blocks']} "
                       f"(peak {group['peak_blocks']})" if group else
                       f"{stats['num_kv_blocks']} blocks"),
-            "preemptions": stats["num_preemptions"],
+            "preemptions": stats["num_preemptions"], "steps": stats["num_steps"],
             "freed_behind_window": stats["kv_window_freed_blocks"],
             "wall_s": wall, "output_tok_s": tokens / wall}
 
@@ -128,14 +129,16 @@ def main() -> None:
             r = run(path, opts, free)
             rounds[labels[free]].append(r)
             print(f"{labels[free]:>20}: peak blocks {r['peak_kv_blocks']:4d}  peak running "
-                  f"{r['peak_running']:3d}  preemptions {r['preemptions']:3d}  freed "
+                  f"{r['peak_running']:3d}  preemptions {r['preemptions']:3d}  steps "
+                  f"{r['steps']:4d}  freed "
                   f"{r['freed_behind_window']:5d}  {r['wall_s']:6.2f} s  "
                   f"{r['output_tok_s']:7.1f} output tok/s  pools {r['pools']}", flush=True)
     whole, freed = (sorted(rounds[label], key=lambda r: r["output_tok_s"])[opts.rounds // 2]
                     for label in labels.values())
     running = freed["peak_running"] / whole["peak_running"]
     line = (f"ratios (freed / whole): peak running {running:.2f}x, preemptions "
-            f"{whole['preemptions']} -> {freed['preemptions']}, output tok/s "
+            f"{whole['preemptions']} -> {freed['preemptions']}, steps {whole['steps']} -> "
+            f"{freed['steps']}, output tok/s "
             f"{freed['output_tok_s'] / whole['output_tok_s']:.2f}x")
     if opts.family == "mistral":
         line += (f"; blocks per running sequence at peak "
