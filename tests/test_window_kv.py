@@ -319,7 +319,7 @@ def test_kv_groups_split_the_same_bytes() -> None:
     bytes it saves go to the full layers' pool; off where the brief says so."""
     import dataclasses
 
-    from conveyor.config.kv_window import kv_groups, window_pool_blocks
+    from conveyor.config.kv_window import kv_groups, kv_groups_off_reason, window_pool_blocks
 
     llm = LLM(_family_checkpoint("gemma3"), dtype="float32", num_kv_blocks=400,
               block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
@@ -344,7 +344,8 @@ def test_kv_groups_split_the_same_bytes() -> None:
                     cache, hybrid_kv_groups=False)),
                 dataclasses.replace(config, kv_transfer=dataclasses.replace(
                     config.kv_transfer, role="decode"))):
-        assert kv_groups(off) is None
+        assert kv_groups(off) is None and kv_groups_off_reason(off) is not None
+    assert kv_groups_off_reason(config) is None
     whole = LLM(_family_checkpoint("gemma3"), dtype="float32", num_kv_blocks=400,
                 disable_hybrid_kv_cache_manager=True)
     assert type(whole.engine.kv).__name__ == "KVCacheManager"

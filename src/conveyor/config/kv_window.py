@@ -121,19 +121,32 @@ def window_pool_blocks(window: int, block_size: int, max_num_seqs: int,
     return max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
 
 
+def kv_groups_off_reason(config: EngineConfig) -> str | None:
+    """Why a hybrid model keeps whole contexts in every layer (None: it need not)."""
+    if not config.cache.hybrid_kv_groups or not config.cache.free_outside_window:
+        return "turned off (--disable-hybrid-kv-cache-manager)"
+    if config.kv_transfer.enabled:
+        return "a KV transfer hands whole block tables to another engine"
+    if _others_read_whole_tables(config):
+        return "a draft model's layers read the same whole block tables"
+    if config.device != "cpu":
+        return (f"device {config.device}: the GPU backends' page tables and CUDA graphs "
+                "read one block table a request")
+    return None
+
+
 def kv_groups(config: EngineConfig) -> KVGroups | None:
     """The layer groups of a hybrid model's KV (windowed and full-attention layers), or
     None to keep whole contexts in one table: not a hybrid model, turned off
     (``--disable-hybrid-kv-cache-manager``), another reader of whole tables (a draft
     model's layers, a KV transfer), or not a CPU engine (the GPU backends' page tables
     and CUDA graphs read one table a request)."""
-    if (not config.cache.hybrid_kv_groups or not config.cache.free_outside_window
-            or _others_read_whole_tables(config) or config.device != "cpu"):
-        return None
     windows = model_layer_windows(config.model)
     kinds = set(windows)
     if len(kinds) != 2 or None not in kinds:
         return None  # one kind of layer, or several windows
+    if kv_groups_off_reason(config) is not None:
+        return None
     window = next(w for w in kinds if w is not None)
     groups = tuple(0 if w is None else 1 for w in windows)
     cache, sched = config.cache, config.scheduler

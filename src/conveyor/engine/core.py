@@ -16,12 +16,18 @@ per-request batch state, updated from each ``SchedulerOutput``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from conveyor.config import EngineConfig, kv_hash_key
-from conveyor.config.kv_window import kv_free_window, kv_groups
+from conveyor.config.kv_window import (
+    kv_free_window,
+    kv_groups,
+    kv_groups_off_reason,
+    model_layer_windows,
+)
 from conveyor.config.lora import lora_tenant
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.kv_groups import HybridKVCacheManager
@@ -56,6 +62,8 @@ KV_SUMMARY_MAX_BLOCKS = 65536
 _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED,
                   "abort": RequestStatus.FINISHED_ABORTED}
 
+logger = logging.getLogger(__name__)
+
 
 class Executor(Protocol):
     """Runs the model for the core (``executor/``): in-process runner, cost model, later
@@ -82,6 +90,9 @@ class EngineCore:
         cache = config.cache
         assert cache.num_kv_blocks is not None, "resolve the KV pool before the core"
         groups = kv_groups(config)  # a hybrid model's layer groups (None: one table)
+        if groups is None and len(set(model_layer_windows(config.model))) > 1:
+            logger.info("hybrid model: whole contexts kept in every layer (%s)",
+                        kv_groups_off_reason(config) or "several windows")
         if groups is not None and num_kv_blocks is None:
             self.kv: KVCacheManager | HybridKVCacheManager = HybridKVCacheManager(
                 groups.num_full_blocks, groups.num_window_blocks, cache.block_size,
