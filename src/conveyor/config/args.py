@@ -47,6 +47,9 @@ class EngineArgs:
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    # Hybrid models (Gemma 2/3): keep whole contexts in every layer (vLLM's flag name)
+    # instead of a block table per layer group (config/kv_window.py: kv_groups).
+    disable_hybrid_kv_cache_manager: bool = False
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     batching: str = "continuous"
@@ -192,6 +195,10 @@ class EngineArgs:
                        help="KV pool size in bytes (suffixes K, M, G accepted)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True)
+        g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                       help="hybrid models (Gemma 2/3: windowed and global layers): keep "
+                            "whole contexts in every layer instead of freeing the windowed "
+                            "layers' blocks behind the window")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="CUDA: the share of the device's memory for the engine: weights, "
                             "a full step's activations (profiled at start) and the KV pool, "
@@ -413,7 +420,8 @@ class EngineArgs:
         return CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                            kv_cache_memory=self.kv_cache_memory,
                            enable_prefix_caching=self.enable_prefix_caching,
-                           gpu_memory_utilization=self.gpu_memory_utilization)
+                           gpu_memory_utilization=self.gpu_memory_utilization,
+                           hybrid_kv_groups=not self.disable_hybrid_kv_cache_manager)
 
     def resolve_model(self) -> ModelConfig:
         path = resolve_model_path(self.model, self.load_format)

@@ -21,6 +21,10 @@ class CacheConfig:
     # back to the pool (config/kv_window.py); False keeps whole contexts (a benchmark's
     # baseline).
     free_outside_window: bool = True
+    # A hybrid model (windowed and global layers): a block table per layer group, the
+    # windowed group's freed behind the window (config/kv_window.py: kv_groups); False
+    # keeps whole contexts in every layer (--disable-hybrid-kv-cache-manager).
+    hybrid_kv_groups: bool = True
 
 
 

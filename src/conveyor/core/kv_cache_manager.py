@@ -247,6 +247,21 @@ class KVCacheManager:
         """Free-queue blocks ``allocate_slots`` would consume (it fails if fewer are free)."""
         return sum(self._blocks_wanted(request, num_new_tokens, computed))
 
+    # Per layer group (one here; core/kv_groups.py has two): what preemption counts.
+    def free_counts(self) -> tuple[int, ...]:
+        return (self.pool.num_free_blocks,)
+
+    def blocks_to_take(self, request: Request, num_new_tokens: int,
+                       computed: ComputedBlocks = _NO_HIT) -> tuple[int, ...]:
+        return (self.num_blocks_to_take(request, num_new_tokens, computed),)
+
+    def exclusive_counts(self, request_id: str) -> tuple[int, ...]:
+        return (self.num_exclusive_blocks(request_id),)
+
+    def window_block_ids(self, request_id: str, start: int = 0) -> list[int] | None:
+        """A second layer group's table (core/kv_groups.py); None: one table."""
+        return None
+
     def num_exclusive_blocks(self, request_id: str) -> int:
         """Blocks only this request holds: what freeing it gives back to the free queue."""
         ref = self.pool.ref_cnt

@@ -510,12 +510,13 @@ class Scheduler:
         candidates = [r for r in self._preemptible(req) if r.request_id not in admitted]
         victims: list[Request] = []
         free_seqs = self.config.max_num_seqs - len(self.running)
-        free_blocks = self.kv.num_free_blocks
+        free_blocks = self.kv.free_counts()  # per layer group: each must fit
         while True:
             if victims and free_seqs > 0:
                 num_new = self._admission_tokens(req, computed, budget)
-                if (num_new is not None
-                        and self.kv.num_blocks_to_take(req, num_new, computed) <= free_blocks):
+                if num_new is not None and all(
+                        n <= f for n, f in zip(self.kv.blocks_to_take(req, num_new, computed),
+                                               free_blocks)):
                     return victims
             victim = self.policy.victim_for_waiting(candidates, req)
             if victim is None:
@@ -525,7 +526,8 @@ class Scheduler:
             victims.append(victim)
             free_seqs += 1
             budget += scheduled.get(victim.request_id, 0)
-            free_blocks += self.kv.num_exclusive_blocks(victim.request_id)
+            free_blocks = tuple(f + n for f, n in zip(
+                free_blocks, self.kv.exclusive_counts(victim.request_id)))
 
     def _admit(self, req: Request, num_cached: int, now: float) -> None:
         if req.num_cached_tokens < 0:  # first admission: record the prefix hit
@@ -630,6 +632,7 @@ class Scheduler:
         requests, known, sent, block_ids_of = (self.requests, self._runner_known,
                                                self._blocks_sent, self.kv.block_ids)
         cached_reqs, on_scheduled = out.cached_reqs, self.policy.on_scheduled
+        window_ids_of = self.kv.window_block_ids  # a hybrid model's windowed layers' table
         for rid, n in scheduled.items():
             req = requests[rid]
             if rid in known:
@@ -638,14 +641,15 @@ class Scheduler:
                 first = sent[rid]
                 new_ids = block_ids_of(rid, first)
                 cached_reqs.append(CachedRequestData(rid, new_ids, req.num_computed_tokens,
-                                                     first))
+                                                     first, window_ids_of(rid, first)))
                 sent[rid] = first + len(new_ids)
             else:
                 self._runner_known.add(rid)
                 block_ids = self.kv.block_ids(rid)
                 out.new_reqs.append(NewRequestData(
                     rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
-                    block_ids, req.num_computed_tokens, req.lora_request))
+                    block_ids, req.num_computed_tokens, req.lora_request,
+                    window_ids_of(rid)))
                 self._blocks_sent[rid] = len(block_ids)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now

@@ -27,6 +27,9 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
+    # A hybrid model's windowed layers' block table (core/kv_groups.py; None: one table
+    # for every layer), index for index beside ``block_ids``.
+    window_block_ids: list[int] | None = None
 
 
 @dataclass
@@ -39,6 +42,9 @@ class CachedRequestData:
     # The table keeps its first this many ids, then ``new_block_ids`` follow (fewer than
     # it holds after speculative decoding gave lookahead blocks back). None: all of them.
     num_kept_blocks: int | None = None
+    # The windowed layers' table's new ids, past the same ``num_kept_blocks`` (hybrid
+    # models only; None: one table).
+    new_window_block_ids: list[int] | None = None
 
 
 @dataclass

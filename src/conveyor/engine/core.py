@@ -16,14 +16,21 @@ per-request batch state, updated from each ``SchedulerOutput``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from conveyor.config import EngineConfig, kv_hash_key
-from conveyor.config.kv_window import kv_free_window
+from conveyor.config.kv_window import (
+    kv_free_window,
+    kv_groups,
+    kv_groups_off_reason,
+    model_layer_windows,
+)
 from conveyor.config.lora import lora_tenant
 from conveyor.core.kv_cache_manager import KVCacheManager
+from conveyor.core.kv_groups import HybridKVCacheManager
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from conveyor.costs.protocol import StepCostModel
@@ -55,6 +62,8 @@ KV_SUMMARY_MAX_BLOCKS = 65536
 _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED,
                   "abort": RequestStatus.FINISHED_ABORTED}
 
+logger = logging.getLogger(__name__)
+
 
 class Executor(Protocol):
     """Runs the model for the core (``executor/``): in-process runner, cost model, later
@@ -80,9 +89,18 @@ class EngineCore:
         self.clock = clock
         cache = config.cache
         assert cache.num_kv_blocks is not None, "resolve the KV pool before the core"
-        self.kv = KVCacheManager(num_kv_blocks or cache.num_kv_blocks, cache.block_size,
-                                 cache.enable_prefix_caching, kv_hash_key(config.model),
-                                 sliding_window=kv_free_window(config))
+        groups = kv_groups(config)  # a hybrid model's layer groups (None: one table)
+        if groups is None and len(set(model_layer_windows(config.model))) > 1:
+            logger.info("hybrid model: whole contexts kept in every layer (%s)",
+                        kv_groups_off_reason(config) or "several windows")
+        if groups is not None and num_kv_blocks is None:
+            self.kv: KVCacheManager | HybridKVCacheManager = HybridKVCacheManager(
+                groups.num_full_blocks, groups.num_window_blocks, cache.block_size,
+                groups.window, cache.enable_prefix_caching, kv_hash_key(config.model))
+        else:
+            self.kv = KVCacheManager(num_kv_blocks or cache.num_kv_blocks, cache.block_size,
+                                     cache.enable_prefix_caching, kv_hash_key(config.model),
+                                     sliding_window=kv_free_window(config))
         # Prefill/decode disaggregation: the KV connector's scheduler half (None: "both").
         self.kv_connector = (KVConnectorScheduler(config.kv_transfer, self.kv)
                              if config.kv_transfer.enabled else None)
@@ -305,6 +323,11 @@ class EngineCore:
             "kv_blocks_in_use": self.kv.pool.num_used_blocks,
             "kv_usage": self.kv.usage,
             "kv_window_freed_blocks": self.kv.num_window_freed,  # behind a sliding window
+            # A hybrid model's windowed layers' pool (the rest above is the full layers').
+            "kv_window_group": ({"num_blocks": self.kv.windowed.num_blocks,
+                                 "blocks_in_use": self.kv.windowed.pool.num_used_blocks,
+                                 "peak_blocks": self.kv.windowed.peak_used_blocks}
+                                if isinstance(self.kv, HybridKVCacheManager) else None),
             "prefix_cache_queries": self.kv.stats.queries,
             "prefix_cache_hits": self.kv.stats.hits,
             "prefix_cache_hit_rate": self.kv.stats.hit_rate,

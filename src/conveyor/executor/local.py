@@ -8,6 +8,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from conveyor.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig
+from conveyor.config.kv_window import kv_groups
 from conveyor.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from conveyor.executor.device import resolve_device
 from conveyor.kv_transfer.worker import KVConnectorWorker
@@ -70,7 +71,8 @@ class LocalExecutor:
         return int(blocks)
 
     def initialize(self, config: EngineConfig) -> None:
-        self.runner.allocate_kv_cache(config.cache.num_kv_blocks)
+        self.runner.allocate_kv_cache(config.cache.num_kv_blocks,
+                                    groups=kv_groups(config))
         if config.kv_transfer.enabled:  # the connector's worker half, over this cache
             self.kv_worker = KVConnectorWorker(config.kv_transfer, config.cache.block_size)
             self.kv_worker.register_kv_caches(self.runner.kv_caches)

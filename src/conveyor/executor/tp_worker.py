@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from conveyor.config import CacheConfig, EngineArgs, EngineConfig, kv_blocks_for
+from conveyor.config.kv_window import kv_groups
 from conveyor.distributed.parallel import TPShard
 from conveyor.executor.device import resolve_device
 from conveyor.executor.tp_messages import (
@@ -100,7 +101,7 @@ class TPWorker:
 
     def initialize(self, config: EngineConfig) -> WorkerInitialized:
         runner = self.runner
-        runner.allocate_kv_cache(config.cache.num_kv_blocks)
+        runner.allocate_kv_cache(config.cache.num_kv_blocks, groups=kv_groups(config))
         if self.warmup:  # every rank runs it: its collectives pair with the others'
             runner.warmup(config.scheduler.max_num_batched_tokens,
                           config.model.max_model_len - 1)

@@ -23,6 +23,7 @@ from conveyor.config import (
     gpu_kv_cache_bytes,
     kv_blocks_for,
 )
+from conveyor.config.kv_window import KVGroups
 from conveyor.config.lora import LoRAConfig
 from conveyor.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from conveyor.distributed.parallel import SINGLE, TPShard
@@ -41,7 +42,7 @@ from conveyor.runner.prompt_logprobs import compute_prompt_logprobs, prompt_span
 from conveyor.runner.request_state import RequestState
 from conveyor.runner.sampler import Sampler, SamplingRow
 from conveyor.runner.verify import VerifyGroup, verify
-from conveyor.runner.window_views import PrefillArgs, add_window_views
+from conveyor.runner.window_views import GroupTables, PrefillArgs, add_window_views
 from conveyor.sampling_params import SamplingParams
 from conveyor.spec.proposers import ProposeItem, Proposer, make_proposer
 from conveyor.timings import PhaseTimings
@@ -116,6 +117,9 @@ class ModelRunner:
         self.lora = make_lora_manager(lora, self.model, DTYPES[model_cfg.math_dtype], tp)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # A hybrid model's layer groups (None: one block table for every layer).
+        self.kv_groups: KVGroups | None = None
+        self.num_window_blocks = 0
         self.sampler = Sampler(model_cfg.vocab_size, device, seed=model_cfg.seed)
         self.requests: dict[str, RequestState] = {}
         # Structured outputs: a grammar matcher per constrained request (runner/grammar.py).
@@ -174,32 +178,49 @@ class ModelRunner:
             if self.packed_linears:
                 self.model.pack_linears(self.linear_backend)
 
-    def allocate_kv_cache(self, num_blocks: int | None = None, max_num_seqs: int = 1) -> int:
-        """Allocate the KV pool (sized from free memory unless given); returns its blocks."""
+    def allocate_kv_cache(self, num_blocks: int | None = None, max_num_seqs: int = 1,
+                          groups: KVGroups | None = None) -> int:
+        """Allocate the KV pool (sized from free memory unless given); returns its blocks.
+        ``groups``: a hybrid model's layer groups (config/kv_window.py), each layer's K/V
+        in its group's pool (``num_blocks`` is then the full group's)."""
+        if groups is not None:
+            if self.proposer is not None and hasattr(self.proposer, "allocate_kv_cache"):
+                raise ValueError("a draft model's layers read whole block tables: no "
+                                 "layer groups with one (kv_groups is off with it)")
+            full = self._kv_pool(groups.num_full_blocks, groups.num_full_layers)
+            windowed = self._kv_pool(groups.num_window_blocks, groups.num_window_layers)
+            per_group = (iter(full), iter(windowed))
+            self.kv_caches = [next(per_group[g]) for g in groups.layer_groups]
+            self.num_blocks, self.num_window_blocks = (groups.num_full_blocks,
+                                                       groups.num_window_blocks)
+            self.kv_groups = groups
+            return self.num_blocks
         if num_blocks is None:
             num_blocks = num_blocks_for(self.cache_cfg, self.cfg, self.device, max_num_seqs)
-        dtype = DTYPES[self.cfg.math_dtype]
-        shape = (num_blocks * self.block_size, self.heads.num_kv_heads, self.cfg.head_dim)
-        if self.cfg.kv_cache_dtype != "auto":  # one byte an element (model/quant/kv_cache.py)
-            self.kv_caches = quantized_kv_caches(self.cfg.num_layers, *shape,
-                                                 self.cfg.kv_cache_dtype, dtype, self.device)
-        elif self.device.type == "cpu":
-            # One pool for every layer's K and V, on huge pages where the OS takes the
-            # advice (runner/huge_pages.py: a decode step's scattered block reads)
-            pool, advised = huge_pages.zeros((self.cfg.num_layers, 2, *shape), dtype)
-            logger.info("KV pool: %.1f MiB, huge pages %s", pool.numel()
-                        * pool.element_size() / 2**20, "advised" if advised else "not advised")
-            self.kv_caches = [(pool[i, 0], pool[i, 1]) for i in range(self.cfg.num_layers)]
-        else:
-            self.kv_caches = [
-                (torch.zeros(shape, dtype=dtype, device=self.device),
-                 torch.zeros(shape, dtype=dtype, device=self.device))
-                for _ in range(self.cfg.num_layers)
-            ]
+        self.kv_caches = self._kv_pool(num_blocks, self.cfg.num_layers)
         self.num_blocks = num_blocks
         if self.proposer is not None and hasattr(self.proposer, "allocate_kv_cache"):
             self.proposer.allocate_kv_cache(num_blocks)  # the draft's layers, same blocks
         return num_blocks
+
+    def _kv_pool(self, num_blocks: int, num_layers: int
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K and V tensors of ``num_blocks`` blocks for each of ``num_layers`` layers."""
+        dtype = DTYPES[self.cfg.math_dtype]
+        shape = (num_blocks * self.block_size, self.heads.num_kv_heads, self.cfg.head_dim)
+        if self.cfg.kv_cache_dtype != "auto":  # one byte an element (model/quant/kv_cache.py)
+            return quantized_kv_caches(num_layers, *shape, self.cfg.kv_cache_dtype, dtype,
+                                       self.device)
+        if self.device.type == "cpu":
+            # One pool for every layer's K and V, on huge pages where the OS takes the
+            # advice (runner/huge_pages.py: a decode step's scattered block reads)
+            pool, advised = huge_pages.zeros((num_layers, 2, *shape), dtype)
+            logger.info("KV pool: %.1f MiB, huge pages %s", pool.numel()
+                        * pool.element_size() / 2**20, "advised" if advised else "not advised")
+            return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
+        return [(torch.zeros(shape, dtype=dtype, device=self.device),
+                 torch.zeros(shape, dtype=dtype, device=self.device))
+                for _ in range(num_layers)]
 
     def profile_peak_memory(self, num_tokens: int, max_len: int) -> int:
         """CUDA: bytes torch holds at the peak of one full dummy step (weights plus a
@@ -231,15 +252,18 @@ class ModelRunner:
         pool is smaller)."""
         per = max(1, min(num_tokens, max_len))
         new_reqs, block, left = [], 0, num_tokens
+        grouped = self.kv_groups is not None  # (the windowed pool's ids: the same ones)
+        limit = min(self.num_blocks, self.num_window_blocks) if grouped else self.num_blocks
         while left > 0:
             length = min(per, left)
             blocks = -(-length // self.block_size)
-            if block + blocks > self.num_blocks:
+            if block + blocks > limit:
                 break
+            ids = list(range(block, block + blocks))
             new_reqs.append(NewRequestData(
                 f"__warmup__{len(new_reqs)}", [0] * length, [],
-                SamplingParams(max_tokens=1, temperature=0.0), list(range(block, block + blocks)),
-                0))
+                SamplingParams(max_tokens=1, temperature=0.0), ids, 0,
+                window_block_ids=list(ids) if grouped else None))
             block, left = block + blocks, left - length
         if not new_reqs:
             return 0
@@ -266,7 +290,9 @@ class ModelRunner:
             self.requests[new.req_id] = RequestState(
                 new.req_id, new.prompt_token_ids, list(new.output_token_ids),
                 new.sampling_params, list(new.block_ids), new.num_computed_tokens,
-                lora_id=new.lora_request.lora_int_id if new.lora_request else 0)
+                lora_id=new.lora_request.lora_int_id if new.lora_request else 0,
+                window_block_ids=(list(new.window_block_ids)
+                                  if new.window_block_ids is not None else None))
             if self.lora is not None:
                 self.lora.request_added(new.req_id, new.lora_request)
             if new.sampling_params.structured_outputs is not None:
@@ -277,6 +303,10 @@ class ModelRunner:
             if cached.num_kept_blocks is not None:
                 del state.block_ids[cached.num_kept_blocks:]  # lookahead given back
             state.block_ids.extend(cached.new_block_ids)
+            if state.window_block_ids is not None:  # the windowed layers' table
+                if cached.num_kept_blocks is not None:
+                    del state.window_block_ids[cached.num_kept_blocks:]
+                state.window_block_ids.extend(cached.new_window_block_ids or ())
             state.num_computed_tokens = cached.num_computed_tokens
         for key in out.grammar_evictions:  # (before the orders: a key may come back)
             self.grammars.evict(key)
@@ -436,6 +466,11 @@ class ModelRunner:
         sampling = out.sampling_req_ids
         cursor = 0
         spec = out.scheduled_spec_tokens
+        # A hybrid model's windowed layers: their own table's slots, decode tables, chunks.
+        grouped = self.kv_groups is not None
+        w_slot_chunks: list[np.ndarray] = []
+        w_decode_tables: list[list[int]] = []
+        w_prefill_args: list[PrefillArgs] = []
         for rid in order:
             state = self.requests[rid]
             n = out.num_scheduled_tokens[rid]
@@ -451,6 +486,10 @@ class ModelRunner:
                 table = np.asarray(state.block_ids, dtype=np.int64)
                 pos_chunks.append(pos)
                 slot_chunks.append(table[pos // bs] * bs + pos % bs)
+                if grouped:
+                    w_table = np.asarray(state.window_block_ids, dtype=np.int64)
+                    w_slot_chunks.append(w_table[pos // bs] * bs + pos % bs)
+                    w_decode_tables.extend([state.window_block_ids] * n)
                 for j in range(n):
                     decode_tables.append(state.block_ids)
                     decode_ctx.append(start + 1 + j)
@@ -462,12 +501,19 @@ class ModelRunner:
             table = np.asarray(state.block_ids, dtype=np.int64)
             pos_chunks.append(pos)
             slot_chunks.append(table[pos // bs] * bs + pos % bs)
+            if grouped:
+                w_table = np.asarray(state.window_block_ids, dtype=np.int64)
+                w_slot_chunks.append(w_table[pos // bs] * bs + pos % bs)
             if n == 1:
                 decode_tables.append(state.block_ids)
                 decode_ctx.append(ctx)
+                if grouped:
+                    w_decode_tables.append(state.window_block_ids)
             else:
                 prefills.append(self._prefill_segment(cursor, n, start, table))
                 prefill_args.append((cursor, n, start, table))
+                if grouped:
+                    w_prefill_args.append((cursor, n, start, w_table))
             if rid in sampling:  # the scheduler's decision: its chunk reaches the end
                 logits_rows.append((cursor + n - 1, rid))
             cursor += n
@@ -479,8 +525,14 @@ class ModelRunner:
         if decode_ctx:
             self._decode_layout(meta, decode_tables, decode_ctx)
         if len(self.layer_windows) > 1:
+            own = None
+            if grouped:
+                w_slots = (self._to_device(padded_slots(w_decode_tables, max(decode_ctx), bs))
+                           if decode_ctx else None)
+                own = {self.kv_groups.window: GroupTables(
+                    self._to_device(np.concatenate(w_slot_chunks)), w_slots, w_prefill_args)}
             add_window_views(meta, self.sliding_window, self.layer_windows, prefill_args,
-                             decode_ctx, self._prefill_segment)
+                             decode_ctx, self._prefill_segment, own)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = self._to_device(np.concatenate(pos_chunks))
         return input_ids, positions, meta, logits_rows

@@ -28,6 +28,8 @@ class RequestState:
     # distribution (a draft model for a random request); verified against next step.
     draft_q: tuple[list[int], torch.Tensor] | None = None
     lora_id: int = 0  # its LoRA adapter's id (0: the base model)
+    # A hybrid model's windowed layers' block table (None: one table for every layer).
+    window_block_ids: list[int] | None = None
 
     def append(self, tokens: list[int]) -> None:
         self.output_token_ids.extend(tokens)
