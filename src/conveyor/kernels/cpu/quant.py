@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "quant_gemm.c")
 _PTR, _I32 = ctypes.c_void_p, ctypes.c_int
+_INT_MAX = 2**31 - 1
 
 
 @functools.cache
@@ -95,6 +96,49 @@ def check_weight(qweight: torch.Tensor, bits: int, n: int, k: int, scales: torch
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)
                              or not bias.is_contiguous()):
         raise ValueError(f"conveyor::qgemm: bias must be contiguous float32 [{n}]")
+
+
+class PackedQGemm:
+    """A packed weight (``check_weight``'s layout) with its scales, zeros and bias, checked
+    once: a call ``(x)`` checks only x, then runs ``qgemm_f32`` on the stored pointers (a
+    decode step makes one call a projection, so the per-call Python is a share of it)."""
+
+    __slots__ = ("_args", "_fn", "_keep", "in_features", "out_features")
+
+    def __init__(self, qweight: torch.Tensor, bits: int, scales: torch.Tensor,
+                 zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None, n: int,
+                 k: int, lib=None) -> None:
+        check_weight(qweight, bits, n, k, scales, zeros, group, bias)
+        lib = lib or load()
+        if lib is None:
+            raise RuntimeError("conveyor::qgemm: the quantized GEMM is not built "
+                               + kernels.why_unavailable())
+        self._fn = lib.qgemm_f32
+        self._keep = (qweight, scales, zeros, bias)  # the pointers below stay valid
+        self._args = (qweight.data_ptr(), bits, n, scales.data_ptr(),
+                      zeros.data_ptr() if zeros is not None else None, group,
+                      bias.data_ptr() if bias is not None else None)
+        self.out_features, self.in_features = n, k
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ dequant(W).T + bias`` for float32 x [M, K] on CPU, rows unit-stride."""
+        k, n = self.in_features, self.out_features
+        if x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != k \
+                or x.stride(1) != 1 or not x.is_cpu or x.stride(0) > _INT_MAX:
+            raise ValueError(f"conveyor::qgemm: x must be float32 [M, {k}] on CPU with unit "
+                             f"column stride, got {x.dtype} {tuple(x.shape)}")
+        m = x.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m == 0:
+            return y
+        w, bits, _, s, z, group, b = self._args
+        rc = self._fn(x.data_ptr(), m, k, x.stride(0), w, bits, n, s, z, group, b,
+                      y.data_ptr(), n)
+        if rc == -2:
+            raise MemoryError("conveyor::qgemm: no memory for the widening buffer")
+        if rc != 0:
+            raise ValueError("conveyor::qgemm: the kernel refused its arguments")
+        return y
 
 
 def qgemm(x: torch.Tensor, qweight: torch.Tensor, bits: int, scales: torch.Tensor,

@@ -29,6 +29,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -104,7 +105,7 @@ deq16(const QW* q, int p, int k, const float* s, const float* z, const int BITS,
 /* The tile's sums (acc[r][2 * pp + h]: row r, panel p0 + pp, half h) into y: the scale
  * for one group a row, the bias, the outputs past N left out. */
 static inline __attribute__((always_inline)) void
-store_sums(const QW* q, __m256 acc[][4], const int R, const int P, int p0, const float* bias,
+store_sums(const QW* q, __m256 acc[][8], const int R, const int P, int p0, const float* bias,
            float* y, int ldy) {
     for (int r = 0; r < R; r++)
         for (int pp = 0; pp < P; pp++) {
@@ -117,17 +118,18 @@ store_sums(const QW* q, __m256 acc[][4], const int R, const int P, int p0, const
         }
 }
 
-/* R (1..DIRECT_MAX) rows of x against P (1..2) panels from p0, widened in registers. */
+/* R (1..DIRECT_MAX) rows of x against P (1..4; R * P <= 4) panels from p0, widened in
+ * registers. */
 static inline __attribute__((always_inline)) void
 direct_tile(const float* x, int ldx, const QW* q, int p0, const int R, const int P,
             const int BITS, const int ZERO, const int CHAN, const float* bias, float* y,
             int ldy) {
-    __m256 acc[DIRECT_MAX][4];
+    __m256 acc[DIRECT_MAX][8];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < 2 * P; i++) acc[r][i] = _mm256_setzero_ps();
     for (int g = 0; g < q->groups; g++) {
-        const float* s[2];
-        const float* z[2];
+        const float* s[4];
+        const float* z[4];
         for (int pp = 0; pp < P; pp++) {
             const size_t i = ((size_t)(p0 + pp) * q->groups + g) * 16;
             s[pp] = q->scales + i;
@@ -140,7 +142,7 @@ direct_tile(const float* x, int ldx, const QW* q, int p0, const int R, const int
                 for (int pp = 0; pp < P; pp++)
                     _mm_prefetch((const char*)q->w + ((size_t)(p0 + pp) * q->K + k)
                                  * (BITS == 8 ? 16 : 8) + PF_DIST, _MM_HINT_T0);
-            __m256 w[2][2];
+            __m256 w[4][2];
             for (int pp = 0; pp < P; pp++)
                 deq16(q, p0 + pp, k, s[pp], z[pp], BITS, ZERO, CHAN, w[pp]);
             for (int r = 0; r < R; r++) {
@@ -153,7 +155,7 @@ direct_tile(const float* x, int ldx, const QW* q, int p0, const int R, const int
         }
     }
     /* (a copy: handing acc itself to store_sums kept it on the stack through the loop) */
-    __m256 sums[DIRECT_MAX][4];
+    __m256 sums[DIRECT_MAX][8];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < 2 * P; i++) sums[r][i] = acc[r][i];
     store_sums(q, sums, R, P, p0, bias, y, ldy);
@@ -164,10 +166,15 @@ static inline __attribute__((always_inline)) void
 task_direct(const float* x, int M, int ldx, const QW* q, int p0, int p1, const float* bias,
             float* y, int ldy, const int BITS, const int ZERO, const int CHAN) {
     for (int p = p0; p < p1;) {
-        /* two panels a pass at one or two rows (4 and 8 accumulators), one at 3-4 */
-        const int P = (M <= 2 && p1 - p >= 2) ? 2 : 1;
+        /* at one row, four panels a pass with one scale a row and no zeros (eight FMA
+         * chains: more than the FMA latency needs hidden; with a group's scales and zeros
+         * in registers too, four spill), else two; two at two rows, one at 3-4 */
+        const int left = p1 - p, wide = CHAN && !ZERO;
+        const int P = M == 1 ? (wide && left >= 4 ? 4 : left >= 2 ? 2 : 1)
+                             : (M == 2 && left >= 2) ? 2 : 1;
 #define DT(R, PP) direct_tile(x, ldx, q, p, R, PP, BITS, ZERO, CHAN, bias, y, ldy)
-        if (P == 2) { if (M == 1) DT(1, 2); else DT(2, 2); }
+        if (P == 4) { if (wide) DT(1, 4); }
+        else if (P == 2) { if (M == 1) DT(1, 2); else DT(2, 2); }
         else if (M == 1) DT(1, 1);
         else if (M == 2) DT(2, 1);
         else if (M == 3) DT(3, 1);
@@ -349,12 +356,13 @@ int qgemm_f32(const float* x, int M, int K, int ldx, const void* w, int bits, in
         free(spill);
         return failed ? -2 : 0;
     }
-    const int tasks = (np + 1) / 2;
-#pragma omp parallel for schedule(static)
-    for (int i = 0; i < tasks; i++) {
-        const int p0 = 2 * i, p1 = p0 + 2 < np ? p0 + 2 : np;
+    /* one contiguous run of panels a thread (within a panel of the same share each) */
+#pragma omp parallel
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int p0 = (int)((long)np * t / nt), p1 = (int)((long)np * (t + 1) / nt);
 #define TD(B, Z, C) task_direct(x, M, ldx, &q, p0, p1, bias, y, ldy, B, Z, C)
-        BY_KIND(TD);
+        if (p0 < p1) BY_KIND(TD);
 #undef TD
     }
     return 0;

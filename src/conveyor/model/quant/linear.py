@@ -67,18 +67,21 @@ class NativeQuantLinear(_QuantLinear):
         self.zeros = to_panels(zero.to(torch.float32)) if zero is not None else None
         self.bias = _bias(bias)
         self.perm = weight.perm  # act-order: x's columns in the weight's order
-        qkernel.check_weight(self.qweight, self.bits, self.out_features, self.in_features,
-                             self.scales, self.zeros, self.group, self.bias)
+        self.gemm = qkernel.PackedQGemm(self.qweight, self.bits, self.scales, self.zeros,
+                                        self.group, self.bias, self.out_features,
+                                        self.in_features, self.lib)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is None and x.dim() == 2 and x.dtype is torch.float32 \
+                and x.stride(1) == 1:  # the model's case: no reshape, no copy
+            return self.gemm(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
         if x2.dtype != torch.float32 or x2.stride(-1) != 1:
             x2 = x2.to(torch.float32).contiguous()
-        y = qkernel.qgemm(x2, self.qweight, self.bits, self.scales, self.zeros, self.group,
-                          self.bias, self.out_features, self.in_features, self.lib)
+        y = self.gemm(x2)
         return y.to(x.dtype).view(*lead, self.out_features)
 
 
