@@ -13,11 +13,15 @@
  * rows of 576 bytes were too short for it to ramp up on), a k step widens 16 outputs'
  * weights at once, and no group size or K is too odd for the vector body.
  *
- * The value multiplied by x: with one group per row (a scale per output row), q - zero
- * (exact for an integer zero), each sum multiplied by its scale once at the end; with
- * groups, (q - zero) * scale rounded to float32, as the dequantised float32 weight holds
- * it. Each output is one float32 FMA chain over k ascending, in every path below and
- * whatever the row count: a row's result does not depend on the rows beside it.
+ * The value multiplied by x: q itself (exact in float32). With one scale a row and no
+ * zeros, each output is one FMA chain over k ascending, multiplied by its scale at the
+ * end. Otherwise (groups, or zero points) each group's chain d = sum x q starts at zero
+ * and is folded into the output's total once at the group's end: total += scale * (d -
+ * zero * sum of the group's x) (the x sums computed once a call): the zero point and scale
+ * cost an FMA a group, not a subtract and a multiply a weight. The scalar body (no AVX2)
+ * multiplies by the dequantised weight instead. Every path of a body does the same
+ * operations in the same order whatever the row count: a row's result does not depend on
+ * the rows beside it.
  *
  * Up to DIRECT_MAX rows the weights are widened in registers, one or two panels a pass
  * sharing each broadcast of x. Past it a task widens a KC x 16 slice of a panel once into
@@ -55,6 +59,8 @@ typedef struct {
     int bits, K, N, group, groups, chan;
     const float* scales; /* [P, groups, 16] */
     const float* zeros;
+    int fold;         /* scales (and zeros) applied per group to the sums (SIMD body) */
+    const float* xs;  /* fold with zeros: [M, groups] sums of x over each group */
 } QW;
 
 /* The value x[k] is multiplied by for output n (see above). */
@@ -74,7 +80,7 @@ static inline float w_at(const QW* q, int n, int k) {
 }
 
 static inline float finish(const QW* q, float acc, int n, const float* bias) {
-    if (q->chan) acc *= q->scales[(size_t)(n >> 4) * 16 + (n & 15)];
+    if (q->chan && !q->fold) acc *= q->scales[(size_t)(n >> 4) * 16 + (n & 15)];
     return acc + (bias ? bias[n] : 0.0f);
 }
 
@@ -124,10 +130,14 @@ static inline __attribute__((always_inline)) void
 direct_tile(const float* x, int ldx, const QW* q, int p0, const int R, const int P,
             const int BITS, const int ZERO, const int CHAN, const float* bias, float* y,
             int ldy) {
-    __m256 acc[DIRECT_MAX][8];
+    const int FOLD = ZERO || !CHAN;
+    __m256 acc[DIRECT_MAX][8], tot[DIRECT_MAX][8];
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < 2 * P; i++) acc[r][i] = _mm256_setzero_ps();
+        for (int i = 0; i < 2 * P; i++) acc[r][i] = tot[r][i] = _mm256_setzero_ps();
     for (int g = 0; g < q->groups; g++) {
+        if (FOLD)
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < 2 * P; i++) acc[r][i] = _mm256_setzero_ps();
         const float* s[4];
         const float* z[4];
         for (int pp = 0; pp < P; pp++) {
@@ -144,7 +154,8 @@ direct_tile(const float* x, int ldx, const QW* q, int p0, const int R, const int
                                  * (BITS == 8 ? 16 : 8) + PF_DIST, _MM_HINT_T0);
             __m256 w[4][2];
             for (int pp = 0; pp < P; pp++)
-                deq16(q, p0 + pp, k, s[pp], z[pp], BITS, ZERO, CHAN, w[pp]);
+                deq16(q, p0 + pp, k, s[pp], z[pp], BITS, FOLD ? 0 : ZERO, FOLD ? 1 : CHAN,
+                      w[pp]);
             for (int r = 0; r < R; r++) {
                 const __m256 xv = _mm256_broadcast_ss(x + (size_t)r * ldx + k);
                 for (int pp = 0; pp < P; pp++) {
@@ -153,11 +164,24 @@ direct_tile(const float* x, int ldx, const QW* q, int p0, const int R, const int
                 }
             }
         }
+        if (FOLD)
+            for (int pp = 0; pp < P; pp++)
+                for (int h = 0; h < 2; h++) {
+                    const __m256 sv = _mm256_loadu_ps(s[pp] + 8 * h);
+                    for (int r = 0; r < R; r++) {
+                        __m256 t = acc[r][2 * pp + h];
+                        if (ZERO)
+                            t = _mm256_fnmadd_ps(_mm256_loadu_ps(z[pp] + 8 * h),
+                                                 _mm256_set1_ps(q->xs[(size_t)r * q->groups + g]),
+                                                 t);
+                        tot[r][2 * pp + h] = _mm256_fmadd_ps(sv, t, tot[r][2 * pp + h]);
+                    }
+                }
     }
     /* (a copy: handing acc itself to store_sums kept it on the stack through the loop) */
     __m256 sums[DIRECT_MAX][8];
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < 2 * P; i++) sums[r][i] = acc[r][i];
+        for (int i = 0; i < 2 * P; i++) sums[r][i] = FOLD ? tot[r][i] : acc[r][i];
     store_sums(q, sums, R, P, p0, bias, y, ldy);
 }
 
@@ -269,7 +293,80 @@ buffer_tile(const float* x, int ldx, const float* restrict buf, int kc, int R, i
     }
 }
 
+/* buffer_tile's k step, for buffer_tile_fold's group sweeps */
+#define TILE_STEP(k)                                                                     \
+    do {                                                                                 \
+        const __m256 b0 = _mm256_load_ps(buf + (size_t)(k) * 16);                        \
+        const __m256 b1 = _mm256_load_ps(buf + (size_t)(k) * 16 + 8);                    \
+        __m256 xv = _mm256_broadcast_ss(a0 + (k));                                       \
+        c00 = _mm256_fmadd_ps(xv, b0, c00); c01 = _mm256_fmadd_ps(xv, b1, c01);          \
+        if (RMAX > 1) {                                                                  \
+            xv = _mm256_broadcast_ss(a1 + (k));                                          \
+            c10 = _mm256_fmadd_ps(xv, b0, c10); c11 = _mm256_fmadd_ps(xv, b1, c11);      \
+        }                                                                                \
+        if (RMAX > 2) {                                                                  \
+            xv = _mm256_broadcast_ss(a2 + (k));                                          \
+            c20 = _mm256_fmadd_ps(xv, b0, c20); c21 = _mm256_fmadd_ps(xv, b1, c21);      \
+            xv = _mm256_broadcast_ss(a3 + (k));                                          \
+            c30 = _mm256_fmadd_ps(xv, b0, c30); c31 = _mm256_fmadd_ps(xv, b1, c31);      \
+        }                                                                                \
+        if (RMAX > 4) {                                                                  \
+            xv = _mm256_broadcast_ss(a4 + (k));                                          \
+            c40 = _mm256_fmadd_ps(xv, b0, c40); c41 = _mm256_fmadd_ps(xv, b1, c41);      \
+            xv = _mm256_broadcast_ss(a5 + (k));                                          \
+            c50 = _mm256_fmadd_ps(xv, b0, c50); c51 = _mm256_fmadd_ps(xv, b1, c51);      \
+        }                                                                                \
+    } while (0)
+
+/* buffer_tile for the folded kinds: a slice of whole groups (columns k0..k0 + kc of
+ * panel p, widened to q alone), each group's sums from zero in registers, then folded
+ * into the totals in y (or spill) as direct_tile folds them; the totals start at zero on
+ * the first slice and get the bias on the last. xs: row 0's group sums. */
+static inline __attribute__((always_inline)) void
+buffer_tile_fold(const float* x, int ldx, const float* restrict buf, int k0, int kc, int R,
+                 int first, int last, const QW* q, int p, const float* bias, float* y,
+                 int ldy, float* spill, const float* xs, const int RMAX, const int ZERO) {
+    const float* restrict a0 = x;
+    const float* restrict a1 = R > 1 ? x + (size_t)ldx : x;
+    const float* restrict a2 = R > 2 ? x + 2 * (size_t)ldx : x;
+    const float* restrict a3 = R > 3 ? x + 3 * (size_t)ldx : x;
+    const float* restrict a4 = R > 4 ? x + 4 * (size_t)ldx : x;
+    const float* restrict a5 = R > 5 ? x + 5 * (size_t)ldx : x;
+    const int full = (p + 1) * 16 <= q->N;
+    float* part = full ? y + p * 16 : spill;
+    const int ldp = full ? ldy : 16;
+    if (first)
+        for (int r = 0; r < R; r++) memset(part + (size_t)r * ldp, 0, 16 * sizeof(float));
+    for (int ka = 0; ka < kc;) {
+        const int g = (k0 + ka) / q->group;
+        const int kb = (g + 1) * q->group - k0;
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00,
+               c21 = c00, c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+        for (int k = ka; k < kb; k++) TILE_STEP(k);
+        const __m256 out[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                                   {c30, c31}, {c40, c41}, {c50, c51}};
+        const size_t i = ((size_t)p * q->groups + g) * 16;
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++) {
+                __m256 t = out[r][h];
+                if (ZERO)
+                    t = _mm256_fnmadd_ps(_mm256_loadu_ps(q->zeros + i + 8 * h),
+                                         _mm256_set1_ps(xs[(size_t)r * q->groups + g]), t);
+                float* at = part + (size_t)r * ldp + 8 * h;
+                _mm256_storeu_ps(at, _mm256_fmadd_ps(_mm256_loadu_ps(q->scales + i + 8 * h), t,
+                                                     _mm256_loadu_ps(at)));
+            }
+        ka = kb;
+    }
+    if (last)
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 16 && p * 16 + j < q->N; j++)
+                y[(size_t)r * ldy + p * 16 + j] =
+                    finish(q, part[(size_t)r * ldp + j], p * 16 + j, bias);
+}
+
 static __thread float* wide_buf = NULL;
+static __thread int wide_cap = 0; /* columns wide_buf holds (x 16 floats) */
 
 /* Panels p0..p1, any rows: each slice widened once, then every sliver of rows over it.
  * spill: partial sums of a last panel past N (M x 16 floats). Returns -1 if the buffer
@@ -278,23 +375,40 @@ static inline __attribute__((always_inline)) int
 task_buffered(const float* x, int M, int ldx, const QW* q, int p0, int p1,
               const float* bias, float* y, int ldy, float* spill, const int BITS,
               const int ZERO, const int CHAN) {
-    if (wide_buf == NULL && (wide_buf = (float*)aligned_alloc(64, sizeof(float) * KC * 16)) == NULL)
-        return -1;
+    const int FOLD = ZERO || !CHAN;
+    /* folded: slices of whole groups (a group's sums fold at its end) */
+    const int slice = !FOLD ? KC : q->group <= KC ? KC / q->group * q->group : q->group;
+    if (wide_cap < slice) {
+        free(wide_buf);
+        wide_cap = 0;
+        if ((wide_buf = (float*)aligned_alloc(64, sizeof(float) * 16 * (size_t)slice)) == NULL)
+            return -1;
+        wide_cap = slice;
+    }
     float* buf = wide_buf;
-    const int nkb = (q->K + KC - 1) / KC;
+    const int nkb = (q->K + slice - 1) / slice;
     for (int p = p0; p < p1; p++)
         for (int kb = 0; kb < nkb; kb++) {
-            const int k0 = kb * KC, kc = q->K - k0 < KC ? q->K - k0 : KC;
-            widen_slice(q, p, k0, kc, buf, BITS, ZERO, CHAN);
+            const int k0 = kb * slice, kc = q->K - k0 < slice ? q->K - k0 : slice;
+            widen_slice(q, p, k0, kc, buf, BITS, FOLD ? 0 : ZERO, FOLD ? 1 : CHAN);
             for (int m = 0; m < M; m += MR) {
                 /* a sliver of 6 rows; a last one of 1-2 or 3-4 in a 2- or 4-row tile */
                 const int R = M - m < MR ? M - m : MR;
 #define BT(RMAX) buffer_tile(x + (size_t)m * ldx + k0, ldx, buf, kc, R, kb > 0, kb == nkb - 1, \
                              q, p, bias, y + (size_t)m * ldy, ldy, spill + (size_t)m * 16, RMAX)
-                if (R <= 2) BT(2);
+#define BF(RMAX) buffer_tile_fold(x + (size_t)m * ldx + k0, ldx, buf, k0, kc, R, kb == 0,      \
+                                  kb == nkb - 1, q, p, bias, y + (size_t)m * ldy, ldy,          \
+                                  spill + (size_t)m * 16,                                       \
+                                  q->xs ? q->xs + (size_t)m * q->groups : NULL, RMAX, ZERO)
+                if (FOLD) {
+                    if (R <= 2) BF(2);
+                    else if (R <= 4) BF(4);
+                    else BF(MR);
+                } else if (R <= 2) BT(2);
                 else if (R <= 4) BT(4);
                 else BT(MR);
 #undef BT
+#undef BF
             }
         }
     return 0;
@@ -331,15 +445,36 @@ int qgemm_f32(const float* x, int M, int K, int ldx, const void* w, int bits, in
               float* y, int ldy) {
     if (M < 0 || N <= 0 || K <= 0 || group <= 0 || K % group || (bits != 8 && bits != 4))
         return -1;
-    const QW q = {(const uint8_t*)w, bits, K, N, group, K / group, K == group, scales, zeros};
+    QW q = {(const uint8_t*)w, bits, K, N, group, K / group, K == group, scales, zeros, 0,
+            NULL};
     const int np = (N + 15) / 16;
     int failed = 0;
     if (M == 0) return 0;
 #if defined(__AVX2__) && defined(__FMA__)
+    q.fold = zeros != NULL || !q.chan;
+    float* xs = NULL;
+    if (zeros != NULL) {
+        /* each row's sum over each group, one FMA chain (x * 1) a group: FMAs are not
+         * reassociated under -ffast-math, so every call sums in the same order */
+        xs = (float*)malloc(sizeof(float) * (size_t)M * q.groups);
+        if (xs == NULL) return -2;
+        const __m128 one = _mm_set_ss(1.0f);
+        for (int m = 0; m < M; m++)
+            for (int g = 0; g < q.groups; g++) {
+                __m128 sum = _mm_setzero_ps();
+                const float* xr = x + (size_t)m * ldx + (size_t)g * group;
+                for (int k = 0; k < group; k++) sum = _mm_fmadd_ss(_mm_load_ss(xr + k), one, sum);
+                xs[(size_t)m * q.groups + g] = _mm_cvtss_f32(sum);
+            }
+        q.xs = xs;
+    }
     if (M > DIRECT_MAX) {
         /* tasks of two panels; a last panel past N keeps its partial sums in spill */
         float* spill = (float*)malloc(sizeof(float) * 16 * (size_t)M);
-        if (spill == NULL) return -2;
+        if (spill == NULL) {
+            free(xs);
+            return -2;
+        }
         const int tasks = (np + 1) / 2;
 #pragma omp parallel for schedule(static)
         for (int i = 0; i < tasks; i++) {
@@ -354,6 +489,7 @@ int qgemm_f32(const float* x, int M, int K, int ldx, const void* w, int bits, in
             }
         }
         free(spill);
+        free(xs);
         return failed ? -2 : 0;
     }
     /* one contiguous run of panels a thread (within a panel of the same share each) */
@@ -365,6 +501,7 @@ int qgemm_f32(const float* x, int M, int K, int ldx, const void* w, int bits, in
         if (p0 < p1) BY_KIND(TD);
 #undef TD
     }
+    free(xs);
     return 0;
 #else
     (void)failed;
