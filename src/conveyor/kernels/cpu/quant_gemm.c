@@ -23,6 +23,11 @@
  * operations in the same order whatever the row count: a row's result does not depend on
  * the rows beside it.
  *
+ * glu (a [gate; up] projection of 2I rows, I a multiple of 16, packed with panels in pairs:
+ * gate rows 16i..16i+15 in panel 2i, the up rows beside them in panel 2i+1): y gets
+ * silu(gate) * up, [M, I], each thread combining the pairs it computed (in a scratch of
+ * [M, 2I]) as soon as both panels are done, so no [M, 2I] intermediate leaves the call.
+ *
  * Up to DIRECT_MAX rows the weights are widened in registers, one or two panels a pass
  * sharing each broadcast of x. Past it a task widens a KC x 16 slice of a panel once into
  * a float buffer (L1) and runs 6 x 16 register tiles over it (gemm.c's tile: 12
@@ -36,6 +41,8 @@
 #include <omp.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include "simd_math.h"
 #endif
 
 #define DIRECT_MAX 4 /* rows of x up to which the weights are widened in registers */
@@ -414,6 +421,25 @@ task_buffered(const float* x, int M, int ldx, const QW* q, int p0, int p1,
     return 0;
 }
 
+/* silu(g) * u = g / (1 + e^-g) * u, as gemm.c's fused gate/up (the exponent clamped so
+ * that it stays finite, as -ffast-math assumes) */
+static inline __m256 silu_mul256(__m256 g, __m256 u) {
+    const __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g),
+                                          _mm256_set1_ps(80.f)));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+}
+
+/* Pairs a..b of a glu scratch t ([M, 2I], panel pair i at columns 32i..32i+31) into y. */
+static void glu_pairs(const float* t, int M, int N, int a, int b, float* y, int ldy) {
+    for (int m = 0; m < M; m++)
+        for (int i = a; i < b; i++)
+            for (int h = 0; h < 2; h++) {
+                const float* g = t + (size_t)m * N + 32 * (size_t)i + 8 * h;
+                _mm256_storeu_ps(y + (size_t)m * ldy + 16 * (size_t)i + 8 * h,
+                                 silu_mul256(_mm256_loadu_ps(g), _mm256_loadu_ps(g + 16)));
+            }
+}
+
 #define BY_KIND(CALL)                                                                    \
     do {                                                                                 \
         const int z_ = q.zeros != NULL;                                                  \
@@ -442,9 +468,14 @@ static __attribute__((unused)) void task_scalar(const float* x, int M, int ldx, 
 /* Returns 0, -1 for arguments it does not take, or -2 if memory ran out. */
 int qgemm_f32(const float* x, int M, int K, int ldx, const void* w, int bits, int N,
               const float* scales, const float* zeros, int group, const float* bias,
-              float* y, int ldy) {
+              float* y, int ldy, int glu) {
     if (M < 0 || N <= 0 || K <= 0 || group <= 0 || K % group || (bits != 8 && bits != 4))
         return -1;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (glu && (N % 32 || bias != NULL)) return -1;
+#else
+    if (glu) return -1; /* (the scalar body has no fused gate/up) */
+#endif
     QW q = {(const uint8_t*)w, bits, K, N, group, K / group, K == group, scales, zeros, 0,
             NULL};
     const int np = (N + 15) / 16;
@@ -468,11 +499,23 @@ int qgemm_f32(const float* x, int M, int K, int ldx, const void* w, int bits, in
             }
         q.xs = xs;
     }
+    /* glu: the projection's 2I outputs into a scratch, y gets the pairs combined */
+    float* const out = y;
+    const int ldo = ldy;
+    if (glu) {
+        y = (float*)malloc(sizeof(float) * (size_t)M * N);
+        ldy = N;
+        if (y == NULL) {
+            free(xs);
+            return -2;
+        }
+    }
     if (M > DIRECT_MAX) {
         /* tasks of two panels; a last panel past N keeps its partial sums in spill */
         float* spill = (float*)malloc(sizeof(float) * 16 * (size_t)M);
         if (spill == NULL) {
             free(xs);
+            if (glu) free(y);
             return -2;
         }
         const int tasks = (np + 1) / 2;
@@ -483,6 +526,7 @@ int qgemm_f32(const float* x, int M, int K, int ldx, const void* w, int bits, in
 #define TB(B, Z, C) rc = task_buffered(x, M, ldx, &q, p0, p1, bias, y, ldy, spill, B, Z, C)
             BY_KIND(TB);
 #undef TB
+            if (glu && rc == 0) glu_pairs(y, M, N, i, i + 1, out, ldo);
             if (rc != 0) {
 #pragma omp atomic write
                 failed = 1;
@@ -490,18 +534,23 @@ int qgemm_f32(const float* x, int M, int K, int ldx, const void* w, int bits, in
         }
         free(spill);
         free(xs);
+        if (glu) free(y);
         return failed ? -2 : 0;
     }
     /* one contiguous run of panels a thread (within a panel of the same share each) */
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int p0 = (int)((long)np * t / nt), p1 = (int)((long)np * (t + 1) / nt);
+        /* (glu: whole pairs a thread) */
+        const int u = glu ? 2 : 1, nu = np / u;
+        const int p0 = u * (int)((long)nu * t / nt), p1 = u * (int)((long)nu * (t + 1) / nt);
 #define TD(B, Z, C) task_direct(x, M, ldx, &q, p0, p1, bias, y, ldy, B, Z, C)
         if (p0 < p1) BY_KIND(TD);
 #undef TD
+        if (glu && p0 < p1) glu_pairs(y, M, N, p0 / 2, p1 / 2, out, ldo);
     }
     free(xs);
+    if (glu) free(y);
     return 0;
 #else
     (void)failed;
