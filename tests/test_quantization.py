@@ -155,6 +155,39 @@ def test_native_kernel_odd_shapes(isa, bits, k, group, zero):
         assert torch.equal(got, singles[:rows]), rows
 
 
+@pytest.mark.parametrize("bits,group,zero", [(8, 0, False), (4, 32, True), (4, 64, False)])
+def test_native_fused_gate_up_equals_silu_of_the_halves(bits, group, zero):
+    """A [gate; up] projection fused (silu(gate) * up from the kernel, its rows in panel
+    pairs) against the unfused module's halves, at the register and buffered row counts;
+    each row the same bits whatever the rows beside it."""
+    from conveyor.kernels.cpu import quant
+    from conveyor.model.quant.linear import NativeQuantLinear
+    from conveyor.model.quant.weight import quantize_int4, quantize_int8
+
+    if not quant.simd():
+        pytest.skip("no AVX2 build of the quantized kernel")
+    gen = torch.Generator().manual_seed(bits + group)
+    inter, k = 48, 128
+    w = torch.randn(2 * inter, k, generator=gen)
+    qw = quantize_int8(w) if bits == 8 else quantize_int4(w, group, symmetric=not zero)
+    fused = NativeQuantLinear(qw, None, gate_up=True)
+    assert fused.applies_silu_mul
+    plain = NativeQuantLinear(qw, None)
+    x = torch.randn(9, k, generator=gen)
+    h = plain(x)
+    want = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+    singles = torch.cat([fused(x[i:i + 1]) for i in range(9)])
+    for rows in (1, 2, 3, 4, 5, 9):
+        got = fused(x[:rows])
+        assert got.shape == (rows, inter)
+        assert torch.allclose(got, want[:rows], rtol=1e-5, atol=1e-5), rows
+        assert torch.equal(got, singles[:rows]), rows
+    # I not a multiple of 16: not fused (the MLP applies silu itself)
+    odd = NativeQuantLinear(quantize_int8(torch.randn(2 * 40, k, generator=gen)), None,
+                            gate_up=True)
+    assert not odd.applies_silu_mul
+
+
 def test_quantization_errors(tmp_path):
     import json
     import shutil

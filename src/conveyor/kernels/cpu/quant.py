@@ -26,7 +26,11 @@ from conveyor.kernels.cpu import small_library
 logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "quant_gemm.c")
+# the headers it includes (part of the build's key)
+_HEADERS = tuple(os.path.join(os.path.dirname(__file__), h)
+                 for h in ("simd_math.h", "simd_exp.h"))
 _PTR, _I32 = ctypes.c_void_p, ctypes.c_int
+_INT_MAX = 2**31 - 1
 
 
 @functools.cache
@@ -34,7 +38,7 @@ def build_id() -> str:
     """This kernel's source and flags as a key: measured backend choices that can land on
     it are keyed by it (the main library's build key does not cover this source)."""
     return small_library.cache_key(
-        _SOURCE, [*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())])
+        _SOURCE, [*kernels._FLAGS, *kernels._isa_flags(kernels.kernel_isa())], _HEADERS)
 
 
 @functools.cache
@@ -54,11 +58,13 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
 def build(source: str, isa: str | None = None) -> ctypes.CDLL:
     """``source`` (this file's ``quant_gemm.c`` or another version of it) built with the
     kernels' flags for ``isa`` (cached by content), loaded, its functions typed."""
-    flags = [*kernels._FLAGS, *kernels._isa_flags(isa or kernels.kernel_isa())]
-    lib = small_library.build("quant", source, flags)
+    # (-I: a version of the source from elsewhere finds this folder's headers)
+    flags = [*kernels._FLAGS, *kernels._isa_flags(isa or kernels.kernel_isa()),
+             "-I", os.path.dirname(_SOURCE)]
+    lib = small_library.build("quant", source, flags, _HEADERS)
     lib.qgemm_f32.restype = ctypes.c_int
     lib.qgemm_f32.argtypes = [_PTR, _I32, _I32, _I32, _PTR, _I32, _I32, _PTR, _PTR, _I32,
-                              _PTR, _PTR, _I32]
+                              _PTR, _PTR, _I32, _I32]
     lib.qgemm_f32_simd.restype = ctypes.c_int
     lib.qgemm_f32_simd.argtypes = []
     return lib
@@ -97,6 +103,57 @@ def check_weight(qweight: torch.Tensor, bits: int, n: int, k: int, scales: torch
         raise ValueError(f"conveyor::qgemm: bias must be contiguous float32 [{n}]")
 
 
+class PackedQGemm:
+    """A packed weight (``check_weight``'s layout) with its scales, zeros and bias, checked
+    once: a call ``(x)`` checks only x, then runs ``qgemm_f32`` on the stored pointers (a
+    decode step makes one call a projection, so the per-call Python is a share of it)."""
+
+    __slots__ = ("_args", "_fn", "_keep", "glu", "in_features", "out_features", "width")
+
+    def __init__(self, qweight: torch.Tensor, bits: int, scales: torch.Tensor,
+                 zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None, n: int,
+                 k: int, lib=None, glu: bool = False) -> None:
+        """``glu``: the weight is a [gate; up] projection of n = 2I rows (I a multiple of
+        16, no bias) packed with its panels in pairs (gate 16i.., up 16i..: panels 2i and
+        2i + 1); a call returns silu(gate) * up, [M, I]."""
+        check_weight(qweight, bits, n, k, scales, zeros, group, bias)
+        if glu and (n % 32 or bias is not None):
+            raise ValueError(f"conveyor::qgemm: a fused gate/up projection needs 2I rows, I "
+                             f"a multiple of 16, and no bias (got {n} rows)")
+        lib = lib or load()
+        if lib is None:
+            raise RuntimeError("conveyor::qgemm: the quantized GEMM is not built "
+                               + kernels.why_unavailable())
+        self._fn = lib.qgemm_f32
+        self._keep = (qweight, scales, zeros, bias)  # the pointers below stay valid
+        self._args = (qweight.data_ptr(), bits, n, scales.data_ptr(),
+                      zeros.data_ptr() if zeros is not None else None, group,
+                      bias.data_ptr() if bias is not None else None)
+        self.out_features, self.in_features = n, k
+        self.glu = bool(glu)
+        self.width = n // 2 if glu else n
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ dequant(W).T + bias`` for float32 x [M, K] on CPU, rows unit-stride."""
+        k, n = self.in_features, self.out_features
+        if x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != k \
+                or x.stride(1) != 1 or not x.is_cpu or x.stride(0) > _INT_MAX:
+            raise ValueError(f"conveyor::qgemm: x must be float32 [M, {k}] on CPU with unit "
+                             f"column stride, got {x.dtype} {tuple(x.shape)}")
+        m, width = x.shape[0], self.width
+        y = torch.empty(m, width, dtype=torch.float32)
+        if m == 0:
+            return y
+        w, bits, _, s, z, group, b = self._args
+        rc = self._fn(x.data_ptr(), m, k, x.stride(0), w, bits, n, s, z, group, b,
+                      y.data_ptr(), width, int(self.glu))
+        if rc == -2:
+            raise MemoryError("conveyor::qgemm: no memory for the widening buffer")
+        if rc != 0:
+            raise ValueError("conveyor::qgemm: the kernel refused its arguments")
+        return y
+
+
 def qgemm(x: torch.Tensor, qweight: torch.Tensor, bits: int, scales: torch.Tensor,
           zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None, n: int,
           k: int, lib=None) -> torch.Tensor:
@@ -117,7 +174,7 @@ def qgemm(x: torch.Tensor, qweight: torch.Tensor, bits: int, scales: torch.Tenso
     rc = lib.qgemm_f32(x.data_ptr(), m, k, x.stride(0), qweight.data_ptr(), bits, n,
                        scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
                        group, bias.data_ptr() if bias is not None else None,
-                       y.data_ptr(), n)
+                       y.data_ptr(), n, 0)
     if rc == -2:
         raise MemoryError("conveyor::qgemm: no memory for the widening buffer")
     if rc != 0:

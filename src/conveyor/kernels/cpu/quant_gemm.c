@@ -13,11 +13,20 @@
  * rows of 576 bytes were too short for it to ramp up on), a k step widens 16 outputs'
  * weights at once, and no group size or K is too odd for the vector body.
  *
- * The value multiplied by x: with one group per row (a scale per output row), q - zero
- * (exact for an integer zero), each sum multiplied by its scale once at the end; with
- * groups, (q - zero) * scale rounded to float32, as the dequantised float32 weight holds
- * it. Each output is one float32 FMA chain over k ascending, in every path below and
- * whatever the row count: a row's result does not depend on the rows beside it.
+ * The value multiplied by x: q itself (exact in float32). With one scale a row and no
+ * zeros, each output is one FMA chain over k ascending, multiplied by its scale at the
+ * end. Otherwise (groups, or zero points) each group's chain d = sum x q starts at zero
+ * and is folded into the output's total once at the group's end: total += scale * (d -
+ * zero * sum of the group's x) (the x sums computed once a call): the zero point and scale
+ * cost an FMA a group, not a subtract and a multiply a weight. The scalar body (no AVX2)
+ * multiplies by the dequantised weight instead. Every path of a body does the same
+ * operations in the same order whatever the row count: a row's result does not depend on
+ * the rows beside it.
+ *
+ * glu (a [gate; up] projection of 2I rows, I a multiple of 16, packed with panels in pairs:
+ * gate rows 16i..16i+15 in panel 2i, the up rows beside them in panel 2i+1): y gets
+ * silu(gate) * up, [M, I], each thread combining the pairs it computed (in a scratch of
+ * [M, 2I]) as soon as both panels are done, so no [M, 2I] intermediate leaves the call.
  *
  * Up to DIRECT_MAX rows the weights are widened in registers, one or two panels a pass
  * sharing each broadcast of x. Past it a task widens a KC x 16 slice of a panel once into
@@ -29,8 +38,11 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include "simd_math.h"
 #endif
 
 #define DIRECT_MAX 4 /* rows of x up to which the weights are widened in registers */
@@ -54,6 +66,8 @@ typedef struct {
     int bits, K, N, group, groups, chan;
     const float* scales; /* [P, groups, 16] */
     const float* zeros;
+    int fold;         /* scales (and zeros) applied per group to the sums (SIMD body) */
+    const float* xs;  /* fold with zeros: [M, groups] sums of x over each group */
 } QW;
 
 /* The value x[k] is multiplied by for output n (see above). */
@@ -73,7 +87,7 @@ static inline float w_at(const QW* q, int n, int k) {
 }
 
 static inline float finish(const QW* q, float acc, int n, const float* bias) {
-    if (q->chan) acc *= q->scales[(size_t)(n >> 4) * 16 + (n & 15)];
+    if (q->chan && !q->fold) acc *= q->scales[(size_t)(n >> 4) * 16 + (n & 15)];
     return acc + (bias ? bias[n] : 0.0f);
 }
 
@@ -104,7 +118,7 @@ deq16(const QW* q, int p, int k, const float* s, const float* z, const int BITS,
 /* The tile's sums (acc[r][2 * pp + h]: row r, panel p0 + pp, half h) into y: the scale
  * for one group a row, the bias, the outputs past N left out. */
 static inline __attribute__((always_inline)) void
-store_sums(const QW* q, __m256 acc[][4], const int R, const int P, int p0, const float* bias,
+store_sums(const QW* q, __m256 acc[][8], const int R, const int P, int p0, const float* bias,
            float* y, int ldy) {
     for (int r = 0; r < R; r++)
         for (int pp = 0; pp < P; pp++) {
@@ -117,17 +131,22 @@ store_sums(const QW* q, __m256 acc[][4], const int R, const int P, int p0, const
         }
 }
 
-/* R (1..DIRECT_MAX) rows of x against P (1..2) panels from p0, widened in registers. */
+/* R (1..DIRECT_MAX) rows of x against P (1..4; R * P <= 4) panels from p0, widened in
+ * registers. */
 static inline __attribute__((always_inline)) void
 direct_tile(const float* x, int ldx, const QW* q, int p0, const int R, const int P,
             const int BITS, const int ZERO, const int CHAN, const float* bias, float* y,
             int ldy) {
-    __m256 acc[DIRECT_MAX][4];
+    const int FOLD = ZERO || !CHAN;
+    __m256 acc[DIRECT_MAX][8], tot[DIRECT_MAX][8];
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < 2 * P; i++) acc[r][i] = _mm256_setzero_ps();
+        for (int i = 0; i < 2 * P; i++) acc[r][i] = tot[r][i] = _mm256_setzero_ps();
     for (int g = 0; g < q->groups; g++) {
-        const float* s[2];
-        const float* z[2];
+        if (FOLD)
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < 2 * P; i++) acc[r][i] = _mm256_setzero_ps();
+        const float* s[4];
+        const float* z[4];
         for (int pp = 0; pp < P; pp++) {
             const size_t i = ((size_t)(p0 + pp) * q->groups + g) * 16;
             s[pp] = q->scales + i;
@@ -140,9 +159,10 @@ direct_tile(const float* x, int ldx, const QW* q, int p0, const int R, const int
                 for (int pp = 0; pp < P; pp++)
                     _mm_prefetch((const char*)q->w + ((size_t)(p0 + pp) * q->K + k)
                                  * (BITS == 8 ? 16 : 8) + PF_DIST, _MM_HINT_T0);
-            __m256 w[2][2];
+            __m256 w[4][2];
             for (int pp = 0; pp < P; pp++)
-                deq16(q, p0 + pp, k, s[pp], z[pp], BITS, ZERO, CHAN, w[pp]);
+                deq16(q, p0 + pp, k, s[pp], z[pp], BITS, FOLD ? 0 : ZERO, FOLD ? 1 : CHAN,
+                      w[pp]);
             for (int r = 0; r < R; r++) {
                 const __m256 xv = _mm256_broadcast_ss(x + (size_t)r * ldx + k);
                 for (int pp = 0; pp < P; pp++) {
@@ -151,11 +171,24 @@ direct_tile(const float* x, int ldx, const QW* q, int p0, const int R, const int
                 }
             }
         }
+        if (FOLD)
+            for (int pp = 0; pp < P; pp++)
+                for (int h = 0; h < 2; h++) {
+                    const __m256 sv = _mm256_loadu_ps(s[pp] + 8 * h);
+                    for (int r = 0; r < R; r++) {
+                        __m256 t = acc[r][2 * pp + h];
+                        if (ZERO)
+                            t = _mm256_fnmadd_ps(_mm256_loadu_ps(z[pp] + 8 * h),
+                                                 _mm256_set1_ps(q->xs[(size_t)r * q->groups + g]),
+                                                 t);
+                        tot[r][2 * pp + h] = _mm256_fmadd_ps(sv, t, tot[r][2 * pp + h]);
+                    }
+                }
     }
     /* (a copy: handing acc itself to store_sums kept it on the stack through the loop) */
-    __m256 sums[DIRECT_MAX][4];
+    __m256 sums[DIRECT_MAX][8];
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < 2 * P; i++) sums[r][i] = acc[r][i];
+        for (int i = 0; i < 2 * P; i++) sums[r][i] = FOLD ? tot[r][i] : acc[r][i];
     store_sums(q, sums, R, P, p0, bias, y, ldy);
 }
 
@@ -164,10 +197,15 @@ static inline __attribute__((always_inline)) void
 task_direct(const float* x, int M, int ldx, const QW* q, int p0, int p1, const float* bias,
             float* y, int ldy, const int BITS, const int ZERO, const int CHAN) {
     for (int p = p0; p < p1;) {
-        /* two panels a pass at one or two rows (4 and 8 accumulators), one at 3-4 */
-        const int P = (M <= 2 && p1 - p >= 2) ? 2 : 1;
+        /* at one row, four panels a pass with one scale a row and no zeros (eight FMA
+         * chains: more than the FMA latency needs hidden; with a group's scales and zeros
+         * in registers too, four spill), else two; two at two rows, one at 3-4 */
+        const int left = p1 - p, wide = CHAN && !ZERO;
+        const int P = M == 1 ? (wide && left >= 4 ? 4 : left >= 2 ? 2 : 1)
+                             : (M == 2 && left >= 2) ? 2 : 1;
 #define DT(R, PP) direct_tile(x, ldx, q, p, R, PP, BITS, ZERO, CHAN, bias, y, ldy)
-        if (P == 2) { if (M == 1) DT(1, 2); else DT(2, 2); }
+        if (P == 4) { if (wide) DT(1, 4); }
+        else if (P == 2) { if (M == 1) DT(1, 2); else DT(2, 2); }
         else if (M == 1) DT(1, 1);
         else if (M == 2) DT(2, 1);
         else if (M == 3) DT(3, 1);
@@ -262,7 +300,80 @@ buffer_tile(const float* x, int ldx, const float* restrict buf, int kc, int R, i
     }
 }
 
+/* buffer_tile's k step, for buffer_tile_fold's group sweeps */
+#define TILE_STEP(k)                                                                     \
+    do {                                                                                 \
+        const __m256 b0 = _mm256_load_ps(buf + (size_t)(k) * 16);                        \
+        const __m256 b1 = _mm256_load_ps(buf + (size_t)(k) * 16 + 8);                    \
+        __m256 xv = _mm256_broadcast_ss(a0 + (k));                                       \
+        c00 = _mm256_fmadd_ps(xv, b0, c00); c01 = _mm256_fmadd_ps(xv, b1, c01);          \
+        if (RMAX > 1) {                                                                  \
+            xv = _mm256_broadcast_ss(a1 + (k));                                          \
+            c10 = _mm256_fmadd_ps(xv, b0, c10); c11 = _mm256_fmadd_ps(xv, b1, c11);      \
+        }                                                                                \
+        if (RMAX > 2) {                                                                  \
+            xv = _mm256_broadcast_ss(a2 + (k));                                          \
+            c20 = _mm256_fmadd_ps(xv, b0, c20); c21 = _mm256_fmadd_ps(xv, b1, c21);      \
+            xv = _mm256_broadcast_ss(a3 + (k));                                          \
+            c30 = _mm256_fmadd_ps(xv, b0, c30); c31 = _mm256_fmadd_ps(xv, b1, c31);      \
+        }                                                                                \
+        if (RMAX > 4) {                                                                  \
+            xv = _mm256_broadcast_ss(a4 + (k));                                          \
+            c40 = _mm256_fmadd_ps(xv, b0, c40); c41 = _mm256_fmadd_ps(xv, b1, c41);      \
+            xv = _mm256_broadcast_ss(a5 + (k));                                          \
+            c50 = _mm256_fmadd_ps(xv, b0, c50); c51 = _mm256_fmadd_ps(xv, b1, c51);      \
+        }                                                                                \
+    } while (0)
+
+/* buffer_tile for the folded kinds: a slice of whole groups (columns k0..k0 + kc of
+ * panel p, widened to q alone), each group's sums from zero in registers, then folded
+ * into the totals in y (or spill) as direct_tile folds them; the totals start at zero on
+ * the first slice and get the bias on the last. xs: row 0's group sums. */
+static inline __attribute__((always_inline)) void
+buffer_tile_fold(const float* x, int ldx, const float* restrict buf, int k0, int kc, int R,
+                 int first, int last, const QW* q, int p, const float* bias, float* y,
+                 int ldy, float* spill, const float* xs, const int RMAX, const int ZERO) {
+    const float* restrict a0 = x;
+    const float* restrict a1 = R > 1 ? x + (size_t)ldx : x;
+    const float* restrict a2 = R > 2 ? x + 2 * (size_t)ldx : x;
+    const float* restrict a3 = R > 3 ? x + 3 * (size_t)ldx : x;
+    const float* restrict a4 = R > 4 ? x + 4 * (size_t)ldx : x;
+    const float* restrict a5 = R > 5 ? x + 5 * (size_t)ldx : x;
+    const int full = (p + 1) * 16 <= q->N;
+    float* part = full ? y + p * 16 : spill;
+    const int ldp = full ? ldy : 16;
+    if (first)
+        for (int r = 0; r < R; r++) memset(part + (size_t)r * ldp, 0, 16 * sizeof(float));
+    for (int ka = 0; ka < kc;) {
+        const int g = (k0 + ka) / q->group;
+        const int kb = (g + 1) * q->group - k0;
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00,
+               c21 = c00, c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+        for (int k = ka; k < kb; k++) TILE_STEP(k);
+        const __m256 out[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                                   {c30, c31}, {c40, c41}, {c50, c51}};
+        const size_t i = ((size_t)p * q->groups + g) * 16;
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++) {
+                __m256 t = out[r][h];
+                if (ZERO)
+                    t = _mm256_fnmadd_ps(_mm256_loadu_ps(q->zeros + i + 8 * h),
+                                         _mm256_set1_ps(xs[(size_t)r * q->groups + g]), t);
+                float* at = part + (size_t)r * ldp + 8 * h;
+                _mm256_storeu_ps(at, _mm256_fmadd_ps(_mm256_loadu_ps(q->scales + i + 8 * h), t,
+                                                     _mm256_loadu_ps(at)));
+            }
+        ka = kb;
+    }
+    if (last)
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 16 && p * 16 + j < q->N; j++)
+                y[(size_t)r * ldy + p * 16 + j] =
+                    finish(q, part[(size_t)r * ldp + j], p * 16 + j, bias);
+}
+
 static __thread float* wide_buf = NULL;
+static __thread int wide_cap = 0; /* columns wide_buf holds (x 16 floats) */
 
 /* Panels p0..p1, any rows: each slice widened once, then every sliver of rows over it.
  * spill: partial sums of a last panel past N (M x 16 floats). Returns -1 if the buffer
@@ -271,26 +382,62 @@ static inline __attribute__((always_inline)) int
 task_buffered(const float* x, int M, int ldx, const QW* q, int p0, int p1,
               const float* bias, float* y, int ldy, float* spill, const int BITS,
               const int ZERO, const int CHAN) {
-    if (wide_buf == NULL && (wide_buf = (float*)aligned_alloc(64, sizeof(float) * KC * 16)) == NULL)
-        return -1;
+    const int FOLD = ZERO || !CHAN;
+    /* folded: slices of whole groups (a group's sums fold at its end) */
+    const int slice = !FOLD ? KC : q->group <= KC ? KC / q->group * q->group : q->group;
+    if (wide_cap < slice) {
+        free(wide_buf);
+        wide_cap = 0;
+        if ((wide_buf = (float*)aligned_alloc(64, sizeof(float) * 16 * (size_t)slice)) == NULL)
+            return -1;
+        wide_cap = slice;
+    }
     float* buf = wide_buf;
-    const int nkb = (q->K + KC - 1) / KC;
+    const int nkb = (q->K + slice - 1) / slice;
     for (int p = p0; p < p1; p++)
         for (int kb = 0; kb < nkb; kb++) {
-            const int k0 = kb * KC, kc = q->K - k0 < KC ? q->K - k0 : KC;
-            widen_slice(q, p, k0, kc, buf, BITS, ZERO, CHAN);
+            const int k0 = kb * slice, kc = q->K - k0 < slice ? q->K - k0 : slice;
+            widen_slice(q, p, k0, kc, buf, BITS, FOLD ? 0 : ZERO, FOLD ? 1 : CHAN);
             for (int m = 0; m < M; m += MR) {
                 /* a sliver of 6 rows; a last one of 1-2 or 3-4 in a 2- or 4-row tile */
                 const int R = M - m < MR ? M - m : MR;
 #define BT(RMAX) buffer_tile(x + (size_t)m * ldx + k0, ldx, buf, kc, R, kb > 0, kb == nkb - 1, \
                              q, p, bias, y + (size_t)m * ldy, ldy, spill + (size_t)m * 16, RMAX)
-                if (R <= 2) BT(2);
+#define BF(RMAX) buffer_tile_fold(x + (size_t)m * ldx + k0, ldx, buf, k0, kc, R, kb == 0,      \
+                                  kb == nkb - 1, q, p, bias, y + (size_t)m * ldy, ldy,          \
+                                  spill + (size_t)m * 16,                                       \
+                                  q->xs ? q->xs + (size_t)m * q->groups : NULL, RMAX, ZERO)
+                if (FOLD) {
+                    if (R <= 2) BF(2);
+                    else if (R <= 4) BF(4);
+                    else BF(MR);
+                } else if (R <= 2) BT(2);
                 else if (R <= 4) BT(4);
                 else BT(MR);
 #undef BT
+#undef BF
             }
         }
     return 0;
+}
+
+/* silu(g) * u = g / (1 + e^-g) * u, as gemm.c's fused gate/up (the exponent clamped so
+ * that it stays finite, as -ffast-math assumes) */
+static inline __m256 silu_mul256(__m256 g, __m256 u) {
+    const __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g),
+                                          _mm256_set1_ps(80.f)));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+}
+
+/* Pairs a..b of a glu scratch t ([M, 2I], panel pair i at columns 32i..32i+31) into y. */
+static void glu_pairs(const float* t, int M, int N, int a, int b, float* y, int ldy) {
+    for (int m = 0; m < M; m++)
+        for (int i = a; i < b; i++)
+            for (int h = 0; h < 2; h++) {
+                const float* g = t + (size_t)m * N + 32 * (size_t)i + 8 * h;
+                _mm256_storeu_ps(y + (size_t)m * ldy + 16 * (size_t)i + 8 * h,
+                                 silu_mul256(_mm256_loadu_ps(g), _mm256_loadu_ps(g + 16)));
+            }
 }
 
 #define BY_KIND(CALL)                                                                    \
@@ -321,18 +468,56 @@ static __attribute__((unused)) void task_scalar(const float* x, int M, int ldx, 
 /* Returns 0, -1 for arguments it does not take, or -2 if memory ran out. */
 int qgemm_f32(const float* x, int M, int K, int ldx, const void* w, int bits, int N,
               const float* scales, const float* zeros, int group, const float* bias,
-              float* y, int ldy) {
+              float* y, int ldy, int glu) {
     if (M < 0 || N <= 0 || K <= 0 || group <= 0 || K % group || (bits != 8 && bits != 4))
         return -1;
-    const QW q = {(const uint8_t*)w, bits, K, N, group, K / group, K == group, scales, zeros};
+#if defined(__AVX2__) && defined(__FMA__)
+    if (glu && (N % 32 || bias != NULL)) return -1;
+#else
+    if (glu) return -1; /* (the scalar body has no fused gate/up) */
+#endif
+    QW q = {(const uint8_t*)w, bits, K, N, group, K / group, K == group, scales, zeros, 0,
+            NULL};
     const int np = (N + 15) / 16;
     int failed = 0;
     if (M == 0) return 0;
 #if defined(__AVX2__) && defined(__FMA__)
+    q.fold = zeros != NULL || !q.chan;
+    float* xs = NULL;
+    if (zeros != NULL) {
+        /* each row's sum over each group, one FMA chain (x * 1) a group: FMAs are not
+         * reassociated under -ffast-math, so every call sums in the same order */
+        xs = (float*)malloc(sizeof(float) * (size_t)M * q.groups);
+        if (xs == NULL) return -2;
+        const __m128 one = _mm_set_ss(1.0f);
+        for (int m = 0; m < M; m++)
+            for (int g = 0; g < q.groups; g++) {
+                __m128 sum = _mm_setzero_ps();
+                const float* xr = x + (size_t)m * ldx + (size_t)g * group;
+                for (int k = 0; k < group; k++) sum = _mm_fmadd_ss(_mm_load_ss(xr + k), one, sum);
+                xs[(size_t)m * q.groups + g] = _mm_cvtss_f32(sum);
+            }
+        q.xs = xs;
+    }
+    /* glu: the projection's 2I outputs into a scratch, y gets the pairs combined */
+    float* const out = y;
+    const int ldo = ldy;
+    if (glu) {
+        y = (float*)malloc(sizeof(float) * (size_t)M * N);
+        ldy = N;
+        if (y == NULL) {
+            free(xs);
+            return -2;
+        }
+    }
     if (M > DIRECT_MAX) {
         /* tasks of two panels; a last panel past N keeps its partial sums in spill */
         float* spill = (float*)malloc(sizeof(float) * 16 * (size_t)M);
-        if (spill == NULL) return -2;
+        if (spill == NULL) {
+            free(xs);
+            if (glu) free(y);
+            return -2;
+        }
         const int tasks = (np + 1) / 2;
 #pragma omp parallel for schedule(static)
         for (int i = 0; i < tasks; i++) {
@@ -341,22 +526,31 @@ int qgemm_f32(const float* x, int M, int K, int ldx, const void* w, int bits, in
 #define TB(B, Z, C) rc = task_buffered(x, M, ldx, &q, p0, p1, bias, y, ldy, spill, B, Z, C)
             BY_KIND(TB);
 #undef TB
+            if (glu && rc == 0) glu_pairs(y, M, N, i, i + 1, out, ldo);
             if (rc != 0) {
 #pragma omp atomic write
                 failed = 1;
             }
         }
         free(spill);
+        free(xs);
+        if (glu) free(y);
         return failed ? -2 : 0;
     }
-    const int tasks = (np + 1) / 2;
-#pragma omp parallel for schedule(static)
-    for (int i = 0; i < tasks; i++) {
-        const int p0 = 2 * i, p1 = p0 + 2 < np ? p0 + 2 : np;
+    /* one contiguous run of panels a thread (within a panel of the same share each) */
+#pragma omp parallel
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        /* (glu: whole pairs a thread) */
+        const int u = glu ? 2 : 1, nu = np / u;
+        const int p0 = u * (int)((long)nu * t / nt), p1 = u * (int)((long)nu * (t + 1) / nt);
 #define TD(B, Z, C) task_direct(x, M, ldx, &q, p0, p1, bias, y, ldy, B, Z, C)
-        BY_KIND(TD);
+        if (p0 < p1) BY_KIND(TD);
 #undef TD
+        if (glu && p0 < p1) glu_pairs(y, M, N, p0 / 2, p1 / 2, out, ldo);
     }
+    free(xs);
+    if (glu) free(y);
     return 0;
 #else
     (void)failed;

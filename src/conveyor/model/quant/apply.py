@@ -69,7 +69,9 @@ def quantize_model(model: nn.Module, method: str | None, device: torch.device,
     choice = _choose(sites, device, dtype, rows)
     for parent, name, qw, bias, shape in sites:
         backend = quant_linear_backends.get(choice[(Scheme.of(qw), shape.key)])
-        setattr(parent, name, backend(device, dtype).make_linear(qw, bias))
+        # (a gate/up projection may apply silu(gate) * up itself: the MLP asks the module)
+        gate_up = name == "gate_up_proj" and getattr(parent, "fuses_silu", False)
+        setattr(parent, name, backend(device, dtype).make_linear(qw, bias, gate_up=gate_up))
     if head is not None and not model.tie_word_embeddings:
         del model.lm_head
     if hasattr(model, "quant_weights"):

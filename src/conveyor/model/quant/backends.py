@@ -98,7 +98,7 @@ class NativeQuantBackend(QuantLinearBackend):
         return None
 
     def make_linear(self, weight, bias, gate_up=False) -> nn.Module:
-        return NativeQuantLinear(self.weight(weight), bias)
+        return NativeQuantLinear(self.weight(weight), bias, gate_up=gate_up)
 
 
 class TorchInt8MMBackend(QuantLinearBackend):

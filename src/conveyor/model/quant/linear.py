@@ -48,12 +48,33 @@ class _QuantLinear(nn.Module):
                 f"int{self.bits} group {self.group}, {self.kind}")
 
 
+def glu_pairs(n: int) -> torch.Tensor | None:
+    """The row order that puts a [gate; up] projection of n = 2I rows in panel pairs (gate
+    rows 16i..16i+15, then the up rows beside them), or None where I is not a multiple
+    of 16."""
+    inter = n // 2
+    if n % 2 or inter % 16:
+        return None
+    gate = torch.arange(inter).view(-1, 16)
+    return torch.stack([gate, gate + inter], dim=1).reshape(-1)
+
+
 class NativeQuantLinear(_QuantLinear):
+    """``gate_up``: a [gate; up] projection, computed as silu(gate) * up ([T, I]: the
+    module ``applies_silu_mul``) where I is a multiple of 16 and there is no bias."""
+
     kind = "native"
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, lib=None) -> None:
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, lib=None,
+                 gate_up: bool = False) -> None:
         super().__init__(weight)
         self.lib = lib or qkernel.load()
+        order = glu_pairs(self.out_features) if gate_up and bias is None else None
+        self.applies_silu_mul = order is not None
+        if order is not None:
+            weight = QuantWeight(weight.q[order], weight.scale[order],
+                                 weight.zero[order] if weight.zero is not None else None,
+                                 weight.bits, weight.group, weight.perm, weight.act_int8)
         q, zero = weight.q, weight.zero
         if weight.bits == 4:
             if int(q.min()) < 0:  # signed -8..7: stored as 0..15 with the zero moved by 8
@@ -67,19 +88,23 @@ class NativeQuantLinear(_QuantLinear):
         self.zeros = to_panels(zero.to(torch.float32)) if zero is not None else None
         self.bias = _bias(bias)
         self.perm = weight.perm  # act-order: x's columns in the weight's order
-        qkernel.check_weight(self.qweight, self.bits, self.out_features, self.in_features,
-                             self.scales, self.zeros, self.group, self.bias)
+        self.gemm = qkernel.PackedQGemm(self.qweight, self.bits, self.scales, self.zeros,
+                                        self.group, self.bias, self.out_features,
+                                        self.in_features, self.lib, self.applies_silu_mul)
+        self.width = self.gemm.width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is None and x.dim() == 2 and x.dtype is torch.float32 \
+                and x.stride(1) == 1:  # the model's case: no reshape, no copy
+            return self.gemm(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
         if x2.dtype != torch.float32 or x2.stride(-1) != 1:
             x2 = x2.to(torch.float32).contiguous()
-        y = qkernel.qgemm(x2, self.qweight, self.bits, self.scales, self.zeros, self.group,
-                          self.bias, self.out_features, self.in_features, self.lib)
-        return y.to(x.dtype).view(*lead, self.out_features)
+        y = self.gemm(x2)
+        return y.to(x.dtype).view(*lead, self.width)
 
 
 class Int8MMLinear(_QuantLinear):
