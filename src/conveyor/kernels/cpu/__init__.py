@@ -36,7 +36,7 @@ _HEADERS = [os.path.join(os.path.dirname(__file__), name)
             for name in ("prefill_attention_body.h", "prefill_attention_avx2.h",
                          "prefill_attention_avx512.h", "prefill_attention_dims.h", "simd_math.h",
                          "simd_exp.h", "bf16.h", "amx_emulation.h",
-                         "transpose16.h")]
+                         "transpose16.h", "kv_quant.h")]
 # -ffast-math only while compiling: linking with it would add crtfastmath, whose
 # constructor turns on flush-to-zero for the whole process (torch included).
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -214,6 +214,10 @@ SIGNATURES: dict[str, list] = {
     # (the generic bodies alone: tests and benchmarks/kernels/decode_attention_kernel.py)
     "decode_attention_f32_generic": [_PTR] * 7 + [_I32] * 5 + [_F32],
     "decode_attention_bf16_generic": [_PTR] * 7 + [_I32] * 5 + [_F32],
+    # a one-byte cache: codes and scales of K and V, then as above, then its kind
+    "decode_attention_q8": [_PTR] * 9 + [_I32] * 5 + [_F32, _I32],
+    "decode_attention_q8_generic": [_PTR] * 9 + [_I32] * 5 + [_F32, _I32],
+    "kv_dequant": [_PTR] * 2 + [_I32] * 3,
     "rms_norm_f32": [_PTR] * 3 + [_I32] * 2 + [_F32],
     "add_rms_norm_f32": [_PTR] * 4 + [_I32] * 2 + [_F32],
     "silu_mul_f32": [_PTR] * 2 + [_I32] * 2,

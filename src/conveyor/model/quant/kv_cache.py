@@ -5,11 +5,13 @@ uses the format's whole range and a token's stored bytes depend on that token al
 (not on the batch it was written in).
 
 ``QuantizedKV`` stands in for a layer's K or V pool where attention reads it: written
-with ``index_copy_`` (quantized), read by indexing (dequantised to the compute dtype).
-Only the gathering attention path reads a pool that way (``sdpa``: the decode gather and
-the prefill context); the native kernels read plain pools, so a quantized cache runs on
-``sdpa`` (``attention_backend_for``). Fresh prompts attend to their own K/V unquantized,
-as vLLM's do.
+with ``index_copy_`` (quantized), read by indexing (dequantised to the compute dtype) or
+by the native decode kernel (its codes and scales, dequantised in registers:
+``kernels/cpu/decode_attention.c``). The gathering paths read it by indexing: ``sdpa``'s
+decode, and on both backends a prefill chunk's cached context (chunked prefill, prefix
+hits) and soft-capped layers. A quantized cache runs on ``native`` or ``sdpa``
+(``attention_backend_for``); the other backends' kernels read plain pools. Fresh prompts
+attend to their own K/V unquantized, as vLLM's do.
 """
 
 from __future__ import annotations
@@ -30,15 +32,21 @@ def bytes_per_element(kv_cache_dtype: str, compute_itemsize: int, head_dim: int)
     return 1 + SCALE_BYTES / head_dim
 
 
-def attention_backend_for(kv_cache_dtype: str, attention_backend: str) -> str:
-    """The attention backend a quantized cache runs on (``sdpa``); ValueError if another
-    is asked for."""
-    if kv_cache_dtype == "auto":
+def attention_backend_for(kv_cache_dtype: str, attention_backend: str,
+                          device: torch.device, dtype: torch.dtype) -> str:
+    """The attention backend a quantized cache runs on: ``native`` or ``sdpa`` as asked;
+    for ``auto`` native where it applies (the start-up measurement times float pools, not
+    this one), else sdpa. ValueError for another backend."""
+    if kv_cache_dtype == "auto" or attention_backend in ("native", "sdpa"):
         return attention_backend
-    if attention_backend not in ("auto", "sdpa"):
-        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} runs on the sdpa attention "
-                         f"backend only (the {attention_backend} kernels read plain pools)")
-    return "sdpa"
+    if attention_backend != "auto":
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} runs on the native and sdpa "
+                         f"attention backends (the {attention_backend} kernels read plain "
+                         "pools)")
+    from conveyor.model.attention.registry import attention_backend_names_for
+
+    native = "native" in attention_backend_names_for(device, dtype, 1, 1)
+    return "native" if native else "sdpa"
 
 
 class QuantizedKV:
