@@ -224,3 +224,54 @@ def test_native_backend_matches_sdpa_on_quantized_cache(kv):
     assert all(len(v) >= 8 for v in native_ids.values())  # (a recomputed row samples again)
     err = max((a - b).abs().max().item() for k in native for a, b in zip(native[k], sdpa[k]))
     assert err <= NATIVE_VS_SDPA[kv], f"{kv}: {err}"
+
+
+def _store_inputs(kv: str, dtype: torch.dtype, h: int, d: int) -> torch.Tensor:
+    """[T, H, D] rows, strided as the QKV projection's K columns: random rows over 14
+    decades, a zero row, specials, and rows whose scale is 1 (one element at the format's
+    largest value) holding every midpoint between neighbouring codes (ties) and random
+    float32 bit patterns up to that value."""
+    torch.manual_seed(1)
+    qmax = FORMATS[kv][1]
+    grid = torch.arange(256, dtype=torch.uint8).view(FORMATS[kv][0]).double()
+    grid = grid[grid.isfinite()].unique()
+    ties = ((grid[1:] + grid[:-1]) / 2).float()
+    bits = torch.randint(0, 2**31, (4096,), dtype=torch.int64).to(torch.int32).view(
+        torch.float32)
+    exact = torch.cat([ties, -ties, bits[bits.isfinite()].clamp(-qmax, qmax)])
+    exact = torch.cat([exact, exact[:(-exact.numel()) % (h * d)]]).view(-1, h, d).clone()
+    exact[:, :, 0] = qmax
+    rows = torch.randn(40, h, d) * torch.logspace(-8, 6, 40)[:, None, None]
+    rows[3] = 0.0
+    rows[4, 0, :4] = torch.tensor([float("inf"), -1e30, 1e-40, -0.0])
+    x = torch.cat([rows, exact]).to(dtype)
+    wide = torch.zeros(x.shape[0], 3, h * d, dtype=dtype)  # q, k, v columns of a row
+    wide[:, 1] = x.view(x.shape[0], h * d)
+    return wide[:, 1].view(x.shape[0], h, d)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", kernels.isa_builds())
+@pytest.mark.parametrize("kv", list(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_store_writes_the_bytes_torch_writes(isa, kv, dtype):
+    """``kv_store.c`` against ``QuantizedKV``'s torch path (torch's own division, rounding
+    and float8 conversion) on strided rows at shuffled slots: every code and scale equal,
+    ties and overflow included."""
+    from conveyor.kernels.cpu import ops
+
+    h, d = 3, 64
+    x = _store_inputs(kv, dtype, h, d)
+    assert x.stride(0) != h * d
+    slots = torch.randperm(x.shape[0] + 9)[:x.shape[0]]
+    want = QuantizedKV(x.shape[0] + 9, h, d, kv, torch.float32, torch.device("cpu"))
+    want.index_copy_(0, slots, x)
+    got = QuantizedKV(x.shape[0] + 9, h, d, kv, torch.float32, torch.device("cpu"))
+    ops.kv_store_q8(x, slots, got.data, got.scale, lib=kernels.load_variant(isa))
+    wrong = (got.data.view(torch.uint8) != want.data.view(torch.uint8)).nonzero()
+    assert not len(wrong), f"{len(wrong)} codes differ, first at {wrong[0].tolist()}"
+    assert torch.equal(got.scale.view(torch.int32), want.scale.view(torch.int32))
+    native = QuantizedKV(x.shape[0] + 9, h, d, kv, torch.float32, torch.device("cpu"),
+                         native=True)  # the engine's pools write this way
+    native.index_copy_(0, slots, x)
+    assert torch.equal(native.data.view(torch.uint8), want.data.view(torch.uint8))

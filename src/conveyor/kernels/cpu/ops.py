@@ -285,6 +285,37 @@ def decode_attention_q8(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
     return out
 
 
+def kv_store_q8(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor,
+                scales: torch.Tensor, lib=None) -> None:
+    """Quantize x [T, H, D] (float32 or bfloat16, each row's heads contiguous) into a
+    one-byte cache at ``slots`` [T] int64: codes [num_slots, H, D] (``KV_CODE_KINDS``),
+    scales [num_slots, H] float32, the bytes ``QuantizedKV``'s torch path writes."""
+    try:
+        t, h, d = x.shape
+        kind = KV_CODE_KINDS.get(codes.dtype)
+        ok = (kind is not None and (x.dtype is F32 or x.dtype is BF16) and x.is_cpu
+              and x.stride(2) == 1 and x.stride(1) == d and slots.dtype is I64
+              and slots.is_cpu and slots.is_contiguous() and slots.shape == (t,)
+              and codes.is_cpu and codes.is_contiguous() and codes.shape[1:] == (h, d)
+              and scales.dtype is F32 and scales.is_cpu and scales.is_contiguous()
+              and scales.shape == codes.shape[:2])
+    except (AttributeError, ValueError):
+        ok = False
+    if not ok:
+        raise _refuse("kv_store_q8", (
+            ("x", x, _ACT, 3, "heads"), ("slots", slots, _I64, 1, "contiguous"),
+            ("codes", codes, _CODES, 3, "contiguous"),
+            ("scales", scales, _F32, 2, "contiguous")),
+            lambda: f"x {tuple(x.shape)}, slots {tuple(slots.shape)}, codes "
+                    f"{tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit "
+                    "[T, H, D], [T], [S, H, D], [S, H]")
+    if not t:
+        return
+    lib = lib or _lib or _native()
+    lib.kv_store_q8(x.data_ptr(), x.stride(0), int(x.dtype is BF16), slots.data_ptr(), t, h,
+                    d, codes.data_ptr(), scales.data_ptr(), kind)
+
+
 def _heads_ok(t, dtype) -> bool:
     return (t.dtype is dtype and t.is_cpu and t.dim() == 3 and t.stride(2) == 1
             and t.stride(1) == t.shape[2])

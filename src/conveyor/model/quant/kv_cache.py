@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from conveyor.kernels import cpu as kernels
+from conveyor.kernels.cpu import ops as native_ops
+
 # The pool's element type and its largest finite value.
 FORMATS = {"int8": (torch.int8, 127.0),
            "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
@@ -51,16 +54,18 @@ def attention_backend_for(kv_cache_dtype: str, attention_backend: str,
 
 class QuantizedKV:
     """A ``[num_slots, num_kv_heads, head_dim]`` pool of one-byte elements with a
-    ``[num_slots, num_kv_heads]`` float32 scale."""
+    ``[num_slots, num_kv_heads]`` float32 scale. ``native``: writes through the C kernel
+    (``kernels/cpu/kv_store.c``: the same bytes in one call) where the input allows."""
 
     def __init__(self, num_slots: int, num_heads: int, head_dim: int, kv_cache_dtype: str,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, native: bool = False) -> None:
         storage, self.qmax = FORMATS[kv_cache_dtype]
         self.kind = kv_cache_dtype
         self.data = torch.zeros(num_slots, num_heads, head_dim, dtype=storage, device=device)
         self.scale = torch.ones(num_slots, num_heads, dtype=torch.float32, device=device)
         self.dtype = dtype  # what reads return (the compute dtype)
         self.device = torch.device(device)
+        self.native = native and self.device.type == "cpu"
 
     @property
     def shape(self) -> torch.Size:
@@ -74,6 +79,10 @@ class QuantizedKV:
 
     def index_copy_(self, dim: int, index: torch.Tensor, x: torch.Tensor) -> QuantizedKV:
         assert dim == 0
+        if (self.native and x.dtype in (torch.float32, torch.bfloat16)
+                and x.stride(2) == 1 and x.stride(1) == x.shape[2]):
+            native_ops.kv_store_q8(x, index, self.data, self.scale)
+            return self
         x = x.to(torch.float32)
         scale = (x.abs().amax(dim=-1) / self.qmax).clamp_min(1e-12)  # [T, H]
         y = x / scale.unsqueeze(-1)
@@ -92,6 +101,8 @@ class QuantizedKV:
 def quantized_kv_caches(num_layers: int, num_slots: int, num_heads: int, head_dim: int,
                         kv_cache_dtype: str, dtype: torch.dtype, device: torch.device
                         ) -> list[tuple[QuantizedKV, QuantizedKV]]:
-    return [(QuantizedKV(num_slots, num_heads, head_dim, kv_cache_dtype, dtype, device),
-             QuantizedKV(num_slots, num_heads, head_dim, kv_cache_dtype, dtype, device))
+    """Every layer's K and V pools, written by the native kernel where it is built."""
+    native = torch.device(device).type == "cpu" and kernels.load() is not None
+    return [tuple(QuantizedKV(num_slots, num_heads, head_dim, kv_cache_dtype, dtype, device,
+                              native) for _ in range(2))
             for _ in range(num_layers)]
