@@ -9,6 +9,11 @@ arm's median step, its ratio to the first arm, and the KV pool's capacity in tok
 in float32 and so keeps a float32 cache).
 
     python -m benchmarks.steps.kv_cache_dtype --batch 8 --context 2048
+
+``--kernel`` times the native decode attention call alone instead (no engine, no
+prefill: quick), on the model's heads over ``--kernel-layers`` layers' pools of
+``--batch`` x ``--context`` random tokens at shuffled slots, each arm's pools written
+through its own path (``QuantizedKV``'s native write for the one-byte ones).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import time
 
 import torch
 
@@ -46,6 +52,53 @@ def capacity_tokens(llm: LLM, gib: float) -> dict[str, int]:
     return out
 
 
+def kernel_times(args, arms: list[str]) -> tuple[dict[str, list[float]], object]:
+    """Seconds per layer of the native decode attention per arm, ``--rounds`` rounds."""
+    from conveyor.config.model import load_model_config
+    from conveyor.config.presets import resolve_model_path
+    from conveyor.kernels.cpu import ops
+    from conveyor.model.quant.kv_cache import QuantizedKV
+
+    cfg = load_model_config(resolve_model_path(args.model, "dummy"), dtype=args.dtype)
+    b, ctx, hq, hkv, d = args.batch, args.context, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    n = b * ctx
+    gen = torch.Generator().manual_seed(0)
+    slots = torch.randperm(n, generator=gen).view(b, ctx)
+    lens = torch.full((b,), ctx, dtype=torch.int32)
+    starts = torch.zeros(b, dtype=torch.int32)
+    q = torch.randn(b, hq, d, generator=gen)
+    pools: dict[str, list] = {kv: [] for kv in arms}
+    for _ in range(args.kernel_layers):
+        k, v = (torch.randn(n, hkv, d, generator=gen) for _ in range(2))
+        for kv in arms:
+            if kv == "auto":
+                pools[kv].append((k, v))
+                continue
+            pair = []
+            for x in (k, v):
+                pool = QuantizedKV(n, hkv, d, kv, torch.float32, torch.device("cpu"), True)
+                pool.index_copy_(0, torch.arange(n), x)
+                pair.append(pool)
+            pools[kv].append(tuple(pair))
+
+    def run(kv: str) -> None:
+        for k, v in pools[kv]:
+            if kv == "auto":
+                ops.decode_attention(q, k, v, slots, lens, starts, d ** -0.5)
+            else:
+                ops.decode_attention_q8(q, k.data, k.scale, v.data, v.scale, slots, lens,
+                                        starts, d ** -0.5)
+
+    times: dict[str, list[float]] = {kv: [] for kv in arms}
+    for r in range(args.rounds):
+        for kv in arms[r % len(arms):] + arms[:r % len(arms)]:
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                run(kv)
+            times[kv].append((time.perf_counter() - t) / (args.steps * args.kernel_layers))
+    return times, cfg
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -60,9 +113,24 @@ def main() -> None:
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-memory-gib", type=float, default=1.0)
+    p.add_argument("--kernel", action="store_true",
+                   help="time the decode attention kernel alone (a float32 pool for auto)")
+    p.add_argument("--kernel-layers", type=int, default=4)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     arms = args.kv.split(",")
+    if args.kernel:
+        times, cfg = kernel_times(args, arms)
+        print(f"{cpu_model_name()}, {args.threads} threads; decode attention alone, "
+              f"{args.model}'s heads ({cfg.num_heads} q, {cfg.num_kv_heads} kv, dim "
+              f"{cfg.head_dim}), batch {args.batch}, context {args.context}, {args.rounds} "
+              f"rounds x {args.steps} calls x {args.kernel_layers} layers")
+        base = statistics.median(times[arms[0]])
+        for kv in arms:
+            med = statistics.median(times[kv])
+            print(f"kv {kv:9s} attention {med * 1e3:8.3f} ms/layer  ratio {base / med:5.2f}x "
+                  f"(vs {arms[0]})")
+        return
     engines = {kv: build(args, kv) for kv in arms}
     cfg = engines[arms[0]].engine.config.model
     times: dict[str, list[float]] = {kv: [] for kv in arms}
