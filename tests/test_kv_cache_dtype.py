@@ -33,6 +33,8 @@ def _first_token_logits(path: str, kv: str, prompts, **kw) -> dict[str, torch.Te
     tokens (every chunk after the first reads the earlier ones from the cache)."""
     llm = LLM(path, dtype="float32", kv_cache_dtype=kv, max_num_batched_tokens=13, **kw)
     runner = llm.engine.runner
+    if kv != "auto":  # auto: the native backend where its kernels are built
+        assert runner.attention.name == ("native" if kernels.load() is not None else "sdpa")
     runner.record_logits = True
     for i, p in enumerate(prompts):
         llm.engine.add_request({"prompt_token_ids": p},

@@ -10,7 +10,9 @@
  * the hardware prefetcher cannot follow: prefetching halved the kernel's time).
  *
  *   q        [B, Hq, D]           float32
- *   k, v     [num_slots, Hkv, D]  float32, or bfloat16 (uint16 bits) for the _bf16 entry
+ *   k, v     [num_slots, Hkv, D]  float32, or bfloat16 (uint16 bits) for the _bf16 entry,
+ *                                 or one-byte codes (kv_quant.h) for the _q8 entry, with
+ *   ksc, vsc [num_slots, Hkv]     float32 scales (a value is its code times its scale)
  *   slots    [B, L]               int64, context slot of each position (padded rows unused)
  *   lens     [B]                  int32, context length of each sequence (<= L)
  *   starts   [B]                  int32, first position attended (sliding window), usually 0
