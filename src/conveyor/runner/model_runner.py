@@ -112,7 +112,8 @@ class ModelRunner:
         linear_backend = quantize_model(self.model, model_cfg.quantization, device,
                                         DTYPES[model_cfg.math_dtype], linear_rows,
                                         linear_backend, tp)
-        attention_backend = attention_backend_for(model_cfg.kv_cache_dtype, attention_backend)
+        attention_backend = attention_backend_for(model_cfg.kv_cache_dtype, attention_backend,
+                                                  device, DTYPES[model_cfg.math_dtype])
         # Multi-LoRA (None: off): projections wrapped before they are packed.
         self.lora = make_lora_manager(lora, self.model, DTYPES[model_cfg.math_dtype], tp)
         self.num_blocks = 0

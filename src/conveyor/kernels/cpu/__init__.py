@@ -31,16 +31,19 @@ logger = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), name)
             for name in ("decode_attention.c", "prefill_attention.c",
                          "prefill_attention_amx.c", "elementwise.c", "gemm.c",
-                         "draft_forward.c")]
+                         "draft_forward.c", "kv_store.c")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), name)
             for name in ("prefill_attention_body.h", "prefill_attention_avx2.h",
                          "prefill_attention_avx512.h", "prefill_attention_dims.h", "simd_math.h",
                          "simd_exp.h", "bf16.h", "amx_emulation.h",
-                         "transpose16.h")]
+                         "transpose16.h", "kv_quant.h")]
 # -ffast-math only while compiling: linking with it would add crtfastmath, whose
 # constructor turns on flush-to-zero for the whole process (torch included).
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 _LIBS = ["-lmvec", "-lm"]
+# Sources whose arithmetic must be IEEE's as written (after _FLAGS: these win): the KV
+# cache's quantizing write divides as torch does, to write the bytes it would.
+SOURCE_FLAGS = {"kv_store.c": ["-fno-fast-math", "-ffp-contract=off"]}
 # CONVEYOR_KERNEL_ISA caps the instruction set the kernels are built for (tests and
 # benchmarks use it to run the AVX2 and portable bodies on an AVX-512 machine).
 # "avx512bf16" is the native build less AMX (on a CPU with AMX tiles: the AVX-512 BF16
@@ -121,7 +124,8 @@ def build_key(isa: str | None = None) -> str:
 @functools.cache
 def _build_key(isa: str) -> str:  # the sources do not change under a running process
     flags = [*_FLAGS, *_isa_flags(isa)]
-    key = hashlib.sha256(" ".join(flags).encode() + _cpu_key().encode())
+    key = hashlib.sha256(" ".join(flags).encode() + _cpu_key().encode()
+                         + repr(sorted(SOURCE_FLAGS.items())).encode())
     for source in [*_SOURCES, *_HEADERS]:
         with open(source, "rb") as f:
             key.update(f.read())
@@ -135,7 +139,8 @@ def _build(compiler: str, out_path: str, flags: list[str]) -> None:
         objects = []
         for source in _SOURCES:
             obj = os.path.join(workdir, os.path.basename(source) + ".o")
-            subprocess.run([compiler, *flags, "-c", source, "-o", obj], check=True,
+            own = SOURCE_FLAGS.get(os.path.basename(source), [])
+            subprocess.run([compiler, *flags, *own, "-c", source, "-o", obj], check=True,
                            capture_output=True, text=True)
             objects.append(obj)
         tmp = os.path.join(workdir, "lib.so")
@@ -214,6 +219,11 @@ SIGNATURES: dict[str, list] = {
     # (the generic bodies alone: tests and benchmarks/kernels/decode_attention_kernel.py)
     "decode_attention_f32_generic": [_PTR] * 7 + [_I32] * 5 + [_F32],
     "decode_attention_bf16_generic": [_PTR] * 7 + [_I32] * 5 + [_F32],
+    # a one-byte cache: codes and scales of K and V, then as above, then its kind
+    "decode_attention_q8": [_PTR] * 9 + [_I32] * 5 + [_F32, _I32],
+    "decode_attention_q8_generic": [_PTR] * 9 + [_I32] * 5 + [_F32, _I32],
+    "kv_dequant": [_PTR] * 2 + [_I32] * 3,
+    "kv_store_q8": [_PTR, ctypes.c_int64, _I32, _PTR] + [_I32] * 3 + [_PTR] * 2 + [_I32],
     "rms_norm_f32": [_PTR] * 3 + [_I32] * 2 + [_F32],
     "add_rms_norm_f32": [_PTR] * 4 + [_I32] * 2 + [_F32],
     "silu_mul_f32": [_PTR] * 2 + [_I32] * 2,

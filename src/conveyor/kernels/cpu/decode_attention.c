@@ -10,7 +10,9 @@
  * the hardware prefetcher cannot follow: prefetching halved the kernel's time).
  *
  *   q        [B, Hq, D]           float32
- *   k, v     [num_slots, Hkv, D]  float32, or bfloat16 (uint16 bits) for the _bf16 entry
+ *   k, v     [num_slots, Hkv, D]  float32, or bfloat16 (uint16 bits) for the _bf16 entry,
+ *                                 or one-byte codes (kv_quant.h) for the _q8 entry, with
+ *   ksc, vsc [num_slots, Hkv]     float32 scales (a value is its code times its scale)
  *   slots    [B, L]               int64, context slot of each position (padded rows unused)
  *   lens     [B]                  int32, context length of each sequence (<= L)
  *   starts   [B]                  int32, first position attended (sliding window), usually 0
@@ -24,6 +26,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kv_quant.h"
 
 static inline float bf16_to_float(uint16_t x) {
     union { uint32_t u; float f; } v;
@@ -74,11 +78,12 @@ static inline void write_normalized(float* ob, const float* acc, const float* l,
     }
 }
 
-#define DEFINE_DECODE(NAME, T, LOAD)                                                        \
-void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,                   \
-          const int32_t* lens, const int32_t* starts, float* out, int B, int Hq, int Hkv,   \
-          int D, int L, float scale) {                                                      \
+/* KS(slot, h), VS(slot, h): a K or V head's scale (1 for a float cache); SETUP: what the
+ * loads need, once a call. */
+#define DEFINE_DECODE(NAME, PARAMS, T, LOAD, KS, VS, SETUP)                                 \
+void NAME(PARAMS) {                                                                         \
     const int G = Hq / Hkv;                                                                 \
+    SETUP                                                                                   \
     _Pragma("omp parallel")                                                                 \
     {                                                                                       \
     float* acc = (float*)malloc(sizeof(float) * (size_t)Hq * (size_t)D);                    \
@@ -107,7 +112,7 @@ void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,       
                         float a = 0.f;                                                      \
                         _Pragma("omp simd reduction(+:a)")                                  \
                         for (int d = 0; d < D; d++) a += qg[d] * LOAD(kh[d]);               \
-                        s[(h * G + g) * CHUNK + t] = a * scale;                             \
+                        s[(h * G + g) * CHUNK + t] = a * scale * KS(sl[t0 + t], h);         \
                     }                                                                       \
                 }                                                                           \
             }                                                                               \
@@ -130,7 +135,8 @@ void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,       
                 const T* vr = vc + sl[t0 + t] * Hkv * D;                                    \
                 for (int h = 0; h < Hkv; h++) {                                             \
                     const T* vh = vr + (int64_t)h * D;                                      \
-                    for (int d = 0; d < D; d++) row[d] = LOAD(vh[d]);                       \
+                    const float vs = VS(sl[t0 + t], h);                                     \
+                    for (int d = 0; d < D; d++) row[d] = LOAD(vh[d]) * vs;                  \
                     for (int g = 0; g < G; g++) {                                           \
                         const int i = h * G + g;                                            \
                         const float p = s[i * CHUNK + t];                                   \
@@ -148,9 +154,25 @@ void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,       
 
 #define LOAD_F32(x) (x)
 #define LOAD_BF16(x) bf16_to_float(x)
+#define LOAD_Q8(x) lut[x]
+#define UNSCALED(slot, h) 1.f
+#define K_SCALE(slot, h) ksc[(slot) * Hkv + (h)]
+#define V_SCALE(slot, h) vsc[(slot) * Hkv + (h)]
+#define FLOAT_PARAMS(T) const float* q, const T* kc, const T* vc, const int64_t* slots,     \
+    const int32_t* lens, const int32_t* starts, float* out, int B, int Hq, int Hkv, int D,  \
+    int L, float scale
+/* One-byte caches (kv_quant.h's kinds): codes, and a float32 scale per slot and KV head. */
+#define Q8_PARAMS const float* q, const uint8_t* kc, const uint8_t* vc, const float* ksc,   \
+    const float* vsc, const int64_t* slots, const int32_t* lens, const int32_t* starts,     \
+    float* out, int B, int Hq, int Hkv, int D, int L, float scale, int kind
+#define LUT_SETUP float lut[256]; for (int c = 0; c < 256; c++) lut[c] = kvq_to_f32(c, kind);
 
-DEFINE_DECODE(decode_attention_f32_generic, float, LOAD_F32)
-DEFINE_DECODE(decode_attention_bf16_generic, uint16_t, LOAD_BF16)
+DEFINE_DECODE(decode_attention_f32_generic, FLOAT_PARAMS(float), float, LOAD_F32, UNSCALED,
+              UNSCALED, )
+DEFINE_DECODE(decode_attention_bf16_generic, FLOAT_PARAMS(uint16_t), uint16_t, LOAD_BF16,
+              UNSCALED, UNSCALED, )
+DEFINE_DECODE(decode_attention_q8_generic, Q8_PARAMS, uint8_t, LOAD_Q8, K_SCALE, V_SCALE,
+              LUT_SETUP)
 
 /* ---- The vector body ------------------------------------------------------------------
  *
@@ -194,6 +216,89 @@ static inline vf vload_bf16(const uint16_t* p) {
     vh x = *(const vhu*)p;
     vu w = __builtin_convertvector(x, vu) << 16;
     return (vf)w;
+}
+
+/* VW one-byte codes as floats (kv_quant.h's steps on a vector; the same values). */
+typedef uint8_t vbu __attribute__((vector_size(VW), aligned(1)));
+typedef int8_t vbs __attribute__((vector_size(VW), aligned(1)));
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* (the generic byte-to-int conversion would move the bytes one at a time) */
+static inline vf vload_i8(const uint8_t* p) {
+#if VW == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#else
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#endif
+}
+#else
+static inline vf vload_i8(const uint8_t* p) {
+    return __builtin_convertvector(__builtin_convertvector(*(const vbs*)p, vi), vf);
+}
+#endif
+static inline __attribute__((always_inline)) vf vload_fp8(const uint8_t* p, const int mb,
+                                                          const int bias) {
+    const vu b = __builtin_convertvector(*(const vbu*)p, vu);
+    const vu mag = b & 0x7fu;
+    const vf f = (vf)((mag << (23 - mb)) + ((uint32_t)(127 - bias) << 23));
+    const vf sub = (f - kvq_bits_to_f32((uint32_t)(127 - bias) << 23)) * 2.f;
+    const vu is_sub = (vu)((mag >> mb) == 0u);
+    vu bits = ((vu)sub & is_sub) | ((vu)f & ~is_sub);
+    const vu special = mb == 3 ? (vu)(mag == 0x7fu) : (vu)(mag >= 0x7cu);
+    const vu special_bits = mb == 3 ? (vu){} + 0x7fc00000u : 0x7f800000u | ((mag & 3u) << 21);
+    bits = (bits & ~special) | (special_bits & special);
+    return (vf)(bits | ((b & 0x80u) << 24));
+}
+
+/* With F16C (AVX2 and up) fp8 goes through the half-precision converter, in fewer
+ * instructions: an e5m2 code is a half's upper byte, and an e4m3 code's exponent and
+ * mantissa bits under a half's read 2^-8 times its value (subnormals too; the caller
+ * multiplies by 256 with the scale, exactly), its NaN code made a half NaN. */
+#if defined(__F16C__) && defined(__AVX2__)
+#define HALF_FP8 1
+#if VW == 16
+typedef __m256i vhalf;
+#define HALF_WIDEN(p) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(p)))
+#define HALF_TO_VF(h) ((vf)_mm512_cvtph_ps(h))
+#else
+typedef __m128i vhalf;
+#define HALF_WIDEN(p) _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(p)))
+#define HALF_TO_VF(h) ((vf)_mm256_cvtph_ps(h))
+#endif
+typedef uint16_t v16 __attribute__((vector_size(sizeof(vhalf))));
+static inline __attribute__((always_inline)) vf vload_e5m2_half(const uint8_t* p) {
+    return HALF_TO_VF((vhalf)((v16)HALF_WIDEN(p) << 8));
+}
+static inline __attribute__((always_inline)) vf vload_e4m3_half(const uint8_t* p) {
+    const v16 b = (v16)HALF_WIDEN(p), mag = b & 0x7f;
+    const v16 nan = (v16)(mag == 0x7f) & 0x7e00;  /* S.1111.111: exponent all ones */
+    return HALF_TO_VF((vhalf)(((b & 0x80) << 8) | (mag << 7) | nan));
+}
+#else
+#define HALF_FP8 0
+#endif
+
+/* A slot's row of Hkv x D codes into floats, each head's times its scale sc[h]. */
+static inline __attribute__((always_inline)) void widen_q8(
+        float* w, const uint8_t* x, const float* sc, int Hkv, const int D, int kind) {
+    for (int h = 0; h < Hkv; h++) {
+        const float s = sc[h];
+        const uint8_t* xh = x + (int64_t)h * D;
+        float* wh = w + (int64_t)h * D;
+        if (kind == KV_INT8)
+            for (int d = 0; d < D; d += VW) vstore(wh + d, vload_i8(xh + d) * s);
+#if HALF_FP8
+        else if (kind == KV_E4M3)
+            for (int d = 0; d < D; d += VW) vstore(wh + d, vload_e4m3_half(xh + d) * (s * 256.f));
+        else
+            for (int d = 0; d < D; d += VW) vstore(wh + d, vload_e5m2_half(xh + d) * s);
+#else
+        else if (kind == KV_E4M3)
+            for (int d = 0; d < D; d += VW) vstore(wh + d, vload_fp8(xh + d, 3, 7) * s);
+        else
+            for (int d = 0; d < D; d += VW) vstore(wh + d, vload_fp8(xh + d, 2, 15) * s);
+#endif
+    }
 }
 
 /* Lane t of the result: the sum of a[t]'s lanes, for t < VW (a is clobbered). Pairs of
@@ -365,11 +470,14 @@ static inline int q_as_bf16(const float* q, uint16_t* qh, int n) {
  * wait on each other, rather than inside P V: there each position's loads sit behind the
  * previous position's FMAs and the L2 latency shows (the body 1.3x slower out of cache
  * on a Zen 4, though faster in cache); the chunk's K rows are prefetched into L1 then. */
+/* WIDEN: 0 an fp32 cache read in place, 1 a bf16 cache widened a chunk at a time, 2 a
+ * one-byte cache dequantised a chunk at a time (ksc, vsc, kind; unused otherwise). */
 #define DEFINE_VEC(NAME, T, WIDEN, DEXPR)                                                   \
-static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,            \
-                 const int32_t* lens, const int32_t* starts, float* out, int B, int Hq,     \
-                 int Hkv, int Dr, int L, float scale) {                                     \
-    (void)Dr;                                                                               \
+static void NAME(const float* q, const T* kc, const T* vc, const float* ksc,                \
+                 const float* vsc, const int64_t* slots, const int32_t* lens,               \
+                 const int32_t* starts, float* out, int B, int Hq, int Hkv, int Dr, int L,  \
+                 float scale, int kind) {                                                   \
+    (void)Dr; (void)ksc; (void)vsc; (void)kind;                                             \
     _Pragma("omp parallel")                                                                 \
     {                                                                                       \
     const int D = DEXPR, G = Hq / Hkv, row = Hkv * D;                                       \
@@ -380,9 +488,9 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
     float* s = (float*)malloc(sizeof(float) * (size_t)Hq * CHUNK);                          \
     float* m = (float*)malloc(sizeof(float) * (size_t)Hq * 3);                              \
     float *l = m + Hq, *alpha = m + 2 * Hq;                                                 \
-    /* (the widened bf16 K and V rows of one chunk; none for fp32) */                       \
+    /* (the widened bf16 or dequantised K and V rows of one chunk; none for fp32) */        \
     float* wide = WIDEN ? (float*)malloc(sizeof(float) * (size_t)2 * CHUNK * row) : NULL;   \
-    const int dp_ok = HAVE_DP && WIDEN && D % 32 == 0;                                      \
+    const int dp_ok = HAVE_DP && WIDEN == 1 && D % 32 == 0;                                 \
     uint16_t* qh = dp_ok ? (uint16_t*)malloc(sizeof(uint16_t) * (size_t)Hq * D) : NULL;     \
     const uint16_t* kraw[CHUNK];                                                            \
     const float* krow[CHUNK];                                                               \
@@ -406,16 +514,23 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
                 if (WIDEN && ahead) /* widened at the chunk's start: fetched in a run */    \
                     prefetch_kv_l2(kc + sl[t0 + pf_dist + t] * row,                         \
                                    vc + sl[t0 + pf_dist + t] * row, row_bytes);             \
+                if (WIDEN == 2 && ahead) /* and the slot's scales */                        \
+                    prefetch_kv_l2(ksc + sl[t0 + pf_dist + t] * Hkv,                        \
+                                   vsc + sl[t0 + pf_dist + t] * Hkv, 1);                    \
                 pfk[t] = !WIDEN && ahead /* read in place: fetched during P V */            \
                     ? (const char*)(kc + sl[t0 + pf_dist + t] * row) : NULL;                \
                 pfv[t] = !WIDEN && ahead                                                    \
                     ? (const char*)(vc + sl[t0 + pf_dist + t] * row) : NULL;                \
                 const T* kt = kc + sl[t0 + t] * row;                                        \
                 const T* vt = vc + sl[t0 + t] * row;                                        \
-                if (WIDEN) {                                                                \
+                if (WIDEN == 1) {                                                           \
                     float* wv = wide + (int64_t)(CHUNK + t) * row;                          \
                     for (int x = 0; x < row; x += VW)                                       \
                         vstore(wv + x, vload_bf16((const uint16_t*)vt + x));                \
+                    vrow[t] = wv;                                                           \
+                } else if (WIDEN == 2) {                                                    \
+                    float* wv = wide + (int64_t)(CHUNK + t) * row;                          \
+                    widen_q8(wv, (const uint8_t*)vt, vsc + sl[t0 + t] * Hkv, Hkv, D, kind); \
                     vrow[t] = wv;                                                           \
                 } else {                                                                    \
                     vrow[t] = (const float*)vt;                                             \
@@ -423,10 +538,14 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
                 if (WIDEN && use_dp) { /* K read as bf16 by the scores */                   \
                     prefetch_l1(kt, row_bytes);                                             \
                     kraw[t] = (const uint16_t*)kt;                                          \
-                } else if (WIDEN) {                                                         \
+                } else if (WIDEN == 1) {                                                    \
                     float* wk = wide + (int64_t)t * row;                                    \
                     for (int x = 0; x < row; x += VW)                                       \
                         vstore(wk + x, vload_bf16((const uint16_t*)kt + x));                \
+                    krow[t] = wk;                                                           \
+                } else if (WIDEN == 2) {                                                    \
+                    float* wk = wide + (int64_t)t * row;                                    \
+                    widen_q8(wk, (const uint8_t*)kt, ksc + sl[t0 + t] * Hkv, Hkv, D, kind); \
                     krow[t] = wk;                                                           \
                 } else {                                                                    \
                     prefetch_l1(kt, row_bytes);                                             \
@@ -467,6 +586,9 @@ DEFINE_VEC(vec_f32_dany, float, 0, Dr)
 DEFINE_VEC(vec_bf16_d64, uint16_t, 1, 64)
 DEFINE_VEC(vec_bf16_d128, uint16_t, 1, 128)
 DEFINE_VEC(vec_bf16_dany, uint16_t, 1, Dr)
+DEFINE_VEC(vec_q8_d64, uint8_t, 2, 64)
+DEFINE_VEC(vec_q8_d128, uint8_t, 2, 128)
+DEFINE_VEC(vec_q8_dany, uint8_t, 2, Dr)
 
 /* The entries: the vector body where the head dim is a multiple of the vector width
  * (specialized for 64 and 128, so that its loops unroll into registers), the generic one
@@ -475,11 +597,38 @@ DEFINE_VEC(vec_bf16_dany, uint16_t, 1, Dr)
 void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,                   \
           const int32_t* lens, const int32_t* starts, float* out, int B, int Hq, int Hkv,   \
           int D, int L, float scale) {                                                      \
-    void (*fn)(const float*, const T*, const T*, const int64_t*, const int32_t*,            \
-               const int32_t*, float*, int, int, int, int, int, float) =                    \
-        D == 64 ? VEC##_d64 : D == 128 ? VEC##_d128 : D % VW == 0 ? VEC##_dany : GENERIC;   \
-    fn(q, kc, vc, slots, lens, starts, out, B, Hq, Hkv, D, L, scale);                       \
+    if (D % VW != 0) {                                                                      \
+        GENERIC(q, kc, vc, slots, lens, starts, out, B, Hq, Hkv, D, L, scale);              \
+        return;                                                                             \
+    }                                                                                       \
+    void (*fn)(const float*, const T*, const T*, const float*, const float*,                \
+               const int64_t*, const int32_t*, const int32_t*, float*, int, int, int, int,  \
+               int, float, int) = D == 64 ? VEC##_d64 : D == 128 ? VEC##_d128 : VEC##_dany; \
+    fn(q, kc, vc, NULL, NULL, slots, lens, starts, out, B, Hq, Hkv, D, L, scale, 0);        \
 }
 
 DEFINE_ENTRY(decode_attention_f32, float, vec_f32, decode_attention_f32_generic)
 DEFINE_ENTRY(decode_attention_bf16, uint16_t, vec_bf16, decode_attention_bf16_generic)
+
+/* A one-byte cache (kind: kv_quant.h), dequantised a chunk at a time as a bf16 chunk is
+ * widened; the generic body (a 256-entry table of the same values) where D is not a
+ * multiple of VW. */
+void decode_attention_q8(Q8_PARAMS) {
+    if (D % VW != 0) {
+        decode_attention_q8_generic(q, kc, vc, ksc, vsc, slots, lens, starts, out, B, Hq, Hkv,
+                                    D, L, scale, kind);
+        return;
+    }
+    void (*fn)(const float*, const uint8_t*, const uint8_t*, const float*, const float*,
+               const int64_t*, const int32_t*, const int32_t*, float*, int, int, int, int,
+               int, float, int) = D == 64 ? vec_q8_d64 : D == 128 ? vec_q8_d128 : vec_q8_dany;
+    fn(q, kc, vc, ksc, vsc, slots, lens, starts, out, B, Hq, Hkv, D, L, scale, kind);
+}
+
+/* Codes to floats, for the tests: the vector steps (n a multiple of VW) or kv_quant.h's. */
+void kv_dequant(const uint8_t* codes, float* out, int n, int kind, int vector) {
+    for (int i = 0; i < n; i++) out[i] = kvq_to_f32(codes[i], kind);
+    if (!vector) return;
+    const float one = 1.f;
+    for (int i = 0; i + VW <= n; i += VW) widen_q8(out + i, codes + i, &one, 1, VW, kind);
+}

@@ -233,6 +233,89 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+# A one-byte cache's element types, by the kind number decode_attention.c takes (kv_quant.h).
+KV_CODE_KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+_CODES = tuple(KV_CODE_KINDS)
+
+
+def decode_attention_q8(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
+                        v_codes: torch.Tensor, v_scale: torch.Tensor, slots: torch.Tensor,
+                        lens: torch.Tensor, starts: torch.Tensor, scale: float,
+                        lib=None) -> torch.Tensor:
+    """``decode_attention`` over a one-byte cache (``model/quant/kv_cache.py``): codes
+    [num_slots, Hkv, D] int8, float8_e4m3fn or float8_e5m2 (K and V alike), scales
+    [num_slots, Hkv] float32; a value is its code times its scale, dequantised in the
+    kernel. Returns float32 [B, Hq, D]."""
+    try:
+        b, hq, d = q.shape
+        _, hkv, kd = cache = k_codes.shape
+        nb, ctx = slots.shape
+        kind = KV_CODE_KINDS.get(k_codes.dtype)
+        ok = (kind is not None and q.dtype is F32 and v_codes.dtype is k_codes.dtype
+              and k_scale.dtype is F32 and v_scale.dtype is F32
+              and slots.dtype is I64 and lens.dtype is I32 and starts.dtype is I32
+              and all(t.is_cpu and t.is_contiguous() for t in (
+                  q, k_codes, v_codes, k_scale, v_scale, slots, lens, starts))
+              and v_codes.shape == cache and k_scale.shape == cache[:2]
+              and v_scale.shape == cache[:2] and kd == d and hkv and not hq % hkv
+              and nb == b and lens.shape == (b,) and starts.shape == (b,))
+    except (AttributeError, ValueError):
+        ok = False
+    if not ok:
+        kv = (k_codes.dtype,) if getattr(k_codes, "dtype", None) in _CODES else _CODES
+        raise _refuse("decode_attention_q8", (
+            ("q", q, _F32, 3, "contiguous"), ("k_codes", k_codes, _CODES, 3, "contiguous"),
+            ("v_codes", v_codes, kv, 3, "contiguous"),
+            ("k_scale", k_scale, _F32, 2, "contiguous"),
+            ("v_scale", v_scale, _F32, 2, "contiguous"),
+            ("slots", slots, _I64, 2, "contiguous"),
+            ("lens", lens, _I32, 1, "contiguous"), ("starts", starts, _I32, 1, "contiguous")),
+            lambda: f"q {tuple(q.shape)}, codes {tuple(k_codes.shape)} and "
+                    f"{tuple(v_codes.shape)}, scales {tuple(k_scale.shape)} and "
+                    f"{tuple(v_scale.shape)}, slots {tuple(slots.shape)}, lens "
+                    f"{tuple(lens.shape)} and starts {tuple(starts.shape)} do not fit "
+                    "[B, Hq, D], [S, Hkv, D] x2 (Hkv dividing Hq), [S, Hkv] x2, [B, L], "
+                    "[B], [B]")
+    out = torch.empty((b, hq, d), dtype=F32)
+    lib = lib or _lib or _native()
+    lib.decode_attention_q8(q.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(),
+                            k_scale.data_ptr(), v_scale.data_ptr(), slots.data_ptr(),
+                            lens.data_ptr(), starts.data_ptr(), out.data_ptr(), b, hq, hkv, d,
+                            ctx, scale, kind)
+    return out
+
+
+def kv_store_q8(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor,
+                scales: torch.Tensor, lib=None) -> None:
+    """Quantize x [T, H, D] (float32 or bfloat16, each row's heads contiguous) into a
+    one-byte cache at ``slots`` [T] int64: codes [num_slots, H, D] (``KV_CODE_KINDS``),
+    scales [num_slots, H] float32, the bytes ``QuantizedKV``'s torch path writes."""
+    try:
+        t, h, d = x.shape
+        kind = KV_CODE_KINDS.get(codes.dtype)
+        ok = (kind is not None and (x.dtype is F32 or x.dtype is BF16) and x.is_cpu
+              and x.stride(2) == 1 and x.stride(1) == d and slots.dtype is I64
+              and slots.is_cpu and slots.is_contiguous() and slots.shape == (t,)
+              and codes.is_cpu and codes.is_contiguous() and codes.shape[1:] == (h, d)
+              and scales.dtype is F32 and scales.is_cpu and scales.is_contiguous()
+              and scales.shape == codes.shape[:2])
+    except (AttributeError, ValueError):
+        ok = False
+    if not ok:
+        raise _refuse("kv_store_q8", (
+            ("x", x, _ACT, 3, "heads"), ("slots", slots, _I64, 1, "contiguous"),
+            ("codes", codes, _CODES, 3, "contiguous"),
+            ("scales", scales, _F32, 2, "contiguous")),
+            lambda: f"x {tuple(x.shape)}, slots {tuple(slots.shape)}, codes "
+                    f"{tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit "
+                    "[T, H, D], [T], [S, H, D], [S, H]")
+    if not t:
+        return
+    lib = lib or _lib or _native()
+    lib.kv_store_q8(x.data_ptr(), x.stride(0), int(x.dtype is BF16), slots.data_ptr(), t, h,
+                    d, codes.data_ptr(), scales.data_ptr(), kind)
+
+
 def _heads_ok(t, dtype) -> bool:
     return (t.dtype is dtype and t.is_cpu and t.dim() == 3 and t.stride(2) == 1
             and t.stride(1) == t.shape[2])
