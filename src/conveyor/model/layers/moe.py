@@ -154,3 +154,19 @@ def moe_block(hf: dict, hidden: int, tp: TPShard, float32_weights: bool = False
                      int(hf.get("num_experts_per_tok", 2)),
                      bool(hf.get("norm_topk_prob", True)), hf.get("hidden_act", "silu"), tp,
                      float32_weights)
+
+
+def expert_linears(model: nn.Module) -> list[nn.Linear]:
+    """Every expert projection of the model's mixture-of-experts blocks still an
+    ``nn.Linear`` (not yet packed)."""
+    return [m for block in model.modules() if isinstance(block, SparseMoE)
+            for m in block.experts.modules() if isinstance(m, nn.Linear)]
+
+
+def pack_experts(model: nn.Module, backend: str) -> int:
+    """Pack every expert projection with ``backend`` (gate/up with silu fused where the
+    backend can); returns how many were packed."""
+    from conveyor.model.linear.packing import pack_linears
+
+    return sum(pack_linears(block.experts, backend) for block in model.modules()
+               if isinstance(block, SparseMoE))
