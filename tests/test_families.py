@@ -336,3 +336,36 @@ def test_experts_run_grouped_at_the_defaults_whatever_one_gemm_measured(
         prompts, params = _batch(4, seed=3)
         _check(path, llm.generate([{"prompt_token_ids": p} for p in prompts], params),
                prompts, params)
+
+
+@pytest.mark.skipif(_native_missing(), reason="native kernels unavailable")
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("batch", [1, 2, 5, 33])
+def test_grouped_experts_in_panel_runs_equal_one_gemm_per_expert(batch: int,
+                                                                 bf16: bool) -> None:
+    """The grouped call splits an expert's panels into runs over the threads (wide
+    experts, few of them active): every output still the bits of the expert's own GEMM,
+    float32 and bf16 weights, a last panel part-filled."""
+    from conveyor.model.layers.moe import SparseMoE
+    from conveyor.model.linear.native import NativeLinear, native_gemm_lib
+
+    lib = native_gemm_lib()
+    if lib is None:
+        pytest.skip("no AVX2 + FMA GEMM on this CPU")
+    torch.manual_seed(100 + batch)
+    hidden, inter = 72, 300  # 38 gate/up panels (the last half full), 5 down panels
+    block = SparseMoE(hidden, inter, 3, 1, renormalize=True)
+
+    def weight(*shape):
+        w = torch.randn(*shape) * 0.1
+        return w.to(torch.bfloat16).float() if bf16 else w
+
+    for expert in block.experts:
+        expert.gate_up_proj = NativeLinear(weight(2 * inter, hidden), None, lib, gate_up=True,
+                                           bf16_weight=bf16)
+        expert.down_proj = NativeLinear(weight(hidden, inter), None, lib, bf16_weight=bf16)
+    x = torch.randn(batch, hidden)
+    assert block.grouped_gemms() is not None
+    grouped = block(x)
+    block.grouped_gemms = lambda: None
+    assert torch.equal(grouped, block(x))

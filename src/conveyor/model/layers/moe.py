@@ -14,11 +14,11 @@ projection (oneDNN, conveyor's GEMM with silu(gate) * up fused in, measured per 
 ``torch._grouped_mm`` runs on CPU but measured no faster than one GEMM per active expert
 (docs/results). Where every expert's projections are conveyor's GEMM (``NativeLinear``,
 gate/up with silu fused), a step's experts run in two native calls instead
-(``GroupedGemm``: all gate/ups in one parallel region, then all downs), each expert whole
-on one thread: at decode sizes an expert has a few rows, and a parallel region per
-expert's GEMM cost more than splitting its rows across threads saved; each row comes out
-the same bits as the expert's own GEMM gives it. The loader fills them from either
-checkpoint layout (stacked, or one tensor per expert) in place. Under tensor parallelism
+(``GroupedGemm``: all gate/ups in one parallel region, then all downs), the threads
+taking runs of an expert's output panels in turn: at decode sizes an expert has a few
+rows, and a parallel region per expert's GEMM cost more than splitting its work saved;
+each row comes out the same bits as the expert's own GEMM gives it. The loader fills them
+from either checkpoint layout (stacked, or one tensor per expert) in place. Under tensor parallelism
 a rank holds every expert's slice of the intermediate dimension (its rows of gate and
 up, its columns of down) and the block's output is all-reduced; the router is replicated.
 """
