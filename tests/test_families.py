@@ -298,3 +298,74 @@ def test_grouped_experts_equal_one_gemm_per_expert_bit_for_bit(batch: int) -> No
     grouped = block(x)
     block.grouped_gemms = lambda: None  # the loop: one GEMM call per active expert
     assert torch.equal(grouped, block(x))
+
+
+@pytest.mark.skipif(_native_missing(), reason="native kernels unavailable")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_experts_run_grouped_at_the_defaults_whatever_one_gemm_measured(
+        monkeypatch, dtype: str) -> None:
+    """``linear_backend=auto`` measures one projection's GEMM per shape; the experts run
+    as one grouped native call instead, so they stay on conveyor's GEMM (grouped) even
+    where that measurement picked another backend for every shape (as a loaded machine
+    once did), and the rest takes the measured choice."""
+    from conveyor.model.autotune import linears as linear_choice
+    from conveyor.model.layers.moe import SparseMoE
+    from conveyor.model.linear.native import NativeLinear, native_gemm_lib
+
+    if native_gemm_lib() is None:
+        pytest.skip("no AVX2 + FMA GEMM on this CPU")
+    monkeypatch.setenv("CONVEYOR_MEASURE_LINEARS", "1")
+    measured = []
+
+    def onednn_everywhere(shapes, backends, *args, **kwargs):
+        measured.extend(s.key for s in shapes)
+        return {s.key: "onednn" for s in shapes}
+
+    monkeypatch.setattr(linear_choice, "choose", onednn_everywhere)
+    path = checkpoint("mixtral")
+    llm = LLM(path, dtype=dtype)
+    runner = llm.engine.runner
+    if runner.cfg.math_dtype != "float32":  # (native bf16 arithmetic: no native GEMM)
+        pytest.skip(f"{dtype} computes in {runner.cfg.math_dtype} on this CPU")
+    blocks = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
+    assert blocks and all(b.grouped_gemms() is not None for b in blocks)
+    assert measured and not any(k.startswith("96x64") or k == "64x48" for k in measured)
+    q_proj = runner.model.layers[0].self_attn.qkv_proj
+    assert not isinstance(q_proj, NativeLinear)  # the measured choice, onednn
+    if dtype == "float32":
+        prompts, params = _batch(4, seed=3)
+        _check(path, llm.generate([{"prompt_token_ids": p} for p in prompts], params),
+               prompts, params)
+
+
+@pytest.mark.skipif(_native_missing(), reason="native kernels unavailable")
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("batch", [1, 2, 5, 33])
+def test_grouped_experts_in_panel_runs_equal_one_gemm_per_expert(batch: int,
+                                                                 bf16: bool) -> None:
+    """The grouped call splits an expert's panels into runs over the threads (wide
+    experts, few of them active): every output still the bits of the expert's own GEMM,
+    float32 and bf16 weights, a last panel part-filled."""
+    from conveyor.model.layers.moe import SparseMoE
+    from conveyor.model.linear.native import NativeLinear, native_gemm_lib
+
+    lib = native_gemm_lib()
+    if lib is None:
+        pytest.skip("no AVX2 + FMA GEMM on this CPU")
+    torch.manual_seed(100 + batch)
+    hidden, inter = 72, 300  # 38 gate/up panels (the last half full), 5 down panels
+    block = SparseMoE(hidden, inter, 3, 1, renormalize=True)
+
+    def weight(*shape):
+        w = torch.randn(*shape) * 0.1
+        return w.to(torch.bfloat16).float() if bf16 else w
+
+    for expert in block.experts:
+        expert.gate_up_proj = NativeLinear(weight(2 * inter, hidden), None, lib, gate_up=True,
+                                           bf16_weight=bf16)
+        expert.down_proj = NativeLinear(weight(hidden, inter), None, lib, bf16_weight=bf16)
+    x = torch.randn(batch, hidden)
+    assert block.grouped_gemms() is not None
+    grouped = block(x)
+    block.grouped_gemms = lambda: None
+    assert torch.equal(grouped, block(x))

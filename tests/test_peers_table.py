@@ -256,3 +256,41 @@ def test_cpu_counters_read_proc_stat(tmp_path):
     stat.write_text("cpu  10 0 5 80 5 0 0 0 0 0\ncpu0 5 0 2 40 3 0 0 0 0 0\n")
     assert cpu_counters(str(stat)) == (15.0, 100.0)
     assert cpu_counters(str(tmp_path / "absent")) is None
+
+
+# ---- model shapes --------------------------------------------------------------------------
+def test_every_model_shape_is_a_family_conveyor_serves_with_the_shared_vocabulary():
+    from benchmarks.peers.shapes import SHAPE_NAMES, VOCAB, model_shape
+    from conveyor.config.model import SUPPORTED_ARCHITECTURES
+
+    for name in SHAPE_NAMES:
+        cfg = model_shape(name).config
+        assert cfg["architectures"][0] in SUPPORTED_ARCHITECTURES, name
+        assert cfg["vocab_size"] == VOCAB, name
+    with pytest.raises(ValueError, match="unknown model shape 'llama9'"):
+        model_shape("llama9")
+
+
+def test_each_shape_has_its_own_checkpoint_folder_and_the_default_keeps_its_own(tmp_path):
+    from benchmarks.peers.checkpoint import checkpoint_dir, recipe
+    from conveyor.config.presets import preset_config
+
+    # The default's recipe is the one its cached folder was written from.
+    assert recipe(0) == {"preset": "smollm2-135m", "config": preset_config("smollm2-135m"),
+                         "seed": 0, "init": "transformers default",
+                         "weights": "float32 safetensors", "tokenizer": "word BPE",
+                         "format": 2}
+    folders = {checkpoint_dir(str(tmp_path), 0, s)
+               for s in ("smollm2", "gemma2", "qwen3-moe", "mixtral")}
+    assert len(folders) == 4
+    assert os.path.basename(checkpoint_dir(str(tmp_path), 0, "gemma2")).startswith("gemma2-")
+
+
+def test_model_shapes_option_takes_a_list_of_known_shapes():
+    from benchmarks.peers.run import parse_args
+
+    assert parse_args([]).model_shapes == ["smollm2"]
+    assert parse_args(["--model-shapes", "gemma2,qwen3-moe"]).model_shapes == [
+        "gemma2", "qwen3-moe"]
+    with pytest.raises(SystemExit):
+        parse_args(["--model-shapes", "gemma7"])

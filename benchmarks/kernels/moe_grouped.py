@@ -1,5 +1,5 @@
 """The mixture-of-experts block with its experts grouped (``gemm_f32_grouped``: all
-gate/ups in one native call, then all downs, each expert whole on one thread) against one
+gate/ups in one native call, then all downs, runs of an expert's panels a task) against one
 GEMM call per active expert, on the same block and weights, side by side in one run.
 
 Mixtral-shaped block (hidden 768, 8 experts x intermediate 1024, top-2 by default),

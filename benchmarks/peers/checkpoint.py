@@ -1,6 +1,7 @@
-"""The shared checkpoint: SmolLM2-135M-shaped random weights and a BPE tokenizer.
+"""The shared checkpoint: random weights of a model shape (``shapes.py``: SmolLM2-135M by
+default, a Gemma-2 or mixture-of-experts shape) and a BPE tokenizer.
 
-Written once per seed under ``<cache>/peers/checkpoints`` with transformers'
+Written once per shape and seed under ``<cache>/peers/checkpoints`` with transformers'
 ``save_pretrained`` (safetensors, float32), deterministic from the seed. Every
 server casts it to the benchmark dtype itself; llama.cpp gets GGUF files converted
 from this very folder (``ensure_gguf``).
@@ -31,6 +32,8 @@ import itertools
 import json
 import os
 import shutil
+
+from benchmarks.peers.shapes import model_shape
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 SPACE = "\u0120"  # "Ġ": the byte-level symbol of a space
@@ -81,34 +84,38 @@ def save_bpe_tokenizer(path: str, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
-def recipe(seed: int) -> dict:
-    from conveyor.config.presets import preset_config
-
-    return {"preset": PRESET, "config": preset_config(PRESET), "seed": seed,
-            "init": "transformers default", "weights": "float32 safetensors",
-            "tokenizer": "word BPE", "format": FORMAT_VERSION}
-
-
-def checkpoint_dir(root: str, seed: int) -> str:
-    key = hashlib.sha256(json.dumps(recipe(seed), sort_keys=True).encode()).hexdigest()[:10]
-    return os.path.join(root, "checkpoints", f"{PRESET}-random-seed{seed}-{key}")
+def recipe(seed: int, shape: str = "smollm2") -> dict:
+    rec = {"preset": PRESET if shape == "smollm2" else shape,
+           "config": model_shape(shape).config, "seed": seed,
+           "init": "transformers default", "weights": "float32 safetensors",
+           "tokenizer": "word BPE", "format": FORMAT_VERSION}
+    return rec
 
 
-def ensure_checkpoint(root: str, seed: int) -> str:
-    """The checkpoint folder for ``seed``, written (atomically) if it is not there yet."""
-    path = checkpoint_dir(root, seed)
+def checkpoint_dir(root: str, seed: int, shape: str = "smollm2") -> str:
+    rec = recipe(seed, shape)
+    key = hashlib.sha256(json.dumps(rec, sort_keys=True).encode()).hexdigest()[:10]
+    return os.path.join(root, "checkpoints", f"{rec['preset']}-random-seed{seed}-{key}")
+
+
+def ensure_checkpoint(root: str, seed: int, shape: str = "smollm2") -> str:
+    """The checkpoint folder of ``shape`` (``shapes.py``) for ``seed``, written
+    (atomically) if it is not there yet."""
+    path = checkpoint_dir(root, seed, shape)
     if os.path.isfile(os.path.join(path, "recipe.json")):
         return path
     import torch
     import transformers as tf
 
-    rec = recipe(seed)
-    print(f"writing the random {PRESET} checkpoint (seed {seed}) to {path}", flush=True)
+    rec = recipe(seed, shape)
+    print(f"writing the random {rec['preset']} checkpoint (seed {seed}) to {path}", flush=True)
     tmp = path + f".tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    config = tf.LlamaConfig(**rec["config"])
+    fields = {k: v for k, v in rec["config"].items() if k not in ("architectures", "model_type")}
+    config = tf.AutoConfig.for_model(rec["config"]["model_type"], **fields)
+    config.architectures = rec["config"]["architectures"]
     torch.manual_seed(seed)
-    model = tf.LlamaForCausalLM(config).to(torch.float32)
+    model = tf.AutoModelForCausalLM.from_config(config).to(torch.float32)
     model.save_pretrained(tmp, safe_serialization=True)
     save_bpe_tokenizer(tmp, config.vocab_size)
     with open(os.path.join(tmp, "recipe.json"), "w") as f:  # written last: marks complete

@@ -43,6 +43,7 @@ from benchmarks.peers.quantized import (
     unsupported,
 )
 from benchmarks.peers.servers import Server, ServerError, tail
+from benchmarks.peers.shapes import SHAPE_NAMES
 from benchmarks.peers.systems import GGUF_TYPE, SERVED_NAME, SYSTEMS, Context, System
 from benchmarks.peers.table import RunFigures, SystemResult, format_table
 from benchmarks.peers.workload_file import (
@@ -83,6 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=["bf16", "fp32"],
                    help="bf16, fp32, and the quantized q8_0, q4_0 (quantized.py: conveyor "
                         "--quantization int8/int4, llama.cpp GGUF Q8_0/Q4_0, vLLM W8A8)")
+    p.add_argument("--model-shapes", type=_csv(SHAPE_NAMES), default=["smollm2"],
+                   help="checkpoints to run on, one after another (benchmarks/peers/"
+                        "shapes.py: smollm2 (Llama), gemma2, qwen3-moe, mixtral; random "
+                        "weights, the shared tokenizer)")
     p.add_argument("--runs", type=int, default=3, help="measured runs per system and dtype "
                                                       "(the table shows their median)")
     p.add_argument("--setup", action="store_true",
@@ -176,14 +181,53 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out_dir or os.path.join(paths.root, "runs",
                                            datetime.now().strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
-    checkpoint = ensure_checkpoint(paths.root, args.checkpoint_seed)
     workload = os.path.join(out_dir, "workload.jsonl")
     rows = write_workload(workload, spec)
     warmup = os.path.join(out_dir, "warmup.jsonl")
     write_workload(warmup, WorkloadSpec(4, "16-32", "4-8", args.seed + 1))
     prompt_tokens = sum(r.input_len for r in rows)
     output_tokens = sum(r.output_len for r in rows)
+    print(f"workload:   {workload}: {spec.describe()}; {prompt_tokens:,} prompt tokens, "
+          f"{output_tokens:,} output tokens")
+    print(f"systems:    {', '.join(args.peers)}; shapes {', '.join(args.model_shapes)}; "
+          f"dtypes {', '.join(args.dtypes)}; {args.runs} run(s) each (median), "
+          f"{args.threads} threads per engine")
+    print(f"estimated wall time: ~{estimate_s(args, output_tokens) / 60:.0f} min "
+          f"(from the issue's figures, on the smollm2 shape)")
+    print(f"files:      {out_dir}", flush=True)
 
+    results: dict[str, list[SystemResult]] = {}
+    checkpoints: dict[str, str] = {}
+    for shape in args.model_shapes:
+        checkpoint = ensure_checkpoint(paths.root, args.checkpoint_seed, shape)
+        checkpoints[shape] = checkpoint
+        # One shape's server logs and records in a folder of their own.
+        shape_dir = out_dir if len(args.model_shapes) == 1 else os.path.join(out_dir, shape)
+        os.makedirs(shape_dir, exist_ok=True)
+        print(f"\n=== model shape {shape}: {checkpoint}")
+        print(f"client:     conveyor bench --backend openai "
+              f"{shlex.join(bench_workload_argv(workload, spec.seed, at_once(spec)))} "
+              f"--openai-model {SERVED_NAME} --model {checkpoint}", flush=True)
+        run_shape(args, paths, shape, checkpoint, spec, workload, warmup, rows, shape_dir,
+                  results)
+
+    wall = time.perf_counter() - started
+    save(out_dir, results, args, spec, checkpoints, wall)
+    print()
+    for dtype, res in results.items():
+        print(format_table(res, f"{dtype}, median of {args.runs} run(s)"))
+        print()
+    print(f"wall time: {wall / 60:.1f} min; results: {os.path.join(out_dir, 'table.md')}")
+    return 0 if all(r.runs for res in results.values() for r in res) else 1
+
+
+def run_shape(args: argparse.Namespace, paths: install.PeerPaths, shape: str, checkpoint: str,
+              spec: WorkloadSpec | TraceSpec, workload: str, warmup: str, rows: list,
+              out_dir: str, results: dict[str, list[SystemResult]]) -> None:
+    """Every dtype of one model shape, into ``results`` under "<dtype>" (the default
+    shape alone) or "<shape> <dtype>"."""
+    prompt_tokens = sum(r.input_len for r in rows)
+    output_tokens = sum(r.output_len for r in rows)
     gguf: dict[str, str] = {}
     vllm_checkpoints: dict[str, str] = {}
     prepared: dict[tuple[str, str], str] = {}  # (system, dtype) -> why it cannot run
@@ -211,43 +255,29 @@ def main(argv: list[str] | None = None) -> int:
                   vllm_checkpoints=vllm_checkpoints,
                   **({"conveyor_args": conveyor_args} if conveyor_args else {}),
                   startup_timeout_s=args.startup_timeout)
-
-    print(f"checkpoint: {checkpoint}")
-    print(f"workload:   {workload}: {spec.describe()}; {prompt_tokens:,} prompt tokens, "
-          f"{output_tokens:,} output tokens")
-    print(f"systems:    {', '.join(args.peers)}; dtypes {', '.join(args.dtypes)}; "
-          f"{args.runs} run(s) each (median), {args.threads} threads per engine")
-    print(f"client:     conveyor bench --backend openai "
-          f"{shlex.join(bench_workload_argv(workload, spec.seed, at_once(spec)))} "
-          f"--openai-model "
-          f"{SERVED_NAME} --model {checkpoint}")
-    print(f"estimated wall time: ~{estimate_s(args, output_tokens) / 60:.0f} min "
-          f"(from the issue's figures)")
-    print(f"files:      {out_dir}", flush=True)
-
-    results: dict[str, list[SystemResult]] = {}
     for dtype in args.dtypes:
-        results[dtype] = []
+        label = dtype if args.model_shapes == ["smollm2"] else f"{shape} {dtype}"
+        results[label] = []
         refused = {n: why for n in args.peers
                    if (why := unsupported(n, dtype) or prepared.get((n, dtype)))}
         if args.interleave:
             t = time.perf_counter()
-            print(f"\n== {', '.join(args.peers)} {dtype}, runs in turns", flush=True)
+            print(f"\n== {', '.join(args.peers)} {label}, runs in turns", flush=True)
             ran = run_interleaved([SYSTEMS[n] for n in args.peers if n not in refused], dtype,
                                   ctx, args, workload, warmup, spec, rows, out_dir)
             by_name = {r.system: r for r in ran}
-            results[dtype] = [by_name.get(n) or SystemResult(n, dtype, error=refused[n])
+            results[label] = [by_name.get(n) or SystemResult(n, dtype, error=refused[n])
                               for n in args.peers]
-            for res in results[dtype]:
-                print(f"   {res.system} {dtype}: {run_status(res)}", flush=True)
+            for res in results[label]:
+                print(f"   {res.system} {label}: {run_status(res)}", flush=True)
             print(f"   ({time.perf_counter() - t:.0f}s)")
             print()
-            print(format_table(results[dtype], f"{dtype}: {spec.describe()}"), flush=True)
+            print(format_table(results[label], f"{label}: {spec.describe()}"), flush=True)
             continue
         for name in args.peers:
             system = SYSTEMS[name]
             t = time.perf_counter()
-            print(f"\n== {name} {dtype}", flush=True)
+            print(f"\n== {name} {label}", flush=True)
             if name in refused:
                 res = SystemResult(name, dtype, error=refused[name])
             elif system.server is None and not at_once(spec):
@@ -257,20 +287,11 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_hf_generate(system, dtype, ctx, args, workload, spec, out_dir)
             else:
                 res = run_server(system, dtype, ctx, args, workload, warmup, spec, rows, out_dir)
-            print(f"   {name} {dtype}: {run_status(res)} ({time.perf_counter() - t:.0f}s)",
+            print(f"   {name} {label}: {run_status(res)} ({time.perf_counter() - t:.0f}s)",
                   flush=True)
-            results[dtype].append(res)
+            results[label].append(res)
         print()
-        print(format_table(results[dtype], f"{dtype}: {spec.describe()}"), flush=True)
-
-    wall = time.perf_counter() - started
-    save(out_dir, results, args, spec, checkpoint, wall)
-    print()
-    for dtype, res in results.items():
-        print(format_table(res, f"{dtype}, median of {args.runs} run(s)"))
-        print()
-    print(f"wall time: {wall / 60:.1f} min; results: {os.path.join(out_dir, 'table.md')}")
-    return 0 if all(r.runs for res in results.values() for r in res) else 1
+        print(format_table(results[label], f"{label}: {spec.describe()}"), flush=True)
 
 
 def run_status(res: SystemResult) -> str:
@@ -454,8 +475,8 @@ def run_hf_generate(system: System, dtype: str, ctx: Context, args: argparse.Nam
 
 
 def save(out_dir: str, results: dict[str, list[SystemResult]], args: argparse.Namespace,
-         spec: WorkloadSpec | TraceSpec, checkpoint: str, wall_s: float) -> None:
-    doc = {"argv": sys.argv, "workload": spec.describe(), "checkpoint": checkpoint,
+         spec: WorkloadSpec | TraceSpec, checkpoints: dict[str, str], wall_s: float) -> None:
+    doc = {"argv": sys.argv, "workload": spec.describe(), "checkpoints": checkpoints,
            "threads": args.threads, "runs": args.runs, "wall_s": wall_s,
            "results": {d: [r.to_dict() for r in res] for d, res in results.items()}}
     with open(os.path.join(out_dir, "results.json"), "w") as f:

@@ -10,6 +10,12 @@ twice on the same engine: its experts' GEMMs grouped in two native calls a layer
 expert (``moe 1by1``, the path before). Rounds alternate the three so machine noise hits
 each; the median step of each is printed, with the ratios.
 
+A decode step streams its weights from memory, so each step's bandwidth is printed too:
+the weight bytes it reads (every projection and the LM head; for the MoE, the router and
+the experts its batch routed to, counted on untimed steps after the timed ones) plus its
+KV reads, over the median step time. Where the MoE step achieves the dense step's
+bandwidth, its extra time is its extra bytes: the roofline, not the kernel.
+
     python -m benchmarks.steps.moe_decode --batch 1,4,16 --threads 2
 """
 
@@ -64,6 +70,44 @@ def moe_blocks(llm: LLM) -> list[SparseMoE]:
     return [m for m in model.modules() if isinstance(m, SparseMoE)]
 
 
+def active_experts(llm: LLM, blocks: list[SparseMoE], steps: int = 3) -> float:
+    """Distinct experts a decode step's batch routes to, summed over the layers (the
+    mean of ``steps`` untimed steps): the router's top-k of each row, as the block
+    takes it."""
+    seen: list[int] = []
+
+    def count(block: SparseMoE):
+        def hook(_module, _args, logits):
+            picked = torch.topk(logits.float(), block.top_k, dim=-1).indices
+            seen.append(int(picked.unique().numel()))
+        return hook
+
+    handles = [b.gate.register_forward_hook(count(b)) for b in blocks]
+    try:
+        for _ in range(steps):
+            llm.engine.step()
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(seen) / steps
+
+
+def step_bytes(args, experts_read: float | None, batch: int, context: int) -> float:
+    """Bytes a float32 decode step reads: the layers' projections (the dense MLP, or the
+    router and ``experts_read`` experts over all layers), the LM head, and the batch's
+    KV at ``context`` tokens."""
+    h, hd = args.hidden, 64
+    q, kv = (h // 64) * hd, (h // 128) * hd
+    attn = h * (q + 2 * kv) + q * h
+    expert = 3 * h * args.intermediate
+    if experts_read is None:
+        layers = args.layers * (attn + args.top_k * expert)
+    else:
+        layers = args.layers * (attn + h * args.experts) + experts_read * expert
+    kv_read = batch * context * args.layers * 2 * kv
+    return 4.0 * (layers + h * 32000 + kv_read)
+
+
 def one_by_one(blocks: list[SparseMoE], on: bool) -> None:
     """The blocks' experts one GEMM call each (on), or grouped where they can be (off)."""
     for block in blocks:
@@ -97,7 +141,8 @@ def main() -> None:
     print(f"MoE: {args.experts} experts x intermediate {args.intermediate}, top-{args.top_k}; "
           f"dense: intermediate {args.top_k * args.intermediate}; hidden {args.hidden}, "
           f"{args.layers} layers, float32, {args.threads} threads")
-    print("batch  dense ms/step  moe ms/step  moe 1by1 ms/step  moe/dense  1by1/dense")
+    print("batch  dense ms/step  moe ms/step  moe 1by1 ms/step  moe/dense  1by1/dense  "
+          "experts/layer  bytes moe/dense  dense GB/s  moe GB/s")
     for batch in [int(b) for b in args.batch.split(",")]:
         llms = {name: build(path, batch, args.context, args.linear_backend)
                 for name, path in paths.items()}
@@ -114,7 +159,14 @@ def main() -> None:
                     times[label].append(time.perf_counter() - t)
         one_by_one(blocks, False)
         d, m, m1 = (statistics.median(times[label]) * 1e3 for label, _ in runs)
-        print(f"{batch:5d}  {d:13.2f}  {m:11.2f}  {m1:16.2f}  {m / d:9.2f}  {m1 / d:10.2f}"
+        # (the context at the timed steps' middle)
+        context = args.context + 3 + args.rounds * args.steps // 2
+        read = active_experts(llms["moe"], blocks)
+        bd = step_bytes(args, None, batch, context)
+        bm = step_bytes(args, read, batch, context)
+        print(f"{batch:5d}  {d:13.2f}  {m:11.2f}  {m1:16.2f}  {m / d:9.2f}  {m1 / d:10.2f}  "
+              f"{read / args.layers:13.2f}  {bm / bd:15.2f}  {bd / d / 1e6:10.1f}  "
+              f"{bm / m / 1e6:8.1f}"
               + ("" if grouped else "  (experts not grouped: not conveyor's GEMM here)"))
         del llms
 

@@ -30,6 +30,7 @@ from conveyor.distributed.parallel import SINGLE, TPShard
 from conveyor.model.attention.metadata import AttentionMetadata, PrefillSegment
 from conveyor.model.attention.registry import select_attention_backend
 from conveyor.model.autotune.plan import BackendPlan, ModelShape, plan_backends
+from conveyor.model.layers.moe import pack_experts
 from conveyor.model.loader import DTYPES, load_model
 from conveyor.model.quant.apply import quantize_model
 from conveyor.model.quant.kv_cache import attention_backend_for, quantized_kv_caches
@@ -171,6 +172,8 @@ class ModelRunner:
         # Shape key -> backend of every projection (empty unless measured per shape).
         self.linear_choice: dict[str, str] = plan.linear_by_shape
         self.few_rows = plan.few_rows  # calls of up to this many rows to conveyor's GEMM
+        if plan.experts:  # (packed first: the per-shape choice leaves them out)
+            pack_experts(self.model, plan.experts)
         if self.linear_choice:
             self.packed_linears = self.model.pack_linears_by_shape(
                 self.linear_choice, self.few_rows, plan.gemm_lib) > 0

@@ -36,6 +36,7 @@
  * streams its own bytes instead of a float32 copy twice their size.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -558,19 +559,38 @@ int gemm_f32_w16(const float* x, int lda, const uint16_t* wp, const float* bias,
  * n GEMMs of one shape in one parallel region (a mixture of experts' projections at
  * decode sizes, where a region per expert's few rows costs more than its FMAs): group g
  * is rows starts[g] .. starts[g + 1] - 1 of x times the weight packed at wps[g] (as
- * gemm_f32 or, wbf16, gemm_f32_w16 packs it), into the same rows of out. A group runs
- * whole on one thread, its tiles exactly as gemm_f32 alone computes them (the same
- * bits); groups are handed out dynamically, empty ones skipped. No bias.
+ * gemm_f32 or, wbf16, gemm_f32_w16 packs it), into the same rows of out. No bias.
+ * Tasks are a group's panels in runs (a run of panels is a GEMM of its own: panel-major
+ * packing, each output column the same sum in the same order, so the same bits as
+ * gemm_f32 gives the group alone), at least 8 tasks a thread over the active groups and
+ * at least 4 panels a task (the few-row tiles take 4 at a time), handed out dynamically:
+ * a thread per whole group left one thread idle wherever the active groups did not
+ * divide among the threads or their rows differed.
  */
 int gemm_f32_grouped(int n, const float* x, int lda, const void* const* wps, int wbf16,
                      float* out, int ldo, const int* starts, int N, int K, int gate_up) {
+    const size_t wsize = wbf16 ? sizeof(uint16_t) : sizeof(float);
+    const int nout = gate_up ? N / 2 : N;
+    const int cols = gate_up ? 8 : NR; /* output columns per panel */
+    const int np = (nout + cols - 1) / cols;
+    int active = 0;
+    for (int g = 0; g < n; g++) active += starts[g + 1] > starts[g];
+    if (active == 0 || np == 0) return 0;
+    const int pieces = (8 * omp_get_max_threads() + active - 1) / active;
+    int chunk = (np + pieces - 1) / pieces;
+    if (chunk < 4) chunk = 4;
+    const int per = (np + chunk - 1) / chunk; /* tasks a group */
     int failed = 0;
     #pragma omp parallel for schedule(dynamic, 1)
-    for (int g = 0; g < n; g++) {
+    for (int t = 0; t < n * per; t++) {
+        const int g = t / per, p0 = (t % per) * chunk;
         const int m = starts[g + 1] - starts[g];
         if (m <= 0) continue;
-        if (gemm_run(x + (int64_t)starts[g] * lda, lda, wps[g], wbf16, NULL,
-                     out + (int64_t)starts[g] * ldo, ldo, m, N, K, gate_up, 1)) {
+        const int o0 = p0 * cols, o1 = (p0 + chunk) * cols < nout ? (p0 + chunk) * cols : nout;
+        const char* w = (const char*)wps[g] + (int64_t)p0 * K * NR * wsize;
+        if (gemm_run(x + (int64_t)starts[g] * lda, lda, w, wbf16, NULL,
+                     out + (int64_t)starts[g] * ldo + o0, ldo, m,
+                     gate_up ? 2 * (o1 - o0) : o1 - o0, K, gate_up, 1)) {
             #pragma omp atomic write
             failed = 1;
         }

@@ -554,10 +554,10 @@ class PackedGemm:
 class GroupedGemm:
     """Several ``PackedGemm``s of one shape (a mixture of experts' gate/up or down
     projections) run in one native call (``gemm_f32_grouped``): rows ``starts[g]`` to
-    ``starts[g + 1]`` of x through gemm ``g``, each group whole on one thread, its rows
-    the same bits as that gemm's own call. The gemms are checked here and kept alive; a
-    call checks x and ``starts`` (int32, one more than there are gemms, from 0 up to x's
-    rows)."""
+    ``starts[g + 1]`` of x through gemm ``g``, the threads taking runs of a group's
+    output panels, its rows the same bits as that gemm's own call. The gemms are checked
+    here and kept alive; a call checks x and ``starts`` (int32, one more than there are
+    gemms, from 0 up to x's rows)."""
 
     __slots__ = ("_gemms", "_ptrs", "gate_up", "in_features", "out_features", "wbf16",
                  "width")

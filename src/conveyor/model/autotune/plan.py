@@ -23,6 +23,7 @@ from conveyor.model.attention.registry import (
 from conveyor.model.autotune import attention as attention_choice
 from conveyor.model.autotune import few_rows
 from conveyor.model.autotune import linears as linear_choice
+from conveyor.model.layers.moe import expert_linears
 from conveyor.model.linear.native import native_gemm_lib
 from conveyor.model.linear.registry import (
     linear_backend_names_for,
@@ -43,6 +44,9 @@ class BackendPlan:
     # ``linear`` for every projection.
     linear_by_shape: dict[str, str] = field(default_factory=dict)
     few_rows: int = 0  # calls of up to this many rows to conveyor's GEMM (0: none)
+    # The linear backend of the mixture-of-experts blocks' experts, packed before the rest
+    # ('': as the rest).
+    experts: str = ""
     gemm_lib: object | None = field(default=None, repr=False)  # the GEMM's kernels
 
 
@@ -69,8 +73,12 @@ def plan_backends(model: nn.Module, shape: ModelShape, device: torch.device,
                        pick_linear_backend(linear_backend, device, shape.dtype,
                                            shape.weight_dtype))
     candidates = linear_backend_names_for(device, shape.dtype, shape.weight_dtype)
+    experts = expert_linears(model.layers)
+    if linear_backend == "auto" and experts:
+        plan.experts = _experts_backend(candidates)
     if linear_backend == "auto" and len(candidates) > 1 and linear_choice.measuring_enabled():
-        counts = model_shape_counts(model.layers, model.lm_head_weight)
+        skip = frozenset(map(id, experts)) if plan.experts else frozenset()
+        counts = model_shape_counts(model.layers, model.lm_head_weight, skip)
         plan.linear_by_shape = linear_choice.choose(
             sorted(counts, key=lambda s: s.key),
             {n: select_linear_backend(n, device, shape.dtype, shape.weight_dtype)
@@ -81,6 +89,18 @@ def plan_backends(model: nn.Module, shape: ModelShape, device: torch.device,
         plan.few_rows, plan.gemm_lib = _plan_few_rows(counts, plan.linear, shape, device,
                                                       linear_rows[0])
     return plan
+
+
+def _experts_backend(candidates: list[str]) -> str:
+    """The experts' backend under ``auto``: conveyor's GEMM wherever it applies, since
+    there a block's experts run as two grouped native calls (``SparseMoE.grouped_gemms``)
+    and the per-shape measurement times one projection's GEMM, not that call; bf16
+    weights kept as they are where the checkpoint has them (half the bytes, the same
+    values). '' where no native backend applies: the experts are measured as the rest."""
+    for name in ("native-bf16", "native"):
+        if name in candidates:
+            return name
+    return ""
 
 
 def _plan_attention(shape: ModelShape, device: torch.device, name: str,

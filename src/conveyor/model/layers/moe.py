@@ -14,11 +14,11 @@ projection (oneDNN, conveyor's GEMM with silu(gate) * up fused in, measured per 
 ``torch._grouped_mm`` runs on CPU but measured no faster than one GEMM per active expert
 (docs/results). Where every expert's projections are conveyor's GEMM (``NativeLinear``,
 gate/up with silu fused), a step's experts run in two native calls instead
-(``GroupedGemm``: all gate/ups in one parallel region, then all downs), each expert whole
-on one thread: at decode sizes an expert has a few rows, and a parallel region per
-expert's GEMM cost more than splitting its rows across threads saved; each row comes out
-the same bits as the expert's own GEMM gives it. The loader fills them from either
-checkpoint layout (stacked, or one tensor per expert) in place. Under tensor parallelism
+(``GroupedGemm``: all gate/ups in one parallel region, then all downs), the threads
+taking runs of an expert's output panels in turn: at decode sizes an expert has a few
+rows, and a parallel region per expert's GEMM cost more than splitting its work saved;
+each row comes out the same bits as the expert's own GEMM gives it. The loader fills them
+from either checkpoint layout (stacked, or one tensor per expert) in place. Under tensor parallelism
 a rank holds every expert's slice of the intermediate dimension (its rows of gate and
 up, its columns of down) and the block's output is all-reduced; the router is replicated.
 """
@@ -154,3 +154,19 @@ def moe_block(hf: dict, hidden: int, tp: TPShard, float32_weights: bool = False
                      int(hf.get("num_experts_per_tok", 2)),
                      bool(hf.get("norm_topk_prob", True)), hf.get("hidden_act", "silu"), tp,
                      float32_weights)
+
+
+def expert_linears(model: nn.Module) -> list[nn.Linear]:
+    """Every expert projection of the model's mixture-of-experts blocks still an
+    ``nn.Linear`` (not yet packed)."""
+    return [m for block in model.modules() if isinstance(block, SparseMoE)
+            for m in block.experts.modules() if isinstance(m, nn.Linear)]
+
+
+def pack_experts(model: nn.Module, backend: str) -> int:
+    """Pack every expert projection with ``backend`` (gate/up with silu fused where the
+    backend can); returns how many were packed."""
+    from conveyor.model.linear.packing import pack_linears
+
+    return sum(pack_linears(block.experts, backend) for block in model.modules()
+               if isinstance(block, SparseMoE))

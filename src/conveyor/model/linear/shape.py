@@ -21,12 +21,14 @@ class LinearShape:
         return f"{self.out_features}x{self.in_features}{tag}"
 
 
-def model_shape_counts(model: nn.Module, lm_head: torch.Tensor) -> dict[LinearShape, int]:
-    """Each weight shape of a model's ``nn.Linear``s and its LM head: how many it has."""
+def model_shape_counts(model: nn.Module, lm_head: torch.Tensor,
+                       skip: frozenset[int] = frozenset()) -> dict[LinearShape, int]:
+    """Each weight shape of a model's ``nn.Linear``s and its LM head: how many it has
+    (``skip``: ids of linears left out, packed by a backend of their own)."""
     counts: dict[LinearShape, int] = {}
     for parent in model.modules():
         for name, child in parent.named_children():
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and id(child) not in skip:
                 shape = LinearShape(*child.weight.shape, gate_up=name == "gate_up_proj")
                 counts[shape] = counts.get(shape, 0) + 1
     head = LinearShape(*lm_head.shape, lm_head=True)
