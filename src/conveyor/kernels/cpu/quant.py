@@ -2,8 +2,9 @@
 as the main one is (same compiler, flags and cache root), so that a change to it does not
 rebuild or re-key the others' kernels.
 
-``qgemm`` checks every argument before handing pointers to C. None from ``load()``
-where the kernels are off (``CONVEYOR_NATIVE_KERNELS=0``) or cannot be built.
+``PackedQGemm`` checks the weight once and x on every call before handing pointers to
+C. None from ``load()`` where the kernels are off (``CONVEYOR_NATIVE_KERNELS=0``) or
+cannot be built.
 ``load(isa)`` builds another instruction-set cap (tests run the AVX2 and portable bodies
 side by side); ``build(source, isa)`` another version of the source (a benchmark's
 before and after in one process).
@@ -78,7 +79,7 @@ def simd() -> bool:
 
 def check_weight(qweight: torch.Tensor, bits: int, n: int, k: int, scales: torch.Tensor,
                  zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None) -> None:
-    """ValueError naming what is wrong unless the weight is one ``qgemm`` takes for N = n
+    """ValueError naming what is wrong unless the weight is one ``qgemm_f32`` takes for N = n
     outputs and K = k inputs, packed in panels of 16 outputs (``quant_gemm.c``): int8
     [P, K, 16], int4 uint8 [P, K, 8]; scales (and zeros) float32 [P, K / group, 16]."""
     if bits not in (4, 8):
@@ -152,31 +153,3 @@ class PackedQGemm:
         if rc != 0:
             raise ValueError("conveyor::qgemm: the kernel refused its arguments")
         return y
-
-
-def qgemm(x: torch.Tensor, qweight: torch.Tensor, bits: int, scales: torch.Tensor,
-          zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None, n: int,
-          k: int, lib=None) -> torch.Tensor:
-    """``x @ dequant(W).T + bias`` for float32 x [M, K] (rows unit-stride); the weight
-    checked once by ``check_weight`` for these N = n, K = k."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 \
-            or x.device.type != "cpu":
-        raise ValueError(f"conveyor::qgemm: x must be float32 [M, {k}] on CPU with unit "
-                         f"column stride, got {x.dtype} {tuple(x.shape)}")
-    lib = lib or load()
-    if lib is None:
-        raise RuntimeError("conveyor::qgemm: the quantized GEMM is not built "
-                           + kernels.why_unavailable())
-    m = x.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    if m == 0:
-        return y
-    rc = lib.qgemm_f32(x.data_ptr(), m, k, x.stride(0), qweight.data_ptr(), bits, n,
-                       scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
-                       group, bias.data_ptr() if bias is not None else None,
-                       y.data_ptr(), n, 0)
-    if rc == -2:
-        raise MemoryError("conveyor::qgemm: no memory for the widening buffer")
-    if rc != 0:
-        raise ValueError("conveyor::qgemm: the kernel refused its arguments")
-    return y
