@@ -97,8 +97,23 @@ def test_no_block_a_window_reads_is_released(reqs, num_blocks, window, caching,
     kv = KVCacheManager(num_blocks, 4, caching, sliding_window=window)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget), kv,
                       num_blocks * 4)
+
+    def check(rid: str, n: int, end: int) -> None:
+        held, table = set(kv.held_blocks(rid)), kv.req_blocks[rid]
+        for i in _needed_blocks(kv, end - n, end):
+            assert table[i] in held and kv.pool.ref_cnt[table[i]] > 0, (rid, i)
+
+    _run_to_the_end(sched, reqs, num_blocks * 4, check)
+    assert kv.pool.num_used_blocks == 0
+
+
+def _run_to_the_end(sched, reqs, max_len: int, check) -> None:
+    """Add ``reqs`` ((family, prompt length, output length); a family shares its prefix,
+    prompts cut to fit ``max_len``) and step ``sched`` until every request finishes,
+    calling ``check(request id, tokens scheduled, the step's last query + 1)`` for every
+    scheduled request after each schedule."""
     for i, (family, prompt_len, out_len) in enumerate(reqs):
-        prompt_len = min(prompt_len, num_blocks * 4 - out_len - 1)
+        prompt_len = min(prompt_len, max_len - out_len - 1)
         if prompt_len < 1:
             continue
         req = make_request(f"f{family}", prompt_len, out_len)  # same family: same prefix
@@ -110,16 +125,10 @@ def test_no_block_a_window_reads_is_released(reqs, num_blocks, window, caching,
         out = sched.schedule(float(step))
         sched.check_invariants()
         for rid, n in out.num_scheduled_tokens.items():
-            req = sched.requests[rid]
-            end = req.num_computed_tokens  # the step's last query + 1
-            held = set(kv.held_blocks(rid))
-            table = kv.req_blocks[rid]
-            for i in _needed_blocks(kv, end - n, end):
-                assert table[i] in held and kv.pool.ref_cnt[table[i]] > 0, (rid, i)
+            check(rid, n, sched.requests[rid].num_computed_tokens)
         sched.update(out, fake_execute(out), float(step))
         sched.check_invariants()
     assert not sched.has_unfinished()
-    assert kv.pool.num_used_blocks == 0
 
 
 def test_the_window_freed_is_the_one_every_layer_has() -> None:
@@ -288,29 +297,16 @@ def test_no_block_a_hybrid_layer_reads_is_released(reqs, num_full, num_window, w
     max_len = min(num_full, num_window) * 4
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget), kv,
                       max_len)
-    for i, (family, prompt_len, out_len) in enumerate(reqs):
-        prompt_len = min(prompt_len, max_len - out_len - 1)
-        if prompt_len < 1:
-            continue
-        req = make_request(f"f{family}", prompt_len, out_len)
-        req.request_id = f"r{i}"
-        sched.add_request(req, 0.0)
-    for step in range(3000):
-        if not sched.has_unfinished():
-            break
-        out = sched.schedule(float(step))
-        sched.check_invariants()
-        for rid, n in out.num_scheduled_tokens.items():
-            end = sched.requests[rid].num_computed_tokens
-            for group, needed in ((kv.full, range(-(-end // 4))),
-                                  (kv.windowed, _needed_blocks(kv.windowed, end - n, end,
-                                                               window))):
-                held, table = set(group.held_blocks(rid)), group.req_blocks[rid]
-                for i in needed:
-                    assert table[i] in held and group.pool.ref_cnt[table[i]] > 0, (rid, i)
-        sched.update(out, fake_execute(out), float(step))
-        sched.check_invariants()
-    assert not sched.has_unfinished()
+
+    def check(rid: str, n: int, end: int) -> None:
+        for group, needed in ((kv.full, range(-(-end // 4))),
+                              (kv.windowed, _needed_blocks(kv.windowed, end - n, end,
+                                                           window))):
+            held, table = set(group.held_blocks(rid)), group.req_blocks[rid]
+            for i in needed:
+                assert table[i] in held and group.pool.ref_cnt[table[i]] > 0, (rid, i)
+
+    _run_to_the_end(sched, reqs, max_len, check)
     assert kv.free_counts() == (num_full, num_window)
 
 
