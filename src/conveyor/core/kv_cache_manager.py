@@ -281,19 +281,28 @@ class KVCacheManager:
             return 0
         return max(0, (num_computed - self.sliding_window + 1) // self.block_size)
 
+    def _passed_by_window(self, request: Request) -> list[int]:
+        """The request's held leading blocks its next queries' windows have passed."""
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid, [])
+        upto = min(self._num_behind_window(request.num_computed_tokens), len(blocks))
+        return blocks[self._num_dropped.get(rid, 0):upto]
+
+    def num_releasable_behind_window(self, request: Request) -> int:
+        """Blocks only this request holds that its window has passed: what
+        ``allocate_slots`` gives back to the free queue before it takes any."""
+        ref = self.pool.ref_cnt
+        return sum(1 for b in self._passed_by_window(request) if ref[b] == 1)
+
     def _drop_behind_window(self, request: Request) -> None:
         """Release the request's leading blocks its next queries' windows have passed."""
+        passed = self._passed_by_window(request)
+        if not passed:
+            return
+        self.pool.release(passed[::-1])
         rid = request.request_id
-        blocks = self.req_blocks.get(rid)
-        if not blocks:
-            return
-        done = self._num_dropped.get(rid, 0)
-        upto = min(self._num_behind_window(request.num_computed_tokens), len(blocks))
-        if upto <= done:
-            return
-        self.pool.release(blocks[done:upto][::-1])
-        self._num_dropped[rid] = upto
-        self.num_window_freed += upto - done
+        self._num_dropped[rid] = self._num_dropped.get(rid, 0) + len(passed)
+        self.num_window_freed += len(passed)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: ComputedBlocks = _NO_HIT) -> list[int] | None:

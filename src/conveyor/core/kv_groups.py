@@ -148,16 +148,7 @@ class HybridKVCacheManager:
         window_hit = self._window_hit(request, computed)
         return (self.full.num_blocks_to_take(request, num_new_tokens, computed),
                 max(0, self.windowed.num_blocks_to_take(request, num_new_tokens, window_hit)
-                    - self._num_releasable(request)))
-
-    def _num_releasable(self, request: Request) -> int:
-        """Windowed-group blocks only this request holds that its window has passed:
-        ``allocate_slots`` gives them back before it takes any."""
-        w, rid = self.windowed, request.request_id
-        table = w.req_blocks.get(rid, ())
-        upto = min(w._num_behind_window(request.num_computed_tokens), len(table))
-        ref = w.pool.ref_cnt
-        return sum(1 for b in table[w._num_dropped.get(rid, 0):upto] if ref[b] == 1)
+                    - self.windowed.num_releasable_behind_window(request)))
 
     def exclusive_counts(self, request_id: str) -> tuple[int, int]:
         """Blocks only this request holds, per group: what freeing it gives back."""
