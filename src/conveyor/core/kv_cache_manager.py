@@ -294,8 +294,10 @@ class KVCacheManager:
         ref = self.pool.ref_cnt
         return sum(1 for b in self._passed_by_window(request) if ref[b] == 1)
 
-    def _drop_behind_window(self, request: Request) -> None:
-        """Release the request's leading blocks its next queries' windows have passed."""
+    def release_behind_window(self, request: Request) -> None:
+        """Release the request's leading blocks its next queries' windows have passed
+        (``allocate_slots`` does it first; a caller that checks room before allocating,
+        like the hybrid manager, does it before the check, so the room counts them)."""
         passed = self._passed_by_window(request)
         if not passed:
             return
@@ -312,7 +314,7 @@ class KVCacheManager:
         shared by reference and its block ids are included in the result.
         """
         if self.sliding_window is not None:
-            self._drop_behind_window(request)
+            self.release_behind_window(request)
         if not computed.blocks:
             held = self.req_blocks.get(request.request_id)
             if held is not None and \

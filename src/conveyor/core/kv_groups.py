@@ -169,7 +169,7 @@ class HybridKVCacheManager:
         ``window_block_ids``)."""
         # What the windowed group's window has passed goes back first (it is never read
         # again, whatever this call decides).
-        self.windowed._drop_behind_window(request)
+        self.windowed.release_behind_window(request)
         window_hit = self._window_hit(request, computed)
         if not (self.full.can_allocate(request, num_new_tokens, computed)
                 and self.windowed.can_allocate(request, num_new_tokens, window_hit)):
