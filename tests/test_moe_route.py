@@ -145,3 +145,22 @@ def test_block_renormalises_with_torch_where_its_sum_rounds_otherwise(monkeypatc
     out = block(x)
     block.forward_native = lambda x: None
     assert torch.equal(out, block(x))
+
+
+@pytest.mark.parametrize("starts", [[0, 3, 2, 5], [0, 2, 3, 4], [1, 2, 3, 5], [0, 2, 3]])
+def test_grouped_gemm_refuses_starts_that_do_not_rise_from_0_to_the_rows(starts) -> None:
+    """The grouped GEMM hands ``starts`` to C as row bounds: falling, not ending at x's
+    rows, not starting at 0 or one short are refused before any pointer is passed."""
+    block = _native_block(True, experts=3, top_k=1)
+    gate_up, _ = block.grouped_gemms()
+    x = torch.randn(5, 64)
+    assert gate_up(x, torch.tensor([0, 2, 2, 5], dtype=torch.int32)).shape == (5, 40)
+    with pytest.raises(ValueError, match="starts int32"):
+        gate_up(x, torch.tensor(starts, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_two_weights_renormalise_as_torch_in_every_build(isa) -> None:
+    """Two weights have one sum (a + b): the kernel must renormalise them as torch does
+    wherever it builds (Mixtral's top-2), so the block never needs torch's ops for it."""
+    assert moe_route.sums_as_torch(2, build(isa))
