@@ -9,6 +9,13 @@ printed with the ratio grouped / one-by-one (below 1: grouped is faster).
 
     python -m benchmarks.kernels.moe_grouped --threads 2
     python -m benchmarks.kernels.moe_grouped --threads 1 --batch 1,4,16
+
+``--against REV`` times the grouped path with git revision REV's ``gemm.c`` too (built
+with this tree's flags, same weights, rounds in turns) and prints this tree's time over
+REV's: a kernel change's before and after in one run. The Qwen3-MoE peers shape:
+
+    python -m benchmarks.kernels.moe_grouped --hidden 512 --intermediate 512 --experts 16 \
+        --top-k 4 --batch 1,4,16 --against HEAD
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import time
 
 import torch
 
+from conveyor.kernels.cpu import ops
 from conveyor.model.layers.moe import SparseMoE
 from conveyor.model.linear.native import NativeLinear, native_gemm_lib
 
@@ -47,12 +55,17 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--against", metavar="REV", help="also time git revision REV's gemm.c")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     moe = block(args.hidden, args.intermediate, args.experts, args.top_k)
     print(f"{args.experts} experts x {args.intermediate}, top-{args.top_k}, hidden "
           f"{args.hidden}, float32, {args.threads} threads")
-    print("batch  one-by-one ms  grouped ms  grouped/one-by-one")
+    libs = {"grouped": None}
+    if args.against:
+        libs[f"grouped @ {args.against}"] = gemm_at(args.against)
+    print("batch  one-by-one ms  grouped ms  grouped/one-by-one"
+          + (f"  grouped @ {args.against} ms  grouped/REV" if args.against else ""))
     for batch in [int(b) for b in args.batch.split(",")]:
         x = torch.randn(batch, args.hidden)
         grouped = moe(x)
@@ -60,19 +73,37 @@ def main() -> None:
         assert torch.equal(grouped, moe(x)), f"batch {batch}: the two paths differ"
         del moe.grouped_gemms
         reps = 20 if batch <= 16 else 5
-        times: dict[str, list[float]] = {"one": [], "grouped": []}
+        times: dict[str, list[float]] = {name: [] for name in ("one", *libs)}
+        own = ops._lib
         for _ in range(args.rounds):
-            for name in ("one", "grouped"):
+            for name in times:
                 if name == "one":
                     moe.grouped_gemms = lambda: None
+                ops._lib = libs.get(name) or own
                 t = time.perf_counter()
                 for _ in range(reps):
                     moe(x)
                 times[name].append((time.perf_counter() - t) / reps)
+                ops._lib = own
                 if name == "one":
                     del moe.grouped_gemms
-        one, grp = (statistics.median(times[n]) * 1e3 for n in ("one", "grouped"))
-        print(f"{batch:5d}  {one:13.3f}  {grp:10.3f}  {grp / one:18.2f}")
+        med = {n: statistics.median(v) * 1e3 for n, v in times.items()}
+        one, grp = med["one"], med["grouped"]
+        line = f"{batch:5d}  {one:13.3f}  {grp:10.3f}  {grp / one:18.2f}"
+        if args.against:
+            rev = med[f"grouped @ {args.against}"]
+            line += f"  {rev:{len(args.against) + 13}.3f}  {grp / rev:10.2f}"
+        print(line)
+
+
+def gemm_at(rev: str):
+    """The process's kernels with REV's GEMM entry points, the grouped one included."""
+    import tempfile
+
+    from benchmarks.common import GEMM_FUNCTIONS, Overlay, build_at
+
+    return Overlay(ops._lib or ops._native(), build_at(rev, "gemm.c", tempfile.mkdtemp()),
+                   (*GEMM_FUNCTIONS, "gemm_f32_grouped"))
 
 
 if __name__ == "__main__":
