@@ -20,6 +20,7 @@ the engine builds them itself.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -586,7 +587,7 @@ class GroupedGemm:
             if ok:  # (one list, not a torch op a check: this runs twice a layer)
                 bounds = starts.tolist()
                 ok = bounds[0] == 0 and bounds[-1] == rows \
-                    and all(a <= b for a, b in zip(bounds, bounds[1:]))
+                    and all(a <= b for a, b in itertools.pairwise(bounds))
         except (AttributeError, ValueError, TypeError):
             ok = False
         if not ok:
