@@ -17,7 +17,12 @@ gate/up with silu fused), a step's experts run in two native calls instead
 (``GroupedGemm``: all gate/ups in one parallel region, then all downs), the threads
 taking runs of an expert's output panels in turn: at decode sizes an expert has a few
 rows, and a parallel region per expert's GEMM cost more than splitting its work saved;
-each row comes out the same bits as the expert's own GEMM gives it. The loader fills them
+each row comes out the same bits as the expert's own GEMM gives it. Around them, in
+float32, the routing after the router's softmax (top-k, renormalising, grouping by expert,
+gathering the rows) and the weighted sum are one native call each (``moe_route.c``): at
+decode sizes the dozen torch ops they replace cost more than the block's routing work.
+They compute torch's bits and decline where torch's own order would decide (a tie at a
+row's k-th probability); the torch ops below then run. The loader fills them
 from either checkpoint layout (stacked, or one tensor per expert) in place. Under tensor parallelism
 a rank holds every expert's slice of the intermediate dimension (its rows of gate and
 up, its columns of down) and the block's output is all-reduced; the router is replicated.
