@@ -1,6 +1,8 @@
 """The mixture-of-experts block with its experts grouped (``gemm_f32_grouped``: all
 gate/ups in one native call, then all downs, runs of an expert's panels a task) against one
-GEMM call per active expert, on the same block and weights, side by side in one run.
+GEMM call per active expert, on the same block and weights, side by side in one run;
+and the grouped path routed and combined by torch's ops instead of ``moe_route.c``
+(``torch-routed``). With ``--threads 1`` the clock is the thread's CPU time.
 
 Mixtral-shaped block (hidden 768, 8 experts x intermediate 1024, top-2 by default),
 float32, experts on conveyor's GEMM (``NativeLinear``). The outputs are asserted equal bit
@@ -64,7 +66,9 @@ def main() -> None:
     libs = {"grouped": None}
     if args.against:
         libs[f"grouped @ {args.against}"] = gemm_at(args.against)
-    print("batch  one-by-one ms  grouped ms  grouped/one-by-one"
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    print("batch  one-by-one ms  grouped ms  grouped/one-by-one  torch-routed ms  "
+          "grouped/torch-routed"
           + (f"  grouped @ {args.against} ms  grouped/REV" if args.against else ""))
     for batch in [int(b) for b in args.batch.split(",")]:
         x = torch.randn(batch, args.hidden)
@@ -73,23 +77,26 @@ def main() -> None:
         assert torch.equal(grouped, moe(x)), f"batch {batch}: the two paths differ"
         del moe.grouped_gemms
         reps = 20 if batch <= 16 else 5
-        times: dict[str, list[float]] = {name: [] for name in ("one", *libs)}
+        times: dict[str, list[float]] = {name: [] for name in ("one", "torch", *libs)}
         own = ops._lib
         for _ in range(args.rounds):
             for name in times:
                 if name == "one":
                     moe.grouped_gemms = lambda: None
+                if name == "torch":  # grouped GEMMs, routed and combined by torch's ops
+                    moe.forward_native = lambda x: None
                 ops._lib = libs.get(name) or own
-                t = time.perf_counter()
+                t = clock()
                 for _ in range(reps):
                     moe(x)
-                times[name].append((time.perf_counter() - t) / reps)
+                times[name].append((clock() - t) / reps)
                 ops._lib = own
-                if name == "one":
-                    del moe.grouped_gemms
+                moe.__dict__.pop("grouped_gemms", None)
+                moe.__dict__.pop("forward_native", None)
         med = {n: statistics.median(v) * 1e3 for n, v in times.items()}
-        one, grp = med["one"], med["grouped"]
-        line = f"{batch:5d}  {one:13.3f}  {grp:10.3f}  {grp / one:18.2f}"
+        one, grp, tr = med["one"], med["grouped"], med["torch"]
+        line = f"{batch:5d}  {one:13.3f}  {grp:10.3f}  {grp / one:18.2f}  {tr:15.3f}  " \
+               f"{grp / tr:20.2f}"
         if args.against:
             rev = med[f"grouped @ {args.against}"]
             line += f"  {rev:{len(args.against) + 13}.3f}  {grp / rev:10.2f}"
