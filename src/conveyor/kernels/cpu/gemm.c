@@ -295,29 +295,39 @@ static inline __attribute__((always_inline)) void tile_few(
         const void* restrict wp,
         int64_t panel_stride, int wbf16, float* part, int ldp, int part_step, int accumulate,
         int last, int mr, const int* nrs, const float* bias, int gate_up, float* out,
-        int ldo, int cols) {
+        int ldo, int cols, const char* pf) {
+    /* pf: the weight slice read next (P panels, panel_stride apart), or NULL; step k
+     * prefetches its row k of each panel: one slice ahead, the few rows' FMAs too few to
+     * hide a slice's load from memory otherwise. */
+    const int64_t pf_panel = panel_stride * (wbf16 ? 2 : 4);
 #if defined(__AVX512F__)
     __m512 z[4][8];
     for (int r = 0; r < ROWS; r++)
         for (int q = 0; q < P; q++) z[r][q] = _mm512_setzero_ps();
     if (wbf16) {
         const uint16_t* restrict b = (const uint16_t*)wp;
-        for (int k = 0; k < kc; k++, b += NR)
+        for (int k = 0; k < kc; k++, b += NR) {
+            if (pf != NULL && !(k & 1))
+                for (int q = 0; q < P; q++) prefetch_line(pf + q * pf_panel, k / 2);
             for (int q = 0; q < P; q++) {
                 const __m512 bq = load_bf16x16(b + q * panel_stride);
                 for (int r = 0; r < ROWS; r++)
                     z[r][q] = _mm512_fmadd_ps(_mm512_set1_ps(a[(int64_t)r * lda + k]), bq,
                                               z[r][q]);
             }
+        }
     } else {
         const float* restrict b = (const float*)wp;
-        for (int k = 0; k < kc; k++, b += NR)
+        for (int k = 0; k < kc; k++, b += NR) {
+            if (pf != NULL)
+                for (int q = 0; q < P; q++) prefetch_line(pf + q * pf_panel, k);
             for (int q = 0; q < P; q++) {
                 const __m512 bq = _mm512_load_ps(b + q * panel_stride);
                 for (int r = 0; r < ROWS; r++)
                     z[r][q] = _mm512_fmadd_ps(_mm512_set1_ps(a[(int64_t)r * lda + k]), bq,
                                               z[r][q]);
             }
+        }
     }
     __m256 c[4][8][2];
     for (int r = 0; r < ROWS; r++)
@@ -328,7 +338,9 @@ static inline __attribute__((always_inline)) void tile_few(
         for (int q = 0; q < P; q++) c[r][q][0] = c[r][q][1] = _mm256_setzero_ps();
     if (wbf16) {
         const uint16_t* restrict b = (const uint16_t*)wp;
-        for (int k = 0; k < kc; k++, b += NR)
+        for (int k = 0; k < kc; k++, b += NR) {
+            if (pf != NULL && !(k & 1))
+                for (int q = 0; q < P; q++) prefetch_line(pf + q * pf_panel, k / 2);
             for (int q = 0; q < P; q++) {
                 const __m256 b0 = load_bf16x8(b + q * panel_stride);
                 const __m256 b1 = load_bf16x8(b + q * panel_stride + 8);
@@ -338,9 +350,12 @@ static inline __attribute__((always_inline)) void tile_few(
                     c[r][q][1] = _mm256_fmadd_ps(x, b1, c[r][q][1]);
                 }
             }
+        }
     } else {
         const float* restrict b = (const float*)wp;
-        for (int k = 0; k < kc; k++, b += NR)
+        for (int k = 0; k < kc; k++, b += NR) {
+            if (pf != NULL)
+                for (int q = 0; q < P; q++) prefetch_line(pf + q * pf_panel, k);
             for (int q = 0; q < P; q++) {
                 const __m256 b0 = _mm256_load_ps(b + q * panel_stride);
                 const __m256 b1 = _mm256_load_ps(b + q * panel_stride + 8);
@@ -350,6 +365,7 @@ static inline __attribute__((always_inline)) void tile_few(
                     c[r][q][1] = _mm256_fmadd_ps(x, b1, c[r][q][1]);
                 }
             }
+        }
     }
 #endif
     for (int q = 0; q < P; q++) {
@@ -369,11 +385,16 @@ static void tiles_few(int np, int kc, const float* a, int lda, const void* wp,
                       int64_t panel_stride,
                       int wbf16, float* part, int ldp, int part_step, int accumulate,
                       int last, int mr, const int* nrs, const float* bias, int gate_up,
-                      float* out, int ldo, int cols) {
+                      float* out, int ldo, int cols, int prefetch, const char* pf_after) {
     const size_t wsize = wbf16 ? sizeof(uint16_t) : sizeof(float);
     while (np > 0) {
-#define FEW(R, P) tile_few(R, P, kc, a, lda, wp, panel_stride, wbf16, part, ldp, part_step, \
-                           accumulate, last, mr, nrs, bias, gate_up, out, ldo, cols)
+        /* prefetch: each call prefetches the slice of the panels after its own, and the
+         * last one pf_after (the caller's next slice, or NULL) */
+        const char* pf;
+#define FEW(R, P) (pf = !prefetch ? NULL                                                    \
+                   : np > (P) ? (const char*)wp + (P) * panel_stride * wsize : pf_after,   \
+                   tile_few(R, P, kc, a, lda, wp, panel_stride, wbf16, part, ldp, part_step, \
+                            accumulate, last, mr, nrs, bias, gate_up, out, ldo, cols, pf))
 #if defined(__AVX512F__)
         /* one zmm a row and panel: up to 8 accumulators (8 FMA chains) */
         const int step = mr == 1 ? (np >= 8 ? 8 : np >= 4 ? 4 : np >= 2 ? 2 : 1)
@@ -525,6 +546,15 @@ static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const fl
                     }
                     if (tail) {
                         const int s = ns - 1;
+                        /* A grouped GEMM's serial run (an expert's few rows, every
+                         * task on this thread) prefetches one slice ahead in the few-row
+                         * tiles too; after this task's panels, the next K block's first
+                         * ones, or after the last K block the next task's. */
+                        const char* next_slice =
+                            kb + 1 < nkb
+                                ? (const char*)wp + ((int64_t)p0 * K + k0 + kcb) * NR * wsize
+                            : p1 < np && nb + 1 < nnb
+                                ? (const char*)wp + (int64_t)p1 * K * NR * wsize : NULL;
                         int nrs[16];
                         for (int p = p0; p < p1; p++)
                             nrs[p - p0] = nout - p * cols < cols ? nout - p * cols : cols;
@@ -535,7 +565,8 @@ static int gemm_run(const float* x, int lda, const void* wp, int wbf16, const fl
                                   part != NULL ? part + (int64_t)(s - s0) * MR * ncp * NR : o,
                                   part != NULL ? ncp * NR : ldo, part != NULL ? NR : cols,
                                   kb > 0, kb == nkb - 1, M - s * MR, nrs,
-                                  bias == NULL ? NULL : bias + p0 * NR, gate_up, o, ldo, cols);
+                                  bias == NULL ? NULL : bias + p0 * NR, gate_up, o, ldo, cols,
+                                  serial, next_slice);
                     }
                 }
             }

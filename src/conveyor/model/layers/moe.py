@@ -17,7 +17,12 @@ gate/up with silu fused), a step's experts run in two native calls instead
 (``GroupedGemm``: all gate/ups in one parallel region, then all downs), the threads
 taking runs of an expert's output panels in turn: at decode sizes an expert has a few
 rows, and a parallel region per expert's GEMM cost more than splitting its work saved;
-each row comes out the same bits as the expert's own GEMM gives it. The loader fills them
+each row comes out the same bits as the expert's own GEMM gives it. Around them, in
+float32, the routing after the router's softmax (top-k, renormalising, grouping by expert,
+gathering the rows) and the weighted sum are one native call each (``moe_route.c``): at
+decode sizes the dozen torch ops they replace cost more than the block's routing work.
+They compute torch's bits and decline where torch's own order would decide (a tie at a
+row's k-th probability); the torch ops below then run. The loader fills them
 from either checkpoint layout (stacked, or one tensor per expert) in place. Under tensor parallelism
 a rank holds every expert's slice of the intermediate dimension (its rows of gate and
 up, its columns of down) and the block's output is all-reduced; the router is replicated.
@@ -109,36 +114,82 @@ class SparseMoE(nn.Module):
             self._grouped_key = key
         return self._grouped
 
-    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
-        weights, experts = self.route(x)
-        out = torch.zeros_like(x)
-        # (slot, token) pairs grouped by expert, each expert's rows in transformers' order
-        # (by slot, then token): a GEMM's last rows may round otherwise than its first.
+    def group(self, weights: torch.Tensor, experts: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The (slot, token) pairs grouped by expert, each expert's rows in transformers'
+        order (by slot, then token: a GEMM's last rows may round otherwise than its
+        first): (token of each pair [T k], its weight [T k], expert starts int32 [E + 1])."""
         flat = experts.t().reshape(-1)
         order = torch.argsort(flat, stable=True)
-        bins = torch.bincount(flat, minlength=self.num_experts)
-        tokens = order % x.shape[0]
-        pair_weights = weights.t().reshape(-1)[order]
+        starts = torch.zeros(self.num_experts + 1, dtype=torch.int32)
+        starts[1:] = torch.bincount(flat, minlength=self.num_experts).cumsum(0)
+        return order % experts.shape[0], weights.t().reshape(-1)[order], starts
+
+    def run_experts(self, x: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor,
+                    ops=None) -> torch.Tensor:
+        """Each pair's expert output [T k, hidden], the pairs in ``group``'s order."""
         grouped = self.grouped_gemms() if x.dtype is torch.float32 else None
         if grouped is not None:
-            starts = torch.zeros(self.num_experts + 1, dtype=torch.int32)
-            starts[1:] = bins.cumsum(0)
             gate_up, down = grouped
-            h = down(gate_up(x[tokens], starts), starts)
-            # One index_add_ adds the pairs in order (expert after expert), as the loop
-            # below does.
-            out.index_add_(0, tokens, (h * pair_weights[:, None]).to(out.dtype))
+            return down(gate_up(x[tokens], starts), starts)
+        h = x.new_empty((tokens.shape[0], x.shape[1]))
+        bounds = starts.tolist()
+        for e in range(self.num_experts):
+            if bounds[e + 1] > bounds[e]:
+                rows = slice(bounds[e], bounds[e + 1])
+                h[rows] = self.experts[e](x[tokens[rows]], ops)
+        return h
+
+    def combine(self, x: torch.Tensor, h: torch.Tensor, tokens: torch.Tensor,
+                pair_weights: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """The pairs' outputs scaled by their weights and added into their tokens' rows
+        expert after expert, as transformers adds them. In float32 one ``index_add_``
+        adds its pairs in order; in lower precisions it may accumulate otherwise, so
+        there one call an expert, as transformers makes them."""
+        out = torch.zeros_like(x)
+        scaled = (h * pair_weights[:, None]).to(out.dtype)
+        if out.dtype is torch.float32:
+            out.index_add_(0, tokens, scaled)
+            return out
+        bounds = starts.tolist()
+        for e in range(self.num_experts):
+            if bounds[e + 1] > bounds[e]:
+                rows = slice(bounds[e], bounds[e + 1])
+                out.index_add_(0, tokens[rows], scaled[rows])
+        return out
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The block (before the all-reduce) as the router's GEMM and softmax, one native
+        routing call (top-k, renormalising, grouping, gathering), the two grouped GEMMs
+        and one native combine: float32 on conveyor's GEMM only. None where it does not
+        apply (the torch ops then): another dtype or backend, the kernels off, or a tie
+        at some row's k-th probability, whose order only torch's topk gives."""
+        if x.dtype is not torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+            return None
+        grouped = self.grouped_gemms()
+        if grouped is None:
+            return None
+        from conveyor.kernels.cpu import moe_route
+
+        lib = moe_route.load()
+        if lib is None or self.top_k > lib.moe_route_max_k():
+            return None
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        routed = moe_route.route(probs, x, self.top_k, self.renormalize, lib)
+        if routed is None:
+            return None
+        gate_up, down = grouped
+        h = down(gate_up(routed.rows, routed.starts), routed.starts)
+        return moe_route.combine(h, routed, lib)
+
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        out = self.forward_native(x)
+        if out is not None:
             return self.tp.all_reduce(out)
-        counts = bins.tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if not n:
-                continue
-            rows = tokens[start:start + n]
-            h = self.experts[e](x[rows], ops)
-            out.index_add_(0, rows, (h * pair_weights[start:start + n, None]).to(out.dtype))
-            start += n
-        return self.tp.all_reduce(out)
+        weights, experts = self.route(x)
+        tokens, pair_weights, starts = self.group(weights, experts)
+        h = self.run_experts(x, tokens, starts, ops)
+        return self.tp.all_reduce(self.combine(x, h, tokens, pair_weights, starts))
 
 
 def moe_block(hf: dict, hidden: int, tp: TPShard, float32_weights: bool = False
