@@ -24,15 +24,16 @@ needs_native = pytest.mark.skipif(kernels.load() is None,
                                   reason="native kernels unavailable " + kernels.why_unavailable())
 
 
-def capped_reference(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
+def capped_reference(q, k, v, mask, scale: float, cap: float | None) -> torch.Tensor:
     """q [Lq, Hq, D], k and v [Lk, Hkv, D], mask [Lq, Lk] bool (True = attend): capped
-    attention in float64 (query head h reads KV head h // G), returned in float64."""
+    (None: uncapped) attention in float64 (query head h reads KV head h // G)."""
     q, k, v = q.double(), k.double(), v.double()
     g = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(g, 1).transpose(0, 1)  # [Hq, Lk, D]
     v = v.repeat_interleave(g, 1).transpose(0, 1)
     s = q.transpose(0, 1) @ k.transpose(1, 2) * scale  # [Hq, Lq, Lk]
-    s = torch.tanh(s / cap) * cap
+    if cap is not None:
+        s = torch.tanh(s / cap) * cap
     s = s.masked_fill(~mask, float("-inf"))
     return (s.softmax(-1) @ v).transpose(0, 1)
 
@@ -63,7 +64,7 @@ def test_the_reference_caps() -> None:
     """(The reference itself: a cap that bites changes the result, a huge one does not.)"""
     q, k, v = qkv_views(9, 4, 2, 16, seed=1)
     q = q * 4
-    plain = capped_reference(q, k, v, causal(9), 0.25, 1e9)
+    plain = capped_reference(q, k, v, causal(9), 0.25, None)
     assert not torch.allclose(capped_reference(q, k, v, causal(9), 0.25, 0.5), plain)
 
 
@@ -117,15 +118,19 @@ def test_capped_decode_over_one_byte_caches(kv_dtype: str, d: int) -> None:
 @needs_native
 @pytest.mark.parametrize("isa", kernels.isa_builds())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
 @pytest.mark.parametrize("hq,hkv,length", [(9, 3, 1), (9, 3, 47), (8, 2, 130), (6, 1, 17)])
-def test_capped_prefill_every_body_in_both_dtypes(isa, dtype, d, hq, hkv, length) -> None:
+@pytest.mark.parametrize("cap", [0.5, None])
+def test_capped_prefill_every_body_in_both_dtypes(isa, dtype, d, hq, hkv, length,
+                                                  cap) -> None:
     """The cap is applied before the causal mask (a masked key stays out, whatever its
-    capped score); bf16 within the bound of test_prefill_attention's uncapped bodies."""
+    capped score); bf16 within the bound of test_prefill_attention's uncapped bodies.
+    Head dim 256 (Gemma 2's) has its own copies, capped or not."""
     lib = kernels.load_variant(isa)
     q, k, v = qkv_views(length, hq, hkv, d, seed=length + d + hq, dtype=dtype)
-    q = q * 4 if dtype is torch.float32 else (q.float() * 4).to(dtype)
-    cap, scale = 0.5, d ** -0.5
+    if cap is not None:  # scores up to where the cap bends them
+        q = (q.float() * 4).to(dtype)
+    scale = d ** -0.5
     out = torch.full((length + 2, hq, d), float("nan"), dtype=dtype)
     assert NativePrefill(lib)(q, k, v, out[1:-1], scale, softcap=cap)
     assert out[0].isnan().all() and out[-1].isnan().all()

@@ -3,7 +3,7 @@
  * tensors (bf16 is converted where the query block and the K/V tiles are copied, and
  * rounded once on the way out, so the arithmetic is float32 in both; the AVX-512 BF16
  * body also rounds the softmax numerators for P @ V, see its header); head dims 16, 32,
- * 64 and 128 (each a copy compiled with its dimension fixed, so that a query's
+ * 64, 128 and 256 (each a copy compiled with its dimension fixed, so that a query's
  * accumulator fits in registers).
  *
  * One task per (KV head, block of QB query rows): the block's rows times the G query
@@ -175,6 +175,8 @@ int prefill_attention_##SUF##_capped(const T* q, const T* k, const T* v, T* out,
                                      out_stride, scale, softcap); return 0;                 \
         case 128: prefill_##SUF##_d128(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride,       \
                                        out_stride, scale, softcap); return 0;               \
+        case 256: prefill_##SUF##_d256(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride,       \
+                                       out_stride, scale, softcap); return 0;               \
         default: return -1;                                                                 \
     }                                                                                       \
 }                                                                                           \
@@ -204,7 +206,9 @@ int prefill_attention_varlen_##SUF##_capped(const T* q, const T* k, const T* v, 
                                             int nseg, int Hq, int Hkv, int head_dim,        \
                                             int q_stride, int kv_stride, int out_stride,    \
                                             float scale, float softcap) {                   \
-    if (head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128) return -1;   \
+    if (head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128               \
+        && head_dim != 256)                                                                 \
+        return -1;                                                                          \
     if (nseg <= 0) return 0;                                                                \
     int* order = (int*)malloc(sizeof(int) * (size_t)nseg);                                  \
     if (order == NULL) return -1;                                                           \
