@@ -299,3 +299,26 @@ def test_gemma2_greedy_ids_with_the_cap_in_the_native_kernels(config: str, monke
         assert stats["num_preemptions"] > 0
     if config == "prefix_hits":
         assert stats["prefix_cache_hits"] > 0
+
+
+@needs_native
+@pytest.mark.parametrize("isa", kernels.isa_builds())
+def test_gelu_tanh_mul_and_the_final_cap_equal_torch_to_rounding(isa: str) -> None:
+    """Gemma's GeGLU and Gemma 2's final logit cap in one native pass each, against
+    torch in float64: within a few float32 ulps (a tanh accurate to ~1.5 ulp, then the
+    products' roundings), over the inputs' whole useful range (tanh's polynomial and exp
+    branches, saturation)."""
+    lib = kernels.load_variant(isa)
+    torch.manual_seed(0)
+    gu = torch.randn(5, 2 * 300) * 4
+    want = (torch.nn.functional.gelu(gu[:, :300].double(), approximate="tanh")
+            * gu[:, 300:].double())
+    got = torch.empty(5, 300)
+    lib.gelu_tanh_mul_f32(gu.data_ptr(), got.data_ptr(), 5, 300)
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=4e-7)
+    x = torch.cat([torch.randn(40_000) * 30, torch.linspace(-400.0, 400.0, 1001)])
+    want = torch.tanh(x.double() / 30.0) * 30.0
+    got = x.clone()
+    lib.softcap_f32(got.data_ptr(), got.numel(), 30.0)
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=4e-7)
+    assert torch.equal(ops.softcap_(x.clone(), 30.0), got) or isa != "native"

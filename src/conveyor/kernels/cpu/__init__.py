@@ -234,6 +234,8 @@ SIGNATURES: dict[str, list] = {
     "rms_norm_f32": [_PTR] * 3 + [_I32] * 2 + [_F32],
     "add_rms_norm_f32": [_PTR] * 4 + [_I32] * 2 + [_F32],
     "silu_mul_f32": [_PTR] * 2 + [_I32] * 2,
+    "gelu_tanh_mul_f32": [_PTR] * 2 + [_I32] * 2,
+    "softcap_f32": [_PTR, ctypes.c_int64, _F32],
     "rope_f32": [_PTR] * 4 + [_I32] * 4,
     "rms_norm_bf16": [_PTR] * 3 + [_I32] * 2 + [_F32],
     "add_rms_norm_bf16": [_PTR] * 4 + [_I32] * 2 + [_F32],

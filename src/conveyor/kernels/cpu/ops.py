@@ -159,6 +159,36 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` of gate_up = [gate | up], [rows,
+    2 * intermediate] float32 (Gemma's GeGLU)."""
+    try:
+        rows, cols = gate_up.shape
+        ok = (gate_up.dtype is F32 and gate_up.is_cpu and gate_up.is_contiguous()
+              and cols == 2 * intermediate)
+    except (AttributeError, ValueError):
+        ok = False
+    if not ok:
+        raise _refuse("gelu_tanh_mul", (("gate_up", gate_up, _F32, 2, "contiguous"),),
+                      lambda: f"gate_up has {gate_up.shape[1]} columns, not 2 * intermediate "
+                              f"= {2 * intermediate}")
+    out = torch.empty((rows, intermediate), dtype=F32)
+    (_lib or _native()).gelu_tanh_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, intermediate)
+    return out
+
+
+def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``x = cap * tanh(x / cap)`` in place on a contiguous float32 tensor (Gemma 2's
+    final logit soft-capping); returns x."""
+    if not (isinstance(x, torch.Tensor) and x.dtype is F32 and x.is_cpu
+            and x.is_contiguous()):
+        raise ValueError("conveyor::softcap_: x must be a contiguous float32 CPU tensor")
+    if not cap > 0.0:
+        raise ValueError(f"conveyor::softcap_: cap must be > 0, got {cap}")
+    (_lib or _native()).softcap_f32(x.data_ptr(), x.numel(), cap)
+    return x
+
+
 def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           heads: int, head_dim: int) -> None:
     """Neox RoPE in place on the first ``heads`` heads of each row of qkv [T, row]
