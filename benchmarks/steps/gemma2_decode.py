@@ -1,6 +1,7 @@
 """A Gemma-2-shaped decode step (the peers table's ``gemma2`` shape, dummy weights) side by
 side with the same step where the attention logit cap runs in ``softcap.py`` (torch)
-instead of the native kernels, and with a Llama of the same dimensions (no caps, no
+instead of the native kernels, where GeGLU and the final logit cap run in torch too (the
+path before they were native), and with a Llama of the same dimensions (no caps, no
 window, SiLU, plain norms), in one process: rounds alternate the arms so machine noise
 hits each; the median step of each (its best round) is printed with the ratios, and
 where each step's time goes (each part's entry point wrapped and summed per step). With
@@ -27,6 +28,7 @@ from conveyor.config.presets import write_checkpoint_files
 from conveyor.kernels.cpu.cpuinfo import cpu_model_name
 from conveyor.model.attention.native_decode import NativeDecode
 from conveyor.model.attention.native_prefill import NativePrefill
+from conveyor.model.layers.ops import NativeOps, TorchOps
 
 # Gemma 2's dimensions as a Llama: what the same projections and attention cost without
 # Gemma's extras (caps, windows, GELU-tanh, sandwich norms, embedding scale).
@@ -59,17 +61,22 @@ def instrument() -> None:
 
     _wrap(native.NativeLinear, "forward", "projections + LM head")
     _wrap(decoder, "paged_attention", "attention (KV write + kernel)")
-    _wrap(decoder.F, "gelu", "GELU-tanh (torch)")
-    for name in ("add_rms_norm", "rms_norm", "rope_", "silu_mul"):
+    for name in ("add_rms_norm", "rms_norm", "rope_", "silu_mul", "gelu_tanh_mul", "softcap"):
         _wrap(ops.NativeOps, name, f"elementwise: {name}")
     _wrap(decoder.DecoderForCausalLM, "compute_logits", "LM head + final cap")
     _wrap(decoder.DecoderForCausalLM, "forward", "model forward (layers)")
 
 
-def set_cap_in_c(on: bool) -> None:
-    """Whether capped layers run the cap in the native kernels (else softcap.py)."""
-    NativeDecode.takes_softcap = on
-    NativePrefill.takes_softcap = on
+NATIVE_EXTRAS: dict = {}  # NativeOps' own (timed) methods, taken once instrumented
+
+
+def set_native(attention_cap: bool, extras: bool) -> None:
+    """Whether capped layers run the cap in the native kernels (else softcap.py), and
+    whether GeGLU and the final logit cap run natively (else in torch, as TorchOps)."""
+    NativeDecode.takes_softcap = attention_cap
+    NativePrefill.takes_softcap = attention_cap
+    for name, fn in NATIVE_EXTRAS.items():
+        setattr(NativeOps, name, fn if extras else getattr(TorchOps, name))
 
 
 def main() -> None:
@@ -85,6 +92,8 @@ def main() -> None:
     clock = CLOCK[0] = time.thread_time if args.threads == 1 else time.perf_counter
     if not args.no_parts:
         instrument()
+    NATIVE_EXTRAS.update({name: getattr(NativeOps, name) for name in ("gelu_tanh_mul",
+                                                                       "softcap")})
     root = tempfile.mkdtemp(prefix="conveyor-gemma2-step-")
     llms = {}
     for name, cfg in (("gemma2", GEMMA2), ("llama", LLAMA)):
@@ -94,13 +103,15 @@ def main() -> None:
                          max_num_batched_tokens=max(512, args.batch * args.context),
                          enable_prefix_caching=False)
         start_decoding(llms[name], args.batch, args.context)
-    arms = {"gemma2 cap in C": ("gemma2", True), "gemma2 softcap.py": ("gemma2", False),
-            "llama same dims": ("llama", True)}
+    arms = {"gemma2": ("gemma2", True, True),
+            "gemma2, attention cap in softcap.py": ("gemma2", False, True),
+            "gemma2, all in torch (before)": ("gemma2", False, False),
+            "llama same dims": ("llama", True, True)}
     best: dict[str, tuple[float, dict[str, float]]] = {}
     for r in range(args.rounds):
         for arm in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
-            name, cap_in_c = arms[arm]
-            set_cap_in_c(cap_in_c)
+            name, attention_cap, extras = arms[arm]
+            set_native(attention_cap, extras)
             PARTS.clear()
             times = []
             for _ in range(args.steps):
@@ -110,7 +121,7 @@ def main() -> None:
             med = statistics.median(times)
             if arm not in best or med < best[arm][0]:
                 best[arm] = (med, {k: s / args.steps for k, s in PARTS.items()})
-    set_cap_in_c(True)
+    set_native(True, True)
     print(f"# Gemma-2 shape decode step, batch {args.batch}, context {args.context}+, "
           f"{args.threads} threads ({'thread CPU' if args.threads == 1 else 'wall'} time), "
           f"{cpu_model_name()}; median ms per step (share of the step)")
@@ -125,8 +136,9 @@ def main() -> None:
             ms = 1e3 * parts.get(label, 0.0)
             cells.append(f"{ms:.2f} ({100 * ms / (1e3 * step):.0f}%)")
         print(f"| {label} | " + " | ".join(cells) + " |")
-    c, t, ll = (best[a][0] for a in arms)
-    print(f"\nsoftcap.py / cap in C: {t / c:.2f}x; gemma2 (cap in C) / llama: {c / ll:.2f}x")
+    now, torch_cap, before, llama = (best[a][0] for a in arms)
+    print(f"\nattention cap in softcap.py / in C: {torch_cap / now:.2f}x; all in torch "
+          f"(before) / now: {before / now:.2f}x; gemma2 / llama: {now / llama:.2f}x")
 
 
 if __name__ == "__main__":
