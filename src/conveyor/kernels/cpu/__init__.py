@@ -36,7 +36,7 @@ _HEADERS = [os.path.join(os.path.dirname(__file__), name)
             for name in ("prefill_attention_body.h", "prefill_attention_avx2.h",
                          "prefill_attention_avx512.h", "prefill_attention_dims.h", "simd_math.h",
                          "simd_exp.h", "bf16.h", "amx_emulation.h",
-                         "transpose16.h", "kv_quant.h")]
+                         "transpose16.h", "kv_quant.h", "softcap.h")]
 # -ffast-math only while compiling: linking with it would add crtfastmath, whose
 # constructor turns on flush-to-zero for the whole process (torch included).
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -222,11 +222,20 @@ SIGNATURES: dict[str, list] = {
     # a one-byte cache: codes and scales of K and V, then as above, then its kind
     "decode_attention_q8": [_PTR] * 9 + [_I32] * 5 + [_F32, _I32],
     "decode_attention_q8_generic": [_PTR] * 9 + [_I32] * 5 + [_F32, _I32],
+    # the same with Gemma 2's logit cap last (softcap.h; 0: none)
+    "decode_attention_f32_capped": [_PTR] * 7 + [_I32] * 5 + [_F32] * 2,
+    "decode_attention_bf16_capped": [_PTR] * 7 + [_I32] * 5 + [_F32] * 2,
+    "decode_attention_f32_generic_capped": [_PTR] * 7 + [_I32] * 5 + [_F32] * 2,
+    "decode_attention_bf16_generic_capped": [_PTR] * 7 + [_I32] * 5 + [_F32] * 2,
+    "decode_attention_q8_capped": [_PTR] * 9 + [_I32] * 5 + [_F32, _I32, _F32],
+    "decode_attention_q8_generic_capped": [_PTR] * 9 + [_I32] * 5 + [_F32, _I32, _F32],
     "kv_dequant": [_PTR] * 2 + [_I32] * 3,
     "kv_store_q8": [_PTR, ctypes.c_int64, _I32, _PTR] + [_I32] * 3 + [_PTR] * 2 + [_I32],
     "rms_norm_f32": [_PTR] * 3 + [_I32] * 2 + [_F32],
     "add_rms_norm_f32": [_PTR] * 4 + [_I32] * 2 + [_F32],
     "silu_mul_f32": [_PTR] * 2 + [_I32] * 2,
+    "gelu_tanh_mul_f32": [_PTR] * 2 + [_I32] * 2,
+    "softcap_f32": [_PTR, ctypes.c_int64, _F32],
     "rope_f32": [_PTR] * 4 + [_I32] * 4,
     "rms_norm_bf16": [_PTR] * 3 + [_I32] * 2 + [_F32],
     "add_rms_norm_bf16": [_PTR] * 4 + [_I32] * 2 + [_F32],
@@ -236,6 +245,10 @@ SIGNATURES: dict[str, list] = {
     "prefill_attention_bf16": [_PTR] * 4 + [_I32] * 7 + [_F32],
     "prefill_attention_varlen_f32": [_PTR] * 6 + [_I32] * 7 + [_F32],
     "prefill_attention_varlen_bf16": [_PTR] * 6 + [_I32] * 7 + [_F32],
+    "prefill_attention_f32_capped": [_PTR] * 4 + [_I32] * 7 + [_F32] * 2,
+    "prefill_attention_bf16_capped": [_PTR] * 4 + [_I32] * 7 + [_F32] * 2,
+    "prefill_attention_varlen_f32_capped": [_PTR] * 6 + [_I32] * 7 + [_F32] * 2,
+    "prefill_attention_varlen_bf16_capped": [_PTR] * 6 + [_I32] * 7 + [_F32] * 2,
     "gemm_f32_available": [],
     "amx_tiles_available": [],
     "gemm_packed_size": [_I32] * 3,
@@ -249,6 +262,10 @@ SIGNATURES: dict[str, list] = {
 RESTYPES = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
             "prefill_attention_varlen_f32": ctypes.c_int,
             "prefill_attention_varlen_bf16": ctypes.c_int,
+            "prefill_attention_f32_capped": ctypes.c_int,
+            "prefill_attention_bf16_capped": ctypes.c_int,
+            "prefill_attention_varlen_f32_capped": ctypes.c_int,
+            "prefill_attention_varlen_bf16_capped": ctypes.c_int,
             "gemm_f32_available": ctypes.c_int, "amx_tiles_available": ctypes.c_int,
             "gemm_packed_size": ctypes.c_int64,
             "gemm_f32": ctypes.c_int, "gemm_f32_w16": ctypes.c_int,

@@ -17,6 +17,8 @@
  *   lens     [B]                  int32, context length of each sequence (<= L)
  *   starts   [B]                  int32, first position attended (sliding window), usually 0
  *   out      [B, Hq, D]           float32
+ *   softcap  the _capped entries: a scaled score s becomes softcap * tanh(s / softcap)
+ *            before the softmax (Gemma 2; softcap.h); 0 for none, as the other entries
  *
  * Compiled at run time by conveyor/kernels/cpu/__init__.py with -O3 -march=native
  * -ffast-math -fopenmp; the fast-math licence only lets the compiler vectorize the dot
@@ -28,6 +30,7 @@
 #include <string.h>
 
 #include "kv_quant.h"
+#include "softcap.h"
 
 static inline float bf16_to_float(uint16_t x) {
     union { uint32_t u; float f; } v;
@@ -79,9 +82,9 @@ static inline void write_normalized(float* ob, const float* acc, const float* l,
 }
 
 /* KS(slot, h), VS(slot, h): a K or V head's scale (1 for a float cache); SETUP: what the
- * loads need, once a call. */
+ * loads need, once a call. NAME takes PARAMS and the cap (0: none). */
 #define DEFINE_DECODE(NAME, PARAMS, T, LOAD, KS, VS, SETUP)                                 \
-void NAME(PARAMS) {                                                                         \
+void NAME(PARAMS, float softcap) {                                                          \
     const int G = Hq / Hkv;                                                                 \
     SETUP                                                                                   \
     _Pragma("omp parallel")                                                                 \
@@ -118,6 +121,7 @@ void NAME(PARAMS) {                                                             
             }                                                                               \
             for (int i = 0; i < Hq; i++) {                                                  \
                 float* si = s + i * CHUNK;                                                  \
+                if (softcap > 0.f) softcap_scores(si, tn, softcap);                         \
                 float cm = m[i];                                                            \
                 for (int t = 0; t < tn; t++) cm = si[t] > cm ? si[t] : cm;                  \
                 if (cm > m[i]) {                                                            \
@@ -167,12 +171,25 @@ void NAME(PARAMS) {                                                             
     float* out, int B, int Hq, int Hkv, int D, int L, float scale, int kind
 #define LUT_SETUP float lut[256]; for (int c = 0; c < 256; c++) lut[c] = kvq_to_f32(c, kind);
 
-DEFINE_DECODE(decode_attention_f32_generic, FLOAT_PARAMS(float), float, LOAD_F32, UNSCALED,
-              UNSCALED, )
-DEFINE_DECODE(decode_attention_bf16_generic, FLOAT_PARAMS(uint16_t), uint16_t, LOAD_BF16,
+DEFINE_DECODE(decode_attention_f32_generic_capped, FLOAT_PARAMS(float), float, LOAD_F32,
               UNSCALED, UNSCALED, )
-DEFINE_DECODE(decode_attention_q8_generic, Q8_PARAMS, uint8_t, LOAD_Q8, K_SCALE, V_SCALE,
-              LUT_SETUP)
+DEFINE_DECODE(decode_attention_bf16_generic_capped, FLOAT_PARAMS(uint16_t), uint16_t,
+              LOAD_BF16, UNSCALED, UNSCALED, )
+DEFINE_DECODE(decode_attention_q8_generic_capped, Q8_PARAMS, uint8_t, LOAD_Q8, K_SCALE,
+              V_SCALE, LUT_SETUP)
+/* (the uncapped names, as they were) */
+void decode_attention_f32_generic(FLOAT_PARAMS(float)) {
+    decode_attention_f32_generic_capped(q, kc, vc, slots, lens, starts, out, B, Hq, Hkv, D, L,
+                                        scale, 0.f);
+}
+void decode_attention_bf16_generic(FLOAT_PARAMS(uint16_t)) {
+    decode_attention_bf16_generic_capped(q, kc, vc, slots, lens, starts, out, B, Hq, Hkv, D,
+                                         L, scale, 0.f);
+}
+void decode_attention_q8_generic(Q8_PARAMS) {
+    decode_attention_q8_generic_capped(q, kc, vc, ksc, vsc, slots, lens, starts, out, B, Hq,
+                                       Hkv, D, L, scale, kind, 0.f);
+}
 
 /* ---- The vector body ------------------------------------------------------------------
  *
@@ -476,7 +493,7 @@ static inline int q_as_bf16(const float* q, uint16_t* qh, int n) {
 static void NAME(const float* q, const T* kc, const T* vc, const float* ksc,                \
                  const float* vsc, const int64_t* slots, const int32_t* lens,               \
                  const int32_t* starts, float* out, int B, int Hq, int Hkv, int Dr, int L,  \
-                 float scale, int kind) {                                                   \
+                 float scale, int kind, float softcap) {                                    \
     (void)Dr; (void)ksc; (void)vsc; (void)kind;                                             \
     _Pragma("omp parallel")                                                                 \
     {                                                                                       \
@@ -562,6 +579,7 @@ static void NAME(const float* q, const T* kc, const T* vc, const float* ksc,    
             }                                                                               \
             for (int i = 0; i < Hq; i++) {                                                  \
                 float* si = s + i * CHUNK;                                                  \
+                if (softcap > 0.f) softcap_scores(si, tn, softcap);                         \
                 float cm = m[i];                                                            \
                 for (int t = 0; t < tn; t++) cm = si[t] > cm ? si[t] : cm;                  \
                 alpha[i] = expf(m[i] - cm); /* 1 where the max held, 0 on the first chunk */\
@@ -592,37 +610,49 @@ DEFINE_VEC(vec_q8_dany, uint8_t, 2, Dr)
 
 /* The entries: the vector body where the head dim is a multiple of the vector width
  * (specialized for 64 and 128, so that its loops unroll into registers), the generic one
- * else. */
+ * else. NAME##_capped takes the cap (softcap.h; 0: none); NAME is it uncapped. */
 #define DEFINE_ENTRY(NAME, T, VEC, GENERIC)                                                 \
-void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,                   \
-          const int32_t* lens, const int32_t* starts, float* out, int B, int Hq, int Hkv,   \
-          int D, int L, float scale) {                                                      \
+void NAME##_capped(const float* q, const T* kc, const T* vc, const int64_t* slots,          \
+                   const int32_t* lens, const int32_t* starts, float* out, int B, int Hq,   \
+                   int Hkv, int D, int L, float scale, float softcap) {                     \
     if (D % VW != 0) {                                                                      \
-        GENERIC(q, kc, vc, slots, lens, starts, out, B, Hq, Hkv, D, L, scale);              \
+        GENERIC(q, kc, vc, slots, lens, starts, out, B, Hq, Hkv, D, L, scale, softcap);     \
         return;                                                                             \
     }                                                                                       \
     void (*fn)(const float*, const T*, const T*, const float*, const float*,                \
                const int64_t*, const int32_t*, const int32_t*, float*, int, int, int, int,  \
-               int, float, int) = D == 64 ? VEC##_d64 : D == 128 ? VEC##_d128 : VEC##_dany; \
-    fn(q, kc, vc, NULL, NULL, slots, lens, starts, out, B, Hq, Hkv, D, L, scale, 0);        \
+               int, float, int, float) =                                                    \
+        D == 64 ? VEC##_d64 : D == 128 ? VEC##_d128 : VEC##_dany;                           \
+    fn(q, kc, vc, NULL, NULL, slots, lens, starts, out, B, Hq, Hkv, D, L, scale, 0,         \
+       softcap);                                                                            \
+}                                                                                           \
+void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,                   \
+          const int32_t* lens, const int32_t* starts, float* out, int B, int Hq, int Hkv,   \
+          int D, int L, float scale) {                                                      \
+    NAME##_capped(q, kc, vc, slots, lens, starts, out, B, Hq, Hkv, D, L, scale, 0.f);       \
 }
 
-DEFINE_ENTRY(decode_attention_f32, float, vec_f32, decode_attention_f32_generic)
-DEFINE_ENTRY(decode_attention_bf16, uint16_t, vec_bf16, decode_attention_bf16_generic)
+DEFINE_ENTRY(decode_attention_f32, float, vec_f32, decode_attention_f32_generic_capped)
+DEFINE_ENTRY(decode_attention_bf16, uint16_t, vec_bf16, decode_attention_bf16_generic_capped)
 
 /* A one-byte cache (kind: kv_quant.h), dequantised a chunk at a time as a bf16 chunk is
  * widened; the generic body (a 256-entry table of the same values) where D is not a
- * multiple of VW. */
-void decode_attention_q8(Q8_PARAMS) {
+ * multiple of VW. The _capped entry takes the cap after the kind (0: none). */
+void decode_attention_q8_capped(Q8_PARAMS, float softcap) {
     if (D % VW != 0) {
-        decode_attention_q8_generic(q, kc, vc, ksc, vsc, slots, lens, starts, out, B, Hq, Hkv,
-                                    D, L, scale, kind);
+        decode_attention_q8_generic_capped(q, kc, vc, ksc, vsc, slots, lens, starts, out, B,
+                                           Hq, Hkv, D, L, scale, kind, softcap);
         return;
     }
     void (*fn)(const float*, const uint8_t*, const uint8_t*, const float*, const float*,
                const int64_t*, const int32_t*, const int32_t*, float*, int, int, int, int,
-               int, float, int) = D == 64 ? vec_q8_d64 : D == 128 ? vec_q8_d128 : vec_q8_dany;
-    fn(q, kc, vc, ksc, vsc, slots, lens, starts, out, B, Hq, Hkv, D, L, scale, kind);
+               int, float, int, float) =
+        D == 64 ? vec_q8_d64 : D == 128 ? vec_q8_d128 : vec_q8_dany;
+    fn(q, kc, vc, ksc, vsc, slots, lens, starts, out, B, Hq, Hkv, D, L, scale, kind, softcap);
+}
+void decode_attention_q8(Q8_PARAMS) {
+    decode_attention_q8_capped(q, kc, vc, ksc, vsc, slots, lens, starts, out, B, Hq, Hkv, D, L,
+                               scale, kind, 0.f);
 }
 
 /* Codes to floats, for the tests: the vector steps (n a multiple of VW) or kv_quant.h's. */

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "softcap.h"
 
 /* Intrinsics where the CPU has AVX-512F or AVX2 + FMA (LANES: 16 or 8 float lanes), for
  * silu's exp (libmvec's expf through the compiler ran at ~1/3 of memory speed on the
@@ -154,6 +155,32 @@ void silu_mul_f32(const float* gu, float* out, int rows, int inter) {
         /* the clamp keeps expf finite, as -ffast-math assumes: silu(g < -80) ~ 0 */
         for (; i < inter; i++) o[i] = g[i] / (1.f + expf(fminf(-g[i], 80.f))) * u[i];
     }
+}
+
+/* out[r, i] = gelu_tanh(gu[r, i]) * gu[r, inter + i] (Gemma's GeGLU), gelu_tanh(g) =
+ * 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) as torch's approximate="tanh" has it,
+ * with softcap.h's tanh. */
+void gelu_tanh_mul_f32(const float* gu, float* out, int rows, int inter) {
+    #pragma omp parallel for schedule(static) if (rows > 8)
+    for (int r = 0; r < rows; r++) {
+        const float* g = gu + (int64_t)r * 2 * inter;
+        const float* u = g + inter;
+        float* o = out + (int64_t)r * inter;
+        #pragma omp simd
+        for (int i = 0; i < inter; i++) {
+            const float x = g[i];
+            const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+            o[i] = 0.5f * x * (1.f + tanh_approx(inner)) * u[i];
+        }
+    }
+}
+
+/* x[i] = cap * tanh(x[i] / cap) in place (Gemma 2's final logit soft-capping), in slices
+ * over the threads. */
+void softcap_f32(float* x, int64_t n, float cap) {
+    const int64_t slice = 16384;
+    #pragma omp parallel for schedule(static) if (n > 2 * slice)
+    for (int64_t i = 0; i < n; i += slice) softcap_scores(x + i, n - i < slice ? n - i : slice, cap);
 }
 
 /*

@@ -160,6 +160,36 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` of gate_up = [gate | up], [rows,
+    2 * intermediate] float32 (Gemma's GeGLU)."""
+    try:
+        rows, cols = gate_up.shape
+        ok = (gate_up.dtype is F32 and gate_up.is_cpu and gate_up.is_contiguous()
+              and cols == 2 * intermediate)
+    except (AttributeError, ValueError):
+        ok = False
+    if not ok:
+        raise _refuse("gelu_tanh_mul", (("gate_up", gate_up, _F32, 2, "contiguous"),),
+                      lambda: f"gate_up has {gate_up.shape[1]} columns, not 2 * intermediate "
+                              f"= {2 * intermediate}")
+    out = torch.empty((rows, intermediate), dtype=F32)
+    (_lib or _native()).gelu_tanh_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, intermediate)
+    return out
+
+
+def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``x = cap * tanh(x / cap)`` in place on a contiguous float32 tensor (Gemma 2's
+    final logit soft-capping); returns x."""
+    if not (isinstance(x, torch.Tensor) and x.dtype is F32 and x.is_cpu
+            and x.is_contiguous()):
+        raise ValueError("conveyor::softcap_: x must be a contiguous float32 CPU tensor")
+    if not cap > 0.0:
+        raise ValueError(f"conveyor::softcap_: cap must be > 0, got {cap}")
+    (_lib or _native()).softcap_f32(x.data_ptr(), x.numel(), cap)
+    return x
+
+
 def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           heads: int, head_dim: int) -> None:
     """Neox RoPE in place on the first ``heads`` heads of each row of qkv [T, row]
@@ -195,11 +225,12 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor,
-                     scale: float, lib=None) -> torch.Tensor:
+                     scale: float, lib=None, softcap: float = 0.0) -> torch.Tensor:
     """One query token per sequence over a paged cache. q [B, Hq, D] float32; caches
     [num_slots, Hkv, D] float32 or bfloat16; slots [B, L] int64; lens, starts [B] int32.
     Returns float32 [B, Hq, D]. ``lib``: a library from ``kernels.load_variant`` instead
-    of the process's own."""
+    of the process's own. ``softcap`` > 0: scaled scores capped at
+    ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2)."""
     try:
         b, hq, d = q.shape
         _, hkv, kd = cache = k_cache.shape
@@ -228,10 +259,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                     "[B, Hq, D], [S, Hkv, D] x2 (Hkv dividing Hq), [B, L], [B], [B]")
     out = torch.empty((b, hq, d), dtype=F32)
     lib = lib or _lib or _native()
+    _check_softcap("decode_attention", softcap)
+    if softcap:
+        fn = lib.decode_attention_f32_capped if kdt is F32 else lib.decode_attention_bf16_capped
+        fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+           lens.data_ptr(), starts.data_ptr(), out.data_ptr(), b, hq, hkv, d, ctx, scale,
+           softcap)
+        return out
     fn = lib.decode_attention_f32 if kdt is F32 else lib.decode_attention_bf16
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lens.data_ptr(),
        starts.data_ptr(), out.data_ptr(), b, hq, hkv, d, ctx, scale)
     return out
+
+
+def _check_softcap(op: str, softcap: float) -> None:
+    # NaN or a negative cap would silently mean "no cap" in C (softcap > 0 tests it).
+    if not softcap >= 0.0:
+        raise ValueError(f"conveyor::{op}: softcap must be >= 0 (0: none), got {softcap}")
 
 
 # A one-byte cache's element types, by the kind number decode_attention.c takes (kv_quant.h).
@@ -242,7 +286,7 @@ _CODES = tuple(KV_CODE_KINDS)
 def decode_attention_q8(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
                         v_codes: torch.Tensor, v_scale: torch.Tensor, slots: torch.Tensor,
                         lens: torch.Tensor, starts: torch.Tensor, scale: float,
-                        lib=None) -> torch.Tensor:
+                        lib=None, softcap: float = 0.0) -> torch.Tensor:
     """``decode_attention`` over a one-byte cache (``model/quant/kv_cache.py``): codes
     [num_slots, Hkv, D] int8, float8_e4m3fn or float8_e5m2 (K and V alike), scales
     [num_slots, Hkv] float32; a value is its code times its scale, dequantised in the
@@ -279,10 +323,14 @@ def decode_attention_q8(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
                     "[B], [B]")
     out = torch.empty((b, hq, d), dtype=F32)
     lib = lib or _lib or _native()
-    lib.decode_attention_q8(q.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(),
-                            k_scale.data_ptr(), v_scale.data_ptr(), slots.data_ptr(),
-                            lens.data_ptr(), starts.data_ptr(), out.data_ptr(), b, hq, hkv, d,
-                            ctx, scale, kind)
+    _check_softcap("decode_attention_q8", softcap)
+    args = (q.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(), k_scale.data_ptr(),
+            v_scale.data_ptr(), slots.data_ptr(), lens.data_ptr(), starts.data_ptr(),
+            out.data_ptr(), b, hq, hkv, d, ctx, scale, kind)
+    if softcap:
+        lib.decode_attention_q8_capped(*args, softcap)
+    else:
+        lib.decode_attention_q8(*args)
     return out
 
 
@@ -346,27 +394,34 @@ def _prefill_refusal(op: str, q, k, v, out, dt) -> ValueError:
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      scale: float, lib=None) -> bool:
+                      scale: float, lib=None, softcap: float = 0.0) -> bool:
     """Causal attention of a fresh prompt, written into ``out``: q, out [T, Hq, D], k, v
     [T, Hkv, D], all float32 or all bfloat16 (float32 sums either way, bf16 rounded on
     the way out, and for P @ V by the AVX-512 BF16 body: see
     ``kernels.bf16_prefill_rounds_probabilities``), rows strided as the packed QKV leaves
     them (k and v with the same row stride). False (nothing written) for a head dim the
     kernel has no copy for.
-    ``lib``: a library from ``kernels.load_variant`` instead of the process's own."""
+    ``lib``: a library from ``kernels.load_variant`` instead of the process's own.
+    ``softcap`` > 0: scores capped as ``decode_attention``'s (the bf16 AMX body has no cap:
+    a capped call runs the AVX-512 body)."""
     dt = getattr(q, "dtype", None)
     if not _prefill_ok(q, k, v, out, dt):
         raise _prefill_refusal("prefill_attention", q, k, v, out, dt)
+    _check_softcap("prefill_attention", softcap)
     t_len, hq, d = q.shape
     lib = lib or _lib or _native()
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t_len, hq, k.shape[1],
+            d, q.stride(0), k.stride(0), out.stride(0), scale)
+    if softcap:
+        fn = lib.prefill_attention_f32_capped if dt is F32 else lib.prefill_attention_bf16_capped
+        return fn(*args, softcap) == 0
     fn = lib.prefill_attention_f32 if dt is F32 else lib.prefill_attention_bf16
-    return fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t_len, hq, k.shape[1],
-              d, q.stride(0), k.stride(0), out.stride(0), scale) == 0
+    return fn(*args) == 0
 
 
 def prefill_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, segments: torch.Tensor, scale: float,
-                             lib=None) -> bool:
+                             lib=None, softcap: float = 0.0) -> bool:
     """``prefill_attention`` of several fresh prompts of one flat batch in one call:
     ``segments`` [2, S] int32 holds each prompt's first row (row 0) and length (row 1) in
     q, k, v and out, whose other rows are neither read nor written. Unlike the other
@@ -389,11 +444,17 @@ def prefill_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError("conveyor::prefill_attention_varlen: segments must lie inside the "
                          f"{t_len} rows with lengths >= 1, got starts {starts.tolist()} and "
                          f"lengths {lens.tolist()}")
+    _check_softcap("prefill_attention_varlen", softcap)
     lib = lib or _lib or _native()
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), segments.data_ptr(),
+            segments.data_ptr() + 4 * segments.shape[1], segments.shape[1], hq, k.shape[1], d,
+            q.stride(0), k.stride(0), out.stride(0), scale)
+    if softcap:
+        fn = (lib.prefill_attention_varlen_f32_capped if dt is F32
+              else lib.prefill_attention_varlen_bf16_capped)
+        return fn(*args, softcap) == 0
     fn = lib.prefill_attention_varlen_f32 if dt is F32 else lib.prefill_attention_varlen_bf16
-    return fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), segments.data_ptr(),
-              segments.data_ptr() + 4 * segments.shape[1], segments.shape[1], hq, k.shape[1], d,
-              q.stride(0), k.stride(0), out.stride(0), scale) == 0
+    return fn(*args) == 0
 
 
 # --- gemm.c ---------------------------------------------------------------------------
@@ -760,12 +821,14 @@ _SCHEMAS = {
                      "int heads, int head_dim) -> ()"),
     "decode_attention": (decode_attention, "decode_attention(Tensor q, Tensor k_cache, "
                          "Tensor v_cache, Tensor slots, Tensor lens, Tensor starts, "
-                         "float scale) -> Tensor"),
+                         "float scale, *, float softcap=0.) -> Tensor"),
     "prefill_attention": (prefill_attention, "prefill_attention(Tensor q, Tensor k, "
-                          "Tensor v, Tensor(a!) out, float scale) -> bool"),
+                          "Tensor v, Tensor(a!) out, float scale, *, float softcap=0.) "
+                          "-> bool"),
     "prefill_attention_varlen": (prefill_attention_varlen, "prefill_attention_varlen("
                                  "Tensor q, Tensor k, Tensor v, Tensor(a!) out, "
-                                 "Tensor segments, float scale) -> bool"),
+                                 "Tensor segments, float scale, *, float softcap=0.) "
+                                 "-> bool"),
     "gemm_pack_weight": (gemm_pack_weight,
                          "gemm_pack_weight(Tensor weight, bool gate_up=False) -> Tensor"),
     "gemm": (gemm, "gemm(Tensor x, Tensor packed, Tensor? bias, int out_features, "

@@ -3,7 +3,7 @@
  * tensors (bf16 is converted where the query block and the K/V tiles are copied, and
  * rounded once on the way out, so the arithmetic is float32 in both; the AVX-512 BF16
  * body also rounds the softmax numerators for P @ V, see its header); head dims 16, 32,
- * 64 and 128 (each a copy compiled with its dimension fixed, so that a query's
+ * 64, 128 and 256 (each a copy compiled with its dimension fixed, so that a query's
  * accumulator fits in registers).
  *
  * One task per (KV head, block of QB query rows): the block's rows times the G query
@@ -18,7 +18,8 @@
  *   k, v row t, head h at k + t * kv_stride + h * D      (h < Hkv)
  *   out  row t, head h at out + t * out_stride + h * D
  *
- * Query row t attends to keys 0..t. Compiled with the other kernels (-O3 -march=native
+ * Query row t attends to keys 0..t. The _capped entries take Gemma 2's logit cap: a scaled
+ * score s becomes softcap * tanh(s / softcap) before the mask (softcap.h; 0: none). Compiled with the other kernels (-O3 -march=native
  * -ffast-math -fopenmp); masked scores are a large negative number, not -inf, because
  * fast-math assumes finite values.
  */
@@ -29,6 +30,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "softcap.h"
 
 #define QB 16
 #define KC 16
@@ -154,25 +156,35 @@ int prefill_attention_bf16_amx(const uint16_t* q, const uint16_t* k, const uint1
 #define NO_AMX_(...) (-1)
 
 /* Returns 0, or -1 for a head dim without a compiled copy (the caller falls back). AMX,
- * where the build has it, takes bf16 before the vector bodies. */
+ * where the build has it, takes bf16 before the vector bodies, uncapped only: the AMX body
+ * keeps its scores in tiles and has no cap, so a capped call runs the AVX-512 body. */
 #define DISPATCH(SUF, T, AMX)                                                               \
-int prefill_attention_##SUF(const T* q, const T* k, const T* v, T* out, int L, int Hq,      \
-                            int Hkv, int head_dim, int q_stride, int kv_stride,             \
-                            int out_stride, float scale) {                                  \
-    if (AMX(q, k, v, out, L, Hq, Hkv, head_dim, q_stride, kv_stride, out_stride,            \
-            scale) == 0)                                                                    \
+int prefill_attention_##SUF##_capped(const T* q, const T* k, const T* v, T* out, int L,     \
+                                     int Hq, int Hkv, int head_dim, int q_stride,           \
+                                     int kv_stride, int out_stride, float scale,            \
+                                     float softcap) {                                       \
+    if (!(softcap > 0.f) && AMX(q, k, v, out, L, Hq, Hkv, head_dim, q_stride, kv_stride,    \
+                                out_stride, scale) == 0)                                    \
         return 0;                                                                           \
     switch (head_dim) {                                                                     \
         case 16: prefill_##SUF##_d16(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride,         \
-                                     out_stride, scale); return 0;                          \
+                                     out_stride, scale, softcap); return 0;                 \
         case 32: prefill_##SUF##_d32(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride,         \
-                                     out_stride, scale); return 0;                          \
+                                     out_stride, scale, softcap); return 0;                 \
         case 64: prefill_##SUF##_d64(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride,         \
-                                     out_stride, scale); return 0;                          \
+                                     out_stride, scale, softcap); return 0;                 \
         case 128: prefill_##SUF##_d128(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride,       \
-                                       out_stride, scale); return 0;                        \
+                                       out_stride, scale, softcap); return 0;               \
+        case 256: prefill_##SUF##_d256(q, k, v, out, L, Hq, Hkv, q_stride, kv_stride,       \
+                                       out_stride, scale, softcap); return 0;               \
         default: return -1;                                                                 \
     }                                                                                       \
+}                                                                                           \
+int prefill_attention_##SUF(const T* q, const T* k, const T* v, T* out, int L, int Hq,      \
+                            int Hkv, int head_dim, int q_stride, int kv_stride,             \
+                            int out_stride, float scale) {                                  \
+    return prefill_attention_##SUF##_capped(q, k, v, out, L, Hq, Hkv, head_dim, q_stride,   \
+                                            kv_stride, out_stride, scale, 0.f);             \
 }
 DISPATCH(f32, float, NO_AMX_)
 DISPATCH(bf16, uint16_t, prefill_attention_bf16_amx)
@@ -189,11 +201,14 @@ DISPATCH(bf16, uint16_t, prefill_attention_bf16_amx)
  * each segment lies inside the rows.
  */
 #define DISPATCH_VARLEN(SUF, T)                                                             \
-int prefill_attention_varlen_##SUF(const T* q, const T* k, const T* v, T* out,              \
-                                   const int32_t* starts, const int32_t* lens, int nseg,    \
-                                   int Hq, int Hkv, int head_dim, int q_stride,             \
-                                   int kv_stride, int out_stride, float scale) {            \
-    if (head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128) return -1;   \
+int prefill_attention_varlen_##SUF##_capped(const T* q, const T* k, const T* v, T* out,     \
+                                            const int32_t* starts, const int32_t* lens,     \
+                                            int nseg, int Hq, int Hkv, int head_dim,        \
+                                            int q_stride, int kv_stride, int out_stride,    \
+                                            float scale, float softcap) {                   \
+    if (head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128               \
+        && head_dim != 256)                                                                 \
+        return -1;                                                                          \
     if (nseg <= 0) return 0;                                                                \
     int* order = (int*)malloc(sizeof(int) * (size_t)nseg);                                  \
     if (order == NULL) return -1;                                                           \
@@ -210,24 +225,30 @@ int prefill_attention_varlen_##SUF(const T* q, const T* k, const T* v, T* out,  
         const int s = order[first];                                                         \
         const double work = (double)lens[s] * lens[s];                                      \
         if (threads > 1 && work * 2 * threads <= left) break;                               \
-        prefill_attention_##SUF(q + (int64_t)starts[s] * q_stride,                          \
-                                k + (int64_t)starts[s] * kv_stride,                         \
-                                v + (int64_t)starts[s] * kv_stride,                         \
-                                out + (int64_t)starts[s] * out_stride, lens[s], Hq, Hkv,    \
-                                head_dim, q_stride, kv_stride, out_stride, scale);          \
+        prefill_attention_##SUF##_capped(                                                   \
+            q + (int64_t)starts[s] * q_stride, k + (int64_t)starts[s] * kv_stride,          \
+            v + (int64_t)starts[s] * kv_stride, out + (int64_t)starts[s] * out_stride,      \
+            lens[s], Hq, Hkv, head_dim, q_stride, kv_stride, out_stride, scale, softcap);   \
         left -= work;                                                                       \
     }                                                                                       \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                        \
     for (int i = first; i < nseg; i++) {                                                    \
         const int s = order[i];                                                             \
-        prefill_attention_##SUF(q + (int64_t)starts[s] * q_stride,                          \
-                                k + (int64_t)starts[s] * kv_stride,                         \
-                                v + (int64_t)starts[s] * kv_stride,                         \
-                                out + (int64_t)starts[s] * out_stride, lens[s], Hq, Hkv,    \
-                                head_dim, q_stride, kv_stride, out_stride, scale);          \
+        prefill_attention_##SUF##_capped(                                                   \
+            q + (int64_t)starts[s] * q_stride, k + (int64_t)starts[s] * kv_stride,          \
+            v + (int64_t)starts[s] * kv_stride, out + (int64_t)starts[s] * out_stride,      \
+            lens[s], Hq, Hkv, head_dim, q_stride, kv_stride, out_stride, scale, softcap);   \
     }                                                                                       \
     free(order);                                                                            \
     return 0;                                                                               \
+}                                                                                           \
+int prefill_attention_varlen_##SUF(const T* q, const T* k, const T* v, T* out,              \
+                                   const int32_t* starts, const int32_t* lens, int nseg,    \
+                                   int Hq, int Hkv, int head_dim, int q_stride,             \
+                                   int kv_stride, int out_stride, float scale) {            \
+    return prefill_attention_varlen_##SUF##_capped(q, k, v, out, starts, lens, nseg, Hq,    \
+                                                   Hkv, head_dim, q_stride, kv_stride,      \
+                                                   out_stride, scale, 0.f);                 \
 }
 DISPATCH_VARLEN(f32, float)
 DISPATCH_VARLEN(bf16, uint16_t)

@@ -30,7 +30,7 @@ static inline __m256 max4_avx2(const __m256 x[4]) {
 #endif
 static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restrict v,
                  TIN* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
-                 int out_stride, float scale) {
+                 int out_stride, float scale, float softcap) {
     const int G = Hq / Hkv;
     const int nblocks = (L + QB - 1) / QB;
     const int ntasks = Hkv * nblocks;
@@ -94,6 +94,8 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
                 _mm256_store_ps(p[1], s10); _mm256_store_ps(p[1] + 8, s11);
                 _mm256_store_ps(p[2], s20); _mm256_store_ps(p[2] + 8, s21);
                 _mm256_store_ps(p[3], s30); _mm256_store_ps(p[3] + 8, s31);
+                /* Soft-capped logits (softcap.h) before the mask. */
+                if (softcap > 0.f) softcap_scores(p[0], 4 * KC, softcap);
                 /* Keys past row t (and padding) are masked; padded queries mask all. */
                 __m256 lo[4], hi[4], mx[4];
                 for (int a = 0; a < 4; a++) {

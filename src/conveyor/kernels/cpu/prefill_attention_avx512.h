@@ -48,7 +48,7 @@ static inline __m512 max4(const __m512 s[4]) {
 #endif
 static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restrict v,
                  TIN* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
-                 int out_stride, float scale) {
+                 int out_stride, float scale, float softcap) {
     const int G = Hq / Hkv;
     const int nblocks = (L + QB - 1) / QB;
     const int ntasks = Hkv * nblocks;
@@ -172,7 +172,7 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
                     o3 = _mm512_dpbf16_ps(o3, QB_(q0[3 * D / 2 + d + 1]), k1);
 #undef QB_
                 }
-                const __m512 sc[4] = {_mm512_mul_ps(_mm512_add_ps(e0, o0), scale_v),
+                __m512 sc[4] = {_mm512_mul_ps(_mm512_add_ps(e0, o0), scale_v),
                                       _mm512_mul_ps(_mm512_add_ps(e1, o1), scale_v),
                                       _mm512_mul_ps(_mm512_add_ps(e2, o2), scale_v),
                                       _mm512_mul_ps(_mm512_add_ps(e3, o3), scale_v)};
@@ -192,9 +192,15 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
                     e3 = _mm512_fmadd_ps(_mm512_set1_ps(q0[3 * D + d]), k0, e3);
                     o3 = _mm512_fmadd_ps(_mm512_set1_ps(q0[3 * D + d + 1]), k1, o3);
                 }
-                const __m512 sc[4] = {_mm512_add_ps(e0, o0), _mm512_add_ps(e1, o1),
+                __m512 sc[4] = {_mm512_add_ps(e0, o0), _mm512_add_ps(e1, o1),
                                       _mm512_add_ps(e2, o2), _mm512_add_ps(e3, o3)};
 #endif
+                if (softcap > 0.f) { /* soft-capped logits (softcap.h), before the mask */
+                    float cs[4][KC] __attribute__((aligned(64)));
+                    for (int a = 0; a < 4; a++) _mm512_store_ps(cs[a], sc[a]);
+                    softcap_scores(cs[0], 4 * KC, softcap);
+                    for (int a = 0; a < 4; a++) sc[a] = _mm512_load_ps(cs[a]);
+                }
 #if DOT_BF16_
                 uint32_t pp[4][KC / 2] __attribute__((aligned(32)));
 #else

@@ -5,7 +5,7 @@
  */
 static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restrict v,
                  TIN* restrict out, int L, int Hq, int Hkv, int q_stride, int kv_stride,
-                 int out_stride, float scale) {
+                 int out_stride, float scale, float softcap) {
     const int G = Hq / Hkv;
     const int nblocks = (L + QB - 1) / QB;
     const int ntasks = Hkv * nblocks;
@@ -50,6 +50,7 @@ static void NAME(const TIN* restrict q, const TIN* restrict k, const TIN* restri
                 for (int a = 0; a < 4 && i0 + a < nq; a++) {
                     const int i = i0 + a, t = r0 + i / G;
                     float* sc = scs[a];
+                    if (softcap > 0.f) softcap_scores(sc, KC, softcap); /* before the mask */
                     float* si = s + (int64_t)i * KC;
                     const int valid = t < j0 ? 0 : (t - j0 + 1 < kn ? t - j0 + 1 : kn);
                     for (int jj = valid; jj < KC; jj++) sc[jj] = NEG;

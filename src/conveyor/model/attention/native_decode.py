@@ -21,21 +21,23 @@ class NativeDecode:
     (``decode_attention_q8``)."""
 
     needs_mask = False
+    takes_softcap = True  # Gemma 2's logit cap, inside the kernel (softcap.h)
 
     def __init__(self, lib) -> None:
         self.lib = lib
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                 meta: AttentionMetadata, scale: float,
+                 softcap: float | None = None) -> torch.Tensor:
         fp32 = q.dtype is torch.float32
         qf = q.contiguous() if fp32 else q.float().contiguous()
         if isinstance(k_cache, QuantizedKV):  # one-byte codes, dequantised in the kernel
             out = native.decode_attention_q8(qf, k_cache.data, k_cache.scale, v_cache.data,
                                              v_cache.scale, meta.decode_slots,
                                              meta.decode_lens, meta.decode_starts, scale,
-                                             lib=self.lib)
+                                             lib=self.lib, softcap=softcap or 0.0)
         else:
             out = native.decode_attention(qf, k_cache, v_cache, meta.decode_slots,
                                           meta.decode_lens, meta.decode_starts, scale,
-                                          lib=self.lib)
+                                          lib=self.lib, softcap=softcap or 0.0)
         return out if fp32 else out.to(q.dtype)

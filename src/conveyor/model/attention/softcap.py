@@ -1,8 +1,10 @@
 """Attention with soft-capped logits (Gemma 2: ``cap * tanh(scores / cap)`` before the mask
 and softmax), over the paged cache.
 
-Neither SDPA nor the native C kernels take a cap, so a layer with one comes here for its
-decode rows and prefill segments alike: explicit matmuls in transformers' eager order
+SDPA takes no cap, so a capped layer comes here for what the backend's kernels do not
+take (``paged.py``: everything where the decode kernel takes no cap, as on SDPA and with
+the native kernels off; on the native backend only the segments its prefill kernel
+declines, such as a chunk over a cached prefix): explicit matmuls in transformers' eager order
 (scores scaled, capped, masked, softmax in float32, then P @ V), so float32 logits agree
 to rounding. It runs on any device and dtype.
 

@@ -45,6 +45,16 @@ class TorchOps:
         gate, up = gate_up.split(intermediate, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        """Gemma's GeGLU: gelu-tanh(gate) * up."""
+        gate, up = gate_up.split(intermediate, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """``cap * tanh(x / cap)`` (Gemma 2's final logits), as transformers computes it;
+        may write x in place."""
+        return torch.tanh(x / cap) * cap
+
 
 class NativeOps(TorchOps):
     """Fused C kernels (``kernels/cpu/elementwise.c``) for float32 or bfloat16 tensors on CPU
@@ -72,3 +82,14 @@ class NativeOps(TorchOps):
 
     def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
         return native.silu_mul(gate_up, intermediate)
+
+    # float32 in one native pass each; bf16 (rounded where torch rounds) stays in torch.
+    def gelu_tanh_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        if gate_up.dtype is not torch.float32 or not gate_up.is_contiguous():
+            return super().gelu_tanh_mul(gate_up, intermediate)
+        return native.gelu_tanh_mul(gate_up, intermediate)
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        if x.dtype is not torch.float32 or not x.is_contiguous():
+            return super().softcap(x, cap)
+        return native.softcap_(x, cap)

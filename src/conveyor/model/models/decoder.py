@@ -158,9 +158,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         h = self.gate_up_proj(x)
-        if not self.fuses_silu:  # GeGLU (Gemma): gelu-tanh(gate) * up, in PyTorch
-            gate, up = h.split(self.intermediate, dim=-1)
-            h = F.gelu(gate, approximate="tanh") * up
+        if not self.fuses_silu:  # GeGLU (Gemma): gelu-tanh(gate) * up
+            h = ops.gelu_tanh_mul(h, self.intermediate)
         elif not getattr(self.gate_up_proj, "applies_silu_mul", False):  # else fused in
             h = ops.silu_mul(h, self.intermediate)
         return self.tp.all_reduce(self.down_proj(h))
@@ -377,8 +376,8 @@ class DecoderForCausalLM(nn.Module):
             local = F.linear(hidden, self.lm_head_weight)
         if self.logits_scaling is not None:  # Granite: elementwise, so per shard
             local = local / self.logits_scaling
-        if self.final_softcap is not None:  # Gemma 2
-            local = torch.tanh(local / self.final_softcap) * self.final_softcap
+        if self.final_softcap is not None:  # Gemma 2 (local is this step's own tensor)
+            local = self.ops.softcap(local, self.final_softcap)
         return self.tp.gather_vocab(local, self.cfg.vocab_size)
 
 

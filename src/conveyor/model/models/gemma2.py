@@ -1,6 +1,7 @@
 """Gemma 2: (1 + w) RMS norms before and after both sublayers, GeGLU (gelu-tanh) MLP,
 embeddings times sqrt(hidden), attention scaled by ``query_pre_attn_scalar`` and its
-logits soft-capped (``attn_logit_softcapping``: those layers run ``attention/softcap.py``),
+logits soft-capped (``attn_logit_softcapping``: in the native kernels, else
+``attention/softcap.py``; see ``attention/paged.py``),
 final logits soft-capped, and a sliding window on alternating layers (even ones)."""
 
 from __future__ import annotations
