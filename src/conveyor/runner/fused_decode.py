@@ -55,17 +55,18 @@ class FusedDecode:
         self.num_steps = 0  # decode steps run here (tests, logs)
 
     @classmethod
-    def build(cls, model, kv_caches: list, decode_kernel, max_rows: int = MAX_ROWS
+    def build(cls, model, kv_caches: list, decode_kernel, max_rows: int | None = None
               ) -> FusedDecode | None:
-        """The fused path for ``model`` over ``kv_caches``, or None where it does not apply
-        (the reason logged) or ``CONVEYOR_FUSED_DECODE`` turns it off."""
+        """The fused path for ``model`` over ``kv_caches`` (steps of up to ``max_rows``
+        rows, default ``MAX_ROWS``), or None where it does not apply (the reason logged) or
+        ``CONVEYOR_FUSED_DECODE`` turns it off."""
         if not envs.switched_on(envs.FUSED_DECODE):
             return None
         lib = kernels.load()
         try:
             if lib is None:
                 raise Unsupported("the native kernels are not built")
-            return cls._build(lib, model, kv_caches, decode_kernel, max_rows)
+            return cls._build(lib, model, kv_caches, decode_kernel, max_rows or MAX_ROWS)
         except Unsupported as e:
             logger.info("fused decode forward off: %s", e)
             return None
