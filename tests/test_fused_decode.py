@@ -34,7 +34,7 @@ def _fused_steps(llm) -> int:
     return fused.num_steps
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_greedy_equals_transformers(arch: str, config: str) -> None:
     path = make_checkpoint(arch)
@@ -85,11 +85,12 @@ def _logits_and_kv(path: str, fused: bool, **kw):
     return llm, steps, runner.kv_caches
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # QKV bias; per-head q/k norms
 @pytest.mark.parametrize("kw", [dict(NATIVE), dict(quantization="int8"),
                                 dict(quantization="int4")], ids=["float32", "int8", "int4"])
-def test_same_logits_and_kv_as_the_modules(kw: dict, native_int) -> None:
+def test_same_logits_and_kv_as_the_modules(kw: dict, arch: str, native_int) -> None:
     """Bit for bit: any layer's step done otherwise than the modules do shows here."""
-    path = make_checkpoint("qwen2")  # (QKV bias)
+    path = make_checkpoint(arch)
     fast, got, got_kv = _logits_and_kv(path, True, **kw)
     _, want, want_kv = _logits_and_kv(path, False, **kw)
     assert _fused_steps(fast) >= 5
@@ -119,8 +120,10 @@ def test_rows_past_the_limit_take_the_modules(monkeypatch) -> None:
 
 
 def test_off_where_it_does_not_apply(monkeypatch) -> None:
-    # per-head q/k norms (Qwen3) are not in the C code
-    assert LLM(make_checkpoint("qwen3"), dtype="float32",
+    from test_families import checkpoint
+
+    # Gemma 2's sandwich norms, soft-capping and per-layer windows are not in the C code
+    assert LLM(checkpoint("gemma2"), dtype="float32",
                **NATIVE).engine.runner.fused_decode is None
     # the torch linears are not native ones
     assert LLM(make_checkpoint("llama"), dtype="float32", linear_backend="torch",

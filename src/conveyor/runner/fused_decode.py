@@ -5,7 +5,8 @@ call one by one, so the hidden states are the ones ``model.forward`` returns.
 At a few rows a step is a few hundred kernel calls, each paying for Python, ctypes and
 a tensor allocation; this pays for one. ``FusedDecode.build`` returns None (the runner
 keeps the PyTorch path) unless every part of the model is one the C code computes as the
-modules do: a plain pre-norm Llama layer (QKV bias allowed), native float32 / bf16-weight
+modules do: a plain pre-norm Llama layer (QKV bias and Qwen3's per-head q/k norms
+allowed), native float32 / bf16-weight
 or int8 / int4 linears, native elementwise ops and decode attention over float32 caches,
 one window for every layer, no tensor parallelism, no adapters.
 ``CONVEYOR_FUSED_DECODE=0`` turns it off. A step runs here only while all its rows are
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 # per-call costs this saves (docs/results: measured side by side).
 MAX_ROWS = 8
 _KIND_F32, _KIND_W16, _KIND_Q = 0, 1, 2
-_LIN_N = 10  # entries of a linear in the layer table (decode_forward.c's LIN_*)
 
 
 class Unsupported(ValueError):
@@ -135,7 +135,7 @@ class FusedDecode:
                 tensor(model.norm.weight, (hidden,), "the final norm")]
         for i, (layer, kv) in enumerate(zip(layers, kv_caches, strict=True)):
             at, mlp = layer.self_attn, layer.mlp
-            if layer.layout != "pre" or at.qk_norm or at.qk_norm_full or at.softcap \
+            if layer.layout != "pre" or at.qk_norm_full or at.softcap \
                     or type(mlp) is not MLP or not mlp.fuses_silu:
                 raise Unsupported(f"layer {i} is not a plain Llama layer")
             if (at.num_heads, at.num_kv_heads, at.head_dim, mlp.intermediate) != (
@@ -149,6 +149,12 @@ class FusedDecode:
                             f"layer {i}'s norm"),
                      tensor(kc, (kv_caches[0][0].shape[0], hkv, d), f"layer {i}'s K cache"),
                      tensor(vc, (kv_caches[0][0].shape[0], hkv, d), f"layer {i}'s V cache")]
+            if at.qk_norm:  # Qwen3: each head's q and k normed before the rotation
+                eps |= {float(at.q_norm.eps), float(at.k_norm.eps)}
+                ptrs += [tensor(at.q_norm.weight, (d,), f"layer {i}'s q norm"),
+                         tensor(at.k_norm.weight, (d,), f"layer {i}'s k norm")]
+            else:
+                ptrs += [0, 0]
             ptrs += linear(at.qkv_proj, (hq + 2 * hkv) * d, hidden, f"layer {i}'s QKV")
             ptrs += linear(at.o_proj, hidden, hq * d, f"layer {i}'s O")
             ptrs += linear(mlp.gate_up_proj, 2 * inter, hidden, f"layer {i}'s gate/up",

@@ -1,6 +1,6 @@
 /*
  * A target model's whole decode forward in one call: every layer of a Llama-family model
- * (Llama, Mistral, Qwen2's QKV bias) over R decode rows, from the embedded rows to the
+ * (Llama, Mistral, Qwen2's QKV bias, Qwen3's per-head q/k norms) over R decode rows, from the embedded rows to the
  * final norm, on the kernels the PyTorch path calls one by one (elementwise.c, gemm.c,
  * decode_attention.c, and quant_gemm.c's qgemm_f32 through a function pointer: that one
  * is a library of its own), in the same order, so every number is the one it computes.
@@ -10,10 +10,11 @@
  *
  * The model is passed as tables (built and checked once in Python, runner/fused_decode.py):
  *   dims [6]: hidden, layers, Hq, Hkv, D, intermediate
- *   ptrs [3 + layers * (4 + 4 * LIN_N)]: RoPE cos, sin [max_pos, D], the final norm; per
+ *   ptrs [3 + layers * (6 + 4 * LIN_N)]: RoPE cos, sin [max_pos, D], the final norm; per
  *     layer: input norm, post-attention norm, K cache, V cache ([num_slots, Hkv, D]
- *     float32 each), then the QKV, O, gate/up and down linears, LIN_N entries each (LIN_*
- *     below).
+ *     float32 each), the q and k norms over each head's D values (0: none; before the
+ *     rotation, as NativeOps.head_norms_rope_), then the QKV, O, gate/up and down
+ *     linears, LIN_N entries each (LIN_* below).
  * A linear is float32 or bf16 weights packed for gemm.c (gemm_f32, gemm_f32_w16) or an
  * int8 / int4 weight packed for quant_gemm.c (qgemm_f32); "fused": the gate/up linear
  * applies silu(gate) * up itself (else silu_mul_f32 follows it).
@@ -48,7 +49,7 @@ typedef int (*qgemm_fn)(const float* x, int M, int K, int ldx, const void* w, in
 
 enum { D_HIDDEN, D_LAYERS, D_HQ, D_HKV, D_HEAD, D_INTER };
 enum { P_COS, P_SIN, P_NORM, P_LAYER0 };
-enum { L_IN_NORM, L_POST_NORM, L_K, L_V, L_QKV, L_N_HEAD = L_QKV };
+enum { L_IN_NORM, L_POST_NORM, L_K, L_V, L_Q_NORM, L_K_NORM, L_N_HEAD };
 /* a linear: kind, packed weight, bias (0: none), N, K, fused activation, then for
  * qgemm: bits, scales, zeros (0: none), group */
 enum { LIN_KIND, LIN_W, LIN_BIAS, LIN_N_OUT, LIN_K, LIN_FUSED, LIN_BITS, LIN_SCALES,
@@ -115,6 +116,13 @@ int decode_forward_f32(const int64_t* dims, const int64_t* ptrs, void* qgemm_ptr
             add_rms_norm_f32(h, res, P(const float*, lp[L_IN_NORM]), x, R, H, eps);
         }
         if ((rc = linear(lin + LIN_QKV * LIN_N, qgemm, x, H, qkv, qkv_w, R))) break;
+        const float* qn = P(const float*, lp[L_Q_NORM]);
+        const float* kn = P(const float*, lp[L_K_NORM]);
+        for (int r = 0; qn && r < R; r++) { /* in place: a row's heads are contiguous */
+            float* row = qkv + (size_t)r * qkv_w;
+            rms_norm_f32(row, qn, row, Hq, D, eps);
+            rms_norm_f32(row + Hq * D, kn, row + Hq * D, Hkv, D, eps);
+        }
         rope_f32(qkv, pos, P(const float*, ptrs[P_COS]), P(const float*, ptrs[P_SIN]), R,
                  Hq + Hkv, qkv_w, D);
         float* kc = P(float*, lp[L_K]);
