@@ -24,6 +24,7 @@ from benchmarks.quant.decode_quant import VARIANTS as QUANT_VARIANTS
 from benchmarks.quant.decode_quant import build
 from conveyor import envs
 from conveyor.kernels.cpu.cpuinfo import cpu_model_name
+from conveyor.runner import fused_decode
 
 VARIANTS = {**QUANT_VARIANTS, "bf16": {"linear_backend": "native-bf16"}}
 
@@ -56,7 +57,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="the fused path's row limit (default: runner/fused_decode.MAX_ROWS)")
     args = p.parse_args()
+    if args.max_rows:
+        fused_decode.MAX_ROWS = args.max_rows
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"# {args.model}, dummy weights, context {args.context}, "
