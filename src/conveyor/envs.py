@@ -13,6 +13,7 @@ says 0, false, off or no.
 | ``CONVEYOR_MEASURE_ATTENTION`` | on | measure attention backends at start; off: priority order |
 | ``CONVEYOR_FEW_ROWS`` | unset | force the few-rows GEMM split at N rows (0: none) |
 | ``CONVEYOR_NATIVE_DRAFT`` | on | a float32 draft model's greedy proposals as one native loop |
+| ``CONVEYOR_FUSED_DECODE`` | on | a Llama-family model's small decode steps as one native call |
 | ``CONVEYOR_KEEP_HOST_MEMORY`` | on | keep freed activation memory mapped between steps |
 | ``CONVEYOR_HUGE_PAGES`` | on | advise transparent huge pages for the KV cache and weights |
 | ``CONVEYOR_GC_FREEZE`` | on | freeze the start-up heap out of Python's garbage collector |
@@ -33,6 +34,7 @@ MEASURE_LINEARS = "CONVEYOR_MEASURE_LINEARS"
 MEASURE_ATTENTION = "CONVEYOR_MEASURE_ATTENTION"
 FEW_ROWS = "CONVEYOR_FEW_ROWS"
 NATIVE_DRAFT = "CONVEYOR_NATIVE_DRAFT"
+FUSED_DECODE = "CONVEYOR_FUSED_DECODE"
 KEEP_HOST_MEMORY = "CONVEYOR_KEEP_HOST_MEMORY"
 HUGE_PAGES = "CONVEYOR_HUGE_PAGES"
 GC_FREEZE = "CONVEYOR_GC_FREEZE"

@@ -36,6 +36,7 @@ from conveyor.model.quant.apply import quantize_model
 from conveyor.model.quant.kv_cache import attention_backend_for, quantized_kv_caches
 from conveyor.runner import huge_pages
 from conveyor.runner.decode_layout import attended, padded_slots, window_starts
+from conveyor.runner.fused_decode import FusedDecode
 from conveyor.runner.grammar import Grammars, apply_mask
 from conveyor.runner.host_memory import keep_freed_host_memory
 from conveyor.runner.lora import lora_rows, make_lora_manager
@@ -156,6 +157,7 @@ class ModelRunner:
         self.record_logits = False
         self.last_logits: dict[str, torch.Tensor] = {}
         self.decode_graphs = None  # runner/decode_graphs.py's, set by the executor
+        self.fused_decode: FusedDecode | None = None  # set once the KV cache is allocated
 
     def _apply_backends(self, plan: BackendPlan) -> None:
         """The plan's attention kernels and elementwise ops installed, the model's linears
@@ -198,6 +200,7 @@ class ModelRunner:
             self.num_blocks, self.num_window_blocks = (groups.num_full_blocks,
                                                        groups.num_window_blocks)
             self.kv_groups = groups
+            self._build_fused_decode()
             return self.num_blocks
         if num_blocks is None:
             num_blocks = num_blocks_for(self.cache_cfg, self.cfg, self.device, max_num_seqs)
@@ -205,7 +208,14 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if self.proposer is not None and hasattr(self.proposer, "allocate_kv_cache"):
             self.proposer.allocate_kv_cache(num_blocks)  # the draft's layers, same blocks
+        self._build_fused_decode()
         return num_blocks
+
+    def _build_fused_decode(self) -> None:
+        """Small decode-only steps as one native call where the model allows it
+        (runner/fused_decode.py); never with adapters."""
+        self.fused_decode = None if self.lora is not None or self.device.type != "cpu" \
+            else FusedDecode.build(self.model, self.kv_caches, self.decode_kernel)
 
     def _kv_pool(self, num_blocks: int, num_layers: int
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -354,7 +364,10 @@ class ModelRunner:
         # Decode steps through CUDA graphs where they are on (runner/decode_graphs.py).
         graphs = self.decode_graphs
         hidden = graphs.run(input_ids, positions, meta) if graphs is not None else None
-        if hidden is None:
+        fused = self.fused_decode
+        if hidden is None and fused is not None and fused.applies(meta, input_ids.shape[0]):
+            hidden = fused(self.model.embed_tokens(input_ids), positions, meta)
+        elif hidden is None:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         t2 = time.perf_counter()
         self.timings.add("prepare", t1 - t0)

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), name)
             for name in ("decode_attention.c", "prefill_attention.c",
                          "prefill_attention_amx.c", "elementwise.c", "gemm.c",
-                         "draft_forward.c", "kv_store.c")]
+                         "draft_forward.c", "decode_forward.c", "kv_store.c")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), name)
             for name in ("prefill_attention_body.h", "prefill_attention_avx2.h",
                          "prefill_attention_avx512.h", "prefill_attention_dims.h", "simd_math.h",
@@ -258,6 +258,7 @@ SIGNATURES: dict[str, list] = {
     "gemm_f32_w16": [_PTR, _I32, _PTR, _PTR, _PTR] + [_I32] * 5,
     "gemm_f32_grouped": [_I32, _PTR, _I32, _PTR, _I32, _PTR, _I32, _PTR] + [_I32] * 3,
     "draft_propose_f32": [_PTR, _PTR, _F32, _F32, _I32] + [_PTR] * 5 + [_I32, _PTR],
+    "decode_forward_f32": [_PTR] * 3 + [_F32, _F32, _I32] + [_PTR] * 6 + [_I32, _PTR],
 }
 RESTYPES = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
             "prefill_attention_varlen_f32": ctypes.c_int,
@@ -270,7 +271,7 @@ RESTYPES = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": cty
             "gemm_packed_size": ctypes.c_int64,
             "gemm_f32": ctypes.c_int, "gemm_f32_w16": ctypes.c_int,
             "gemm_f32_grouped": ctypes.c_int,
-            "draft_propose_f32": ctypes.c_int}
+            "draft_propose_f32": ctypes.c_int, "decode_forward_f32": ctypes.c_int}
 
 
 def bind(lib: ctypes.CDLL, only_present: bool = False) -> None:

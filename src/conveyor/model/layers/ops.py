@@ -41,6 +41,19 @@ class TorchOps:
         q, k = rope(positions, q, k)
         return q, k, v.view(t, num_kv_heads, head_dim)
 
+    def head_norms_rope_(self, rope: RotaryEmbedding, positions: torch.Tensor,
+                         qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
+                         num_heads: int, num_kv_heads: int, head_dim: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As ``rope_``, each head of q and k RMS-normed first (Qwen3)."""
+        t = qkv.shape[0]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q_norm(q.view(t, num_heads, head_dim))
+        k = k_norm(k.view(t, num_kv_heads, head_dim))
+        q, k = rope(positions, q, k)
+        return q, k, v.view(t, num_kv_heads, head_dim)
+
     def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
         gate, up = gate_up.split(intermediate, dim=-1)
         return F.silu(gate) * up
@@ -79,6 +92,24 @@ class NativeOps(TorchOps):
         # The views TorchOps.rope_ returns, in one view and one split.
         return qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, head_dim).split_with_sizes(
             (num_heads, num_kv_heads, num_kv_heads), 1)
+
+    def head_norms_rope_(self, rope: RotaryEmbedding, positions: torch.Tensor,
+                         qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
+                         num_heads: int, num_kv_heads: int, head_dim: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The heads normed in place by the RMS norm kernel (its numbers, which the fused
+        decode forward repeats: runner/fused_decode.py), then the native rotation."""
+        if not (qkv.is_contiguous() and q_norm.weight.dtype is qkv.dtype
+                and k_norm.weight.dtype is qkv.dtype):
+            return super().head_norms_rope_(rope, positions, qkv, q_norm, k_norm, num_heads,
+                                            num_kv_heads, head_dim)
+        t, start = qkv.shape[0], 0
+        for norm, heads in ((q_norm, num_heads), (k_norm, num_kv_heads)):
+            part = qkv[:, start:start + heads * head_dim]
+            part.copy_(native.rms_norm(part.reshape(t * heads, head_dim), norm.weight,
+                                       norm.eps).view(t, heads * head_dim))
+            start += heads * head_dim
+        return self.rope_(rope, positions, qkv, num_heads, num_kv_heads, head_dim)
 
     def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
         return native.silu_mul(gate_up, intermediate)

@@ -124,12 +124,9 @@ class Attention(nn.Module):
             k = k.view(t, self.num_kv_heads, self.head_dim)
             q, k = rope(positions, q, k)
             v = v.view(t, self.num_kv_heads, self.head_dim)
-        elif self.qk_norm:  # per-head norms come before the rotation (reference ops)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
-            q, k = rope(positions, q, k)
-            v = v.view(t, self.num_kv_heads, self.head_dim)
+        elif self.qk_norm:  # per-head norms come before the rotation
+            q, k, v = ops.head_norms_rope_(rope, positions, qkv, self.q_norm, self.k_norm,
+                                           self.num_heads, self.num_kv_heads, self.head_dim)
         else:
             q, k, v = ops.rope_(rope, positions, qkv, self.num_heads, self.num_kv_heads,
                                 self.head_dim)
