@@ -212,3 +212,57 @@ def test_quantization_errors(tmp_path):
         LLM(str(path), dtype="float32")
     with pytest.raises(ValueError, match="linear-backend"):
         LLM(src, dtype="float32", quantization="int8", linear_backend="onednn")
+
+
+def _fake_times(shapes, backends, device, dtype, decode_rows, prefill_rows, counts=None):
+    """Seconds by row count as a dequantise-then-GEMM backend and a register kernel
+    scale: the kernel ahead at few rows, the dequantising one at many and at prefill."""
+    out = {}
+    for s in shapes:
+        out[s.key] = {}
+        for name in backends:
+            if name.startswith("native-int"):
+                t = (1.0 * decode_rows, 1.0 * max(prefill_rows, decode_rows))
+            else:
+                t = (10.0 + 0.5 * decode_rows, 10.0 + 0.1 * max(prefill_rows, decode_rows))
+            out[s.key][name] = t
+    return out
+
+
+def test_row_ranges_send_one_row_calls_to_the_one_row_winner(monkeypatch, tmp_path):
+    """Where the backend timed fastest at a server's rows (dequantise, then GEMM) loses at
+    one row, calls of up to the measured row count go to the one-row winner and the larger
+    ones to the other; greedy ids still equal the dequantised reference."""
+    from conveyor.kernels.cpu import quant
+    from conveyor.model.autotune import cache, linears
+    from conveyor.model.autotune.row_ranges import SPLIT_ROWS
+    from conveyor.model.quant.linear import DequantLinear, NativeQuantLinear, RowRangeLinear
+
+    if not quant.simd():
+        pytest.skip("no AVX2 build of the quantized kernel")
+    monkeypatch.setattr(cache, "_path", lambda kind: str(tmp_path / f"{kind}.json"))
+    monkeypatch.setattr(linears, "measure", _fake_times)
+    # (fake times: the kernel 1 a row, the other 10 + 0.5 a row: ahead up to 16 rows,
+    # behind by more than TIE at 32; at 128 decode + 512 prefill rows the other wins)
+    assert 16 in SPLIT_ROWS and 32 in SPLIT_ROWS
+    llm = LLM(make_checkpoint("qwen3"), dtype="float32", quantization="int4",
+              max_num_seqs=128, max_num_batched_tokens=512)
+    model = llm.engine.runner.model
+    split = [m for m in model.modules() if isinstance(m, RowRangeLinear)]
+    assert len(split) == 4 * len(model.layers) + 1, "qkv, o, gate_up, down; and the head"
+    calls = []
+    for m in split:
+        assert isinstance(m.few, NativeQuantLinear) and isinstance(m.many, DequantLinear)
+        assert m.max_rows == 16
+        m.few.register_forward_hook(lambda mod, i, o: calls.append(("few", i[0].shape[0])))
+        m.many.register_forward_hook(lambda mod, i, o: calls.append(("many", i[0].shape[0])))
+    for rows in (1, 16, 17):
+        calls.clear()
+        x = torch.randn(rows, split[0].in_features)
+        got = split[0](x)
+        assert calls == [("few" if rows <= 16 else "many", rows)]
+        want = split[0].few(x) if rows > 16 else split[0].many(x)
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    calls.clear()
+    _check(llm, "qwen3", method="int4")
+    assert {("few", 1), ("many", 1)} & set(calls) == {("few", 1)}  # decode rows: the kernel

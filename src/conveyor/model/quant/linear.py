@@ -8,6 +8,8 @@
 - ``DequantLinear``: the weight dequantised on every call, then ``F.linear``: portable (any
   device, dtype, format), the fallback, and at prefill sizes the dequantisation is a
   small share of the call.
+- ``RowRangeLinear``: two of them over one weight, by the call's row count
+  (``autotune/row_ranges.py`` measures where).
 """
 
 from __future__ import annotations
@@ -171,3 +173,31 @@ class W8A8Linear(_QuantLinear):
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*lead, self.out_features)
+
+
+class RowRangeLinear(nn.Module):
+    """Calls of up to ``max_rows`` rows to ``few``, the others to ``many``: two backends'
+    modules over the same weight. Where one side applies ``silu(gate) * up`` itself and
+    the other does not, this module applies it after the other, so that every call
+    returns the same kind of result (the MLP asks ``applies_silu_mul`` once)."""
+
+    def __init__(self, few: nn.Module, many: nn.Module, max_rows: int) -> None:
+        super().__init__()
+        self.few, self.many, self.max_rows = few, many, max_rows
+        self.out_features, self.in_features = many.out_features, many.in_features
+        fused = (getattr(few, "applies_silu_mul", False),
+                 getattr(many, "applies_silu_mul", False))
+        self.applies_silu_mul = any(fused)
+        self._then_silu = (self.applies_silu_mul and not fused[0],
+                           self.applies_silu_mul and not fused[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        few = x.numel() <= self.max_rows * self.in_features  # (rows, whatever x's rank)
+        y = self.few(x) if few else self.many(x)
+        if self._then_silu[0 if few else 1]:
+            half = y.shape[-1] // 2
+            y = F.silu(y[..., :half]) * y[..., half:]
+        return y
+
+    def extra_repr(self) -> str:
+        return f"up to {self.max_rows} rows to the first"
