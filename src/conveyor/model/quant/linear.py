@@ -3,6 +3,9 @@
 - ``NativeQuantLinear``: conveyor's kernel (``kernels/cpu/quant_gemm.c``), int8 or int4
   (nibbles) packed in panels of 16 output rows at load, widened in registers or a small
   buffer, float32 sums; x in any float dtype, computed in float32.
+- ``NativeA16Linear``: int4 through ``qgemm_a16``: x rounded to int16 per row, integer
+  sums (within a stated bound of the float result, ``quant_gemm.c``), the weight packed in
+  column pairs.
 - ``Int8MMLinear``: torch's ``_weight_int8pack_mm`` (int8, one scale per row); fast on
   this project's AVX2 CPU for bfloat16 x only.
 - ``DequantLinear``: the weight dequantised on every call, then ``F.linear``: portable (any
@@ -107,6 +110,51 @@ class NativeQuantLinear(_QuantLinear):
             x2 = x2.to(torch.float32).contiguous()
         y = self.gemm(x2)
         return y.to(x.dtype).view(*lead, self.width)
+
+
+def pack_pairs(q: torch.Tensor) -> torch.Tensor:
+    """int4 values 0..15 [N, K] (K even) in ``qgemm_a16``'s layout: uint8 [P, K / 2, 16],
+    byte 2i + t of panel p, pair kp holding output 16p + i (low nibble) and 16p + i + 8
+    (high) at column 2kp + t."""
+    u = to_panels(q.to(torch.uint8))
+    p, k, _ = u.shape
+    b = u[:, :, :8] | (u[:, :, 8:] << 4)
+    return b.view(p, k // 2, 2, 8).transpose(2, 3).reshape(p, k // 2, 16).contiguous()
+
+
+def _unsigned_int4(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q as 0..15, zero points): signed -8..7 stored with the zero moved by 8."""
+    q, zero = weight.q, weight.zero
+    if int(q.min()) < 0:
+        q = q + 8
+        zero = (zero if zero is not None else torch.zeros_like(weight.scale)) + 8
+    return q, zero
+
+
+class NativeA16Linear(_QuantLinear):
+    """An int4 weight through ``qgemm_a16`` (x rounded to int16 per row, exact int32
+    sums): K and the group even, the group at most ``quant.A16_MAX_GROUP``."""
+
+    kind = "native, int16 x"
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, lib=None) -> None:
+        super().__init__(weight)
+        if weight.bits != 4 or not qkernel.a16_takes(self.in_features, weight.group):
+            raise ValueError(f"qgemm_a16 takes int4 weights of even K and group (at most "
+                             f"{qkernel.A16_MAX_GROUP}), got int{weight.bits} K = "
+                             f"{self.in_features}, group {weight.group}")
+        q, zero = _unsigned_int4(weight)
+        self.qweight = pack_pairs(q)
+        self.scales = to_panels(weight.scale.to(torch.float32), 1.0)
+        self.zeros = to_panels(zero.to(torch.float32)) if zero is not None else None
+        self.bias = _bias(bias)
+        self.perm = weight.perm
+        self.gemm = qkernel.PackedA16Gemm(self.qweight, self.scales, self.zeros, self.group,
+                                          self.bias, self.out_features, self.in_features,
+                                          lib or qkernel.load())
+        self.width = self.out_features
+
+    forward = NativeQuantLinear.forward
 
 
 class Int8MMLinear(_QuantLinear):
