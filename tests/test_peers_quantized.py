@@ -50,3 +50,18 @@ def test_batch_is_n_requests_of_fixed_lengths():
     assert parse_args(["--batch", "1", "--output-len", "64-64"]).output_len == "64-64"
     with pytest.raises(SystemExit):
         parse_args(["--batch", "4", "--num-requests", "8"])
+
+
+def test_qwen3_06b_shape_is_the_preset_with_the_shared_vocabulary():
+    from benchmarks.peers.shapes import VOCAB, model_shape
+    from conveyor.config.presets import preset_config
+
+    cfg = model_shape("qwen3-0.6b").config
+    preset = preset_config("qwen3-0.6b")
+    assert cfg["vocab_size"] == VOCAB and cfg["architectures"] == ["Qwen3ForCausalLM"]
+    assert all(cfg[k] == preset[k] for k in ("hidden_size", "intermediate_size",
+                                             "num_hidden_layers", "num_attention_heads",
+                                             "num_key_value_heads", "head_dim"))
+    args = parse_args(["--model-shapes", "qwen3-0.6b", "--dtypes", "q8_0,q4_0",
+                       "--batch", "8"])
+    assert args.model_shapes == ["qwen3-0.6b"]

@@ -212,3 +212,117 @@ def test_quantization_errors(tmp_path):
         LLM(str(path), dtype="float32")
     with pytest.raises(ValueError, match="linear-backend"):
         LLM(src, dtype="float32", quantization="int8", linear_backend="onednn")
+
+
+def _fake_times(shapes, backends, device, dtype, decode_rows, prefill_rows, counts=None):
+    """Seconds by row count as a dequantise-then-GEMM backend and a register kernel
+    scale: the kernel ahead at few rows, the dequantising one at many and at prefill."""
+    out = {}
+    for s in shapes:
+        out[s.key] = {}
+        for name in backends:
+            if name.startswith("native-int"):
+                t = (1.0 * decode_rows, 1.0 * max(prefill_rows, decode_rows))
+            else:
+                t = (10.0 + 0.5 * decode_rows, 10.0 + 0.1 * max(prefill_rows, decode_rows))
+            out[s.key][name] = t
+    return out
+
+
+def test_row_ranges_send_one_row_calls_to_the_one_row_winner(monkeypatch, tmp_path):
+    """Where the backend timed fastest at a server's rows (dequantise, then GEMM) loses at
+    one row, calls of up to the measured row count go to the one-row winner and the larger
+    ones to the other; greedy ids still equal the dequantised reference."""
+    from conveyor.kernels.cpu import quant
+    from conveyor.model.autotune import cache, linears
+    from conveyor.model.autotune.row_ranges import SPLIT_ROWS
+    from conveyor.model.quant.linear import DequantLinear, NativeQuantLinear, RowRangeLinear
+
+    if not quant.simd():
+        pytest.skip("no AVX2 build of the quantized kernel")
+    monkeypatch.setattr(cache, "_path", lambda kind: str(tmp_path / f"{kind}.json"))
+    monkeypatch.setattr(linears, "measure", _fake_times)
+    # (fake times: the kernel 1 a row, the other 10 + 0.5 a row: ahead up to 16 rows,
+    # behind by more than TIE at 32; at 128 decode + 512 prefill rows the other wins)
+    assert 16 in SPLIT_ROWS and 32 in SPLIT_ROWS
+    llm = LLM(make_checkpoint("qwen3"), dtype="float32", quantization="int4",
+              max_num_seqs=128, max_num_batched_tokens=512)
+    model = llm.engine.runner.model
+    split = [m for m in model.modules() if isinstance(m, RowRangeLinear)]
+    assert len(split) == 4 * len(model.layers) + 1, "qkv, o, gate_up, down; and the head"
+    calls = []
+    for m in split:
+        assert isinstance(m.few, NativeQuantLinear) and isinstance(m.many, DequantLinear)
+        assert m.max_rows == 16
+        m.few.register_forward_hook(lambda mod, i, o: calls.append(("few", i[0].shape[0])))
+        m.many.register_forward_hook(lambda mod, i, o: calls.append(("many", i[0].shape[0])))
+    for rows in (1, 16, 17):
+        calls.clear()
+        x = torch.randn(rows, split[0].in_features)
+        got = split[0](x)
+        assert calls == [("few" if rows <= 16 else "many", rows)]
+        want = split[0].few(x) if rows > 16 else split[0].many(x)
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    calls.clear()
+    _check(llm, "qwen3", method="int4")
+    assert {("few", 1), ("many", 1)} & set(calls) == {("few", 1)}  # decode rows: the kernel
+
+
+# (N, K, group (0: the row), zero points): odd N, K not a multiple of 8 or 16, groups
+# that are not multiples of the vector width, K past a few groups
+A16_SHAPES = [(37, 128, 32, True), (40, 96, 0, False), (16, 10, 0, True), (33, 520, 40, True),
+              (64, 1024, 128, False), (5, 36, 12, True)]
+
+
+@pytest.mark.parametrize("n,k,group,zero", A16_SHAPES)
+def test_a16_kernel_within_its_stated_bound(n, k, group, zero):
+    """``qgemm_a16`` (x rounded to int16 per row, integer sums): within (absmax(x) /
+    65534) * sum |w| of the float64 product with the dequantised weight, plus float32
+    rounding, at every row count 1..9 (the 4-row blocks and their tails); each row the same
+    bits whatever the rows beside it; the AVX2 and portable bodies the same bits."""
+    from conveyor.kernels.cpu import cpuinfo, quant
+    from conveyor.model.quant.linear import NativeA16Linear
+    from conveyor.model.quant.weight import quantize_int4
+
+    gen = torch.Generator().manual_seed(n * 1000 + k + group)
+    qw = quantize_int4(torch.randn(n, k, generator=gen), group or k, symmetric=not zero)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(9, k, generator=gen) * torch.logspace(-2, 2, 9).view(-1, 1)
+    w = qw.dequantize().double()
+    want = x.double() @ w.T + bias.double()
+    bound = (x.abs().amax(1, keepdim=True).double() / 65534) * w.abs().sum(1) \
+        + 1e-5 * (x.double().abs() @ w.abs().T + 1)
+    results = {}
+    for isa in ("avx2", "portable"):
+        if isa == "avx2" and not {"avx2", "fma"} <= (cpuinfo.cpu_flags() or frozenset()):
+            continue
+        lib = quant.load(isa)
+        if lib is None:
+            pytest.skip("native kernels unavailable")
+        mod = NativeA16Linear(qw, bias, lib)
+        singles = torch.cat([mod(x[i:i + 1]) for i in range(9)])
+        assert ((singles.double() - want).abs() <= bound).all(), isa
+        for rows in range(1, 10):
+            assert torch.equal(mod(x[:rows]), singles[:rows]), (isa, rows)
+        results[isa] = singles
+    if len(results) == 2:
+        assert torch.equal(results["avx2"], results["portable"])
+
+
+def test_a16_greedy_matches_dequantised_reference(monkeypatch):
+    """Every int4 projection on ``native-int4-a16``: greedy ids equal the dequantised
+    float32 model's, under batching and chunked prefill."""
+    from conveyor.kernels.cpu import quant
+    from conveyor.model.quant import apply
+    from conveyor.model.quant.linear import NativeA16Linear
+
+    if not quant.simd():
+        pytest.skip("no AVX2 build of the quantized kernel")
+    real = apply.candidates
+    monkeypatch.setattr(apply, "candidates", lambda scheme, device, dtype: (
+        ["native-int4-a16"] if scheme.bits == 4 else real(scheme, device, dtype)))
+    llm = LLM(make_checkpoint("qwen3"), dtype="float32", quantization="int4",
+              max_num_batched_tokens=13)
+    mods = [m for m in llm.engine.runner.model.modules() if isinstance(m, NativeA16Linear)]
+    assert len(mods) == 4 * len(llm.engine.runner.model.layers)
+    _check(llm, "qwen3", seed=5, method="int4")

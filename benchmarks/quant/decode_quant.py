@@ -6,6 +6,11 @@ prefilled; then rounds of ``steps`` decode steps per variant, the variants takin
 round kept. tokens/s = batch / step.
 
     python -m benchmarks.quant.decode_quant --model smollm2-135m --batch 1 8 32
+    python -m benchmarks.quant.decode_quant --batch 1 --max-num-seqs 128  # as a server
+
+``--max-num-seqs N``: every engine built with that cap (at least ``batch``), as
+``conveyor serve`` is (128): the start-up linear choices are then timed at N decode
+rows, as a server's are, while the steps run at ``batch``.
 
 bf16 is the bfloat16 checkpoint as conveyor runs it on this CPU (computed in float32
 where the CPU lacks bf16 arithmetic, reading bf16 weights: native-bf16); int8 and int4
@@ -26,8 +31,10 @@ from conveyor.kernels.cpu.cpuinfo import cpu_model_name
 VARIANTS = {"bf16": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
 
 
-def build(model: str, batch: int, context: int, steps: int, rounds: int, **kw) -> LLM:
-    llm = LLM(model, dtype="bfloat16", load_format="dummy", max_num_seqs=batch,
+def build(model: str, batch: int, context: int, steps: int, rounds: int,
+          max_num_seqs: int = 0, **kw) -> LLM:
+    llm = LLM(model, dtype="bfloat16", load_format="dummy",
+              max_num_seqs=max(batch, max_num_seqs),
               max_num_batched_tokens=max(512, batch * context),
               num_kv_blocks=batch * (-(-(context + steps * rounds + 40) // 16)) + 8, **kw)
     start_decoding(llm, batch, context)
@@ -43,16 +50,20 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="the engines' cap (at least the batch): 128 times the start-up "
+                        "choices as conveyor serve's default does")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"# {args.model}, dummy weights, context {args.context}, "
-          f"{torch.get_num_threads()} threads, {cpu_model_name()}")
+          f"{torch.get_num_threads()} threads, {cpu_model_name()}"
+          + (f", max_num_seqs {args.max_num_seqs}" if args.max_num_seqs else ""))
     print("| batch | " + " | ".join(f"{v} step ms | {v} tok/s" for v in args.variants)
           + " | " + " | ".join(f"{v}/bf16" for v in args.variants if v != "bf16") + " |")
     for batch in args.batch:
         llms = {v: build(args.model, batch, args.context, args.steps, args.rounds,
-                         **VARIANTS[v]) for v in args.variants}
+                         args.max_num_seqs, **VARIANTS[v]) for v in args.variants}
         best = dict.fromkeys(llms, float("inf"))
         for r in range(args.rounds):
             for v in (list(llms) if r % 2 == 0 else list(llms)[::-1]):

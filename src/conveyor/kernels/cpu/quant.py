@@ -68,6 +68,9 @@ def build(source: str, isa: str | None = None) -> ctypes.CDLL:
                               _PTR, _PTR, _I32, _I32]
     lib.qgemm_f32_simd.restype = ctypes.c_int
     lib.qgemm_f32_simd.argtypes = []
+    lib.qgemm_a16.restype = ctypes.c_int
+    lib.qgemm_a16.argtypes = [_PTR, _I32, _I32, _I32, _PTR, _I32, _PTR, _PTR, _I32, _PTR,
+                              _PTR, _I32]
     return lib
 
 
@@ -152,4 +155,65 @@ class PackedQGemm:
             raise MemoryError("conveyor::qgemm: no memory for the widening buffer")
         if rc != 0:
             raise ValueError("conveyor::qgemm: the kernel refused its arguments")
+        return y
+
+
+A16_MAX_GROUP = 4096  # qgemm_a16's int32 sums stay exact up to this group size
+
+
+def a16_takes(k: int, group: int) -> bool:
+    """Whether ``qgemm_a16`` takes an int4 weight of ``k`` columns in groups of ``group``."""
+    return k % 2 == 0 and group % 2 == 0 and 0 < group <= A16_MAX_GROUP and k % group == 0
+
+
+class PackedA16Gemm:
+    """An int4 weight in ``qgemm_a16``'s column-pair layout (uint8 [P, K / 2, 16]) with
+    its scales, zeros and bias, checked once; a call ``(x)`` rounds x to int16 per row in
+    C (``quant_gemm.c``: the error bound) and sums the products in int32."""
+
+    __slots__ = ("_args", "_fn", "_keep", "in_features", "out_features", "width")
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None, n: int,
+                 k: int, lib=None) -> None:
+        panels = -(-n // 16)
+        if not a16_takes(k, group):
+            raise ValueError(f"conveyor::qgemm_a16: K = {k} and group {group} must be even, "
+                             f"the group dividing K and at most {A16_MAX_GROUP}")
+        if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (panels, k // 2, 16) \
+                or not qweight.is_contiguous():
+            raise ValueError(f"conveyor::qgemm_a16: the weight must be contiguous uint8 "
+                             f"{(panels, k // 2, 16)}, got {qweight.dtype} "
+                             f"{tuple(qweight.shape)}")
+        # (scales, zeros and bias as qgemm_f32 takes them: its checks, on the panel shape)
+        check_weight(torch.empty(panels, k, 8, dtype=torch.uint8), 4, n, k, scales, zeros,
+                     group, bias)
+        lib = lib or load()
+        if lib is None:
+            raise RuntimeError("conveyor::qgemm_a16: the quantized GEMM is not built "
+                               + kernels.why_unavailable())
+        self._fn = lib.qgemm_a16
+        self._keep = (qweight, scales, zeros, bias)
+        self._args = (qweight.data_ptr(), n, scales.data_ptr(),
+                      zeros.data_ptr() if zeros is not None else None, group,
+                      bias.data_ptr() if bias is not None else None)
+        self.out_features = self.width = n
+        self.in_features = k
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        k, n = self.in_features, self.out_features
+        if x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != k \
+                or x.stride(1) != 1 or not x.is_cpu or x.stride(0) > _INT_MAX:
+            raise ValueError(f"conveyor::qgemm_a16: x must be float32 [M, {k}] on CPU with "
+                             f"unit column stride, got {x.dtype} {tuple(x.shape)}")
+        m = x.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m == 0:
+            return y
+        w, _, s, z, group, b = self._args
+        rc = self._fn(x.data_ptr(), m, k, x.stride(0), w, n, s, z, group, b, y.data_ptr(), n)
+        if rc == -2:
+            raise MemoryError("conveyor::qgemm_a16: no memory for x's int16 copy")
+        if rc != 0:
+            raise ValueError("conveyor::qgemm_a16: the kernel refused its arguments")
         return y

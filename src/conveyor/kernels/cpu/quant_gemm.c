@@ -34,6 +34,7 @@
  * accumulators, two loads and six broadcasts a k step), the slivers' accumulators
  * carried over K blocks through y (loaded back into the same FMA chain).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stddef.h>
 #include <stdlib.h>
@@ -558,4 +559,174 @@ int qgemm_f32(const float* x, int M, int K, int ldx, const void* w, int bits, in
     for (int p = 0; p < np; p++) task_scalar(x, M, ldx, &q, p, p + 1, bias, y, ldy);
     return 0;
 #endif
+}
+
+/*
+ * qgemm_a16: y = x @ dequant(W)^T (+ bias) for an int4 weight with x rounded to int16 per
+ * row, the products summed exactly in int32: an AVX2 integer multiply-add (vpmaddwd)
+ * takes 16 weights an instruction where the float path widens and converts 8, so one row
+ * streams the weight at close to a plain read's speed (no VNNI needed).
+ *
+ * Each row of x gets one scale sx = absmax / 32767 and xi = round-half-even(x / sx) in
+ * -32767..32767, so |x - sx xi| <= sx / 2: the result is within (absmax / 65534) * sum_k
+ * |w_nk| (plus float32 rounding) of the exact product with the dequantised weight.
+ * Per output and group: d = sum_k xi_k q_nk (int32, exact: |d| <= group * 15 * 32767),
+ * t = d - zero * sum_k xi_k (float), total += scale * t over the groups in order; y =
+ * sx * total + bias. A row's result does not depend on the rows beside it, and the
+ * scalar body (no AVX2) computes the same integers and the same float steps.
+ *
+ * Layout (model/quant/linear.py packs it): panels of 16 outputs as qgemm_f32's, in pairs
+ * of columns: panel p, pair kp (columns 2kp, 2kp + 1) at (p * K / 2 + kp) * 16 bytes; byte
+ * 2i holds output i at column 2kp (low nibble) and output i + 8 (high), byte 2i + 1 the
+ * same at column 2kp + 1. Unsigned 0..15; scales and zeros [P, K / group, 16] floats. K
+ * and group even, group <= 4096 (the int32 sums' bound).
+ */
+#define A16_MAX_GROUP 4096
+#define A16_ROWS 4 /* rows of x sharing each load of the weight */
+
+/* Row x (K floats) as int16 (xi) with its scale; xsum: the int16 values' sum per group.
+ * Round half to even, as nearbyintf in the default rounding mode (and cvtps2dq). */
+static void a16_row(const float* x, int K, int group, int16_t* xi, float* sx,
+                    int32_t* xsum) {
+    float amax = 0.0f;
+    int k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 mv = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (; k + 8 <= K; k += 8) mv = _mm256_max_ps(mv, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    float t8[8];
+    _mm256_storeu_ps(t8, mv);
+    for (int i = 0; i < 8; i++) amax = t8[i] > amax ? t8[i] : amax;
+#endif
+    for (; k < K; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+    const float s = amax > 0.0f ? amax / 32767.0f : 1.0f, inv = 1.0f / s;
+    *sx = s;
+    for (int g = 0; g < K / group; g++) {
+        int32_t t = 0;
+        k = g * group;
+        const int k1 = (g + 1) * group;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 iv = _mm256_set1_ps(inv);
+        __m256i tv = _mm256_setzero_si256();
+        for (; k + 8 <= k1; k += 8) {
+            /* |x * inv| <= 32767 (+ rounding): the conversion and the packing saturate
+             * nothing */
+            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), iv));
+            tv = _mm256_add_epi32(tv, v);
+            const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(v),
+                                              _mm256_extracti128_si256(v, 1));
+            _mm_storeu_si128((__m128i*)(xi + k), h);
+        }
+        int32_t t8i[8];
+        _mm256_storeu_si256((__m256i*)t8i, tv);
+        for (int i = 0; i < 8; i++) t += t8i[i];
+#endif
+        for (; k < k1; k++) {
+            float v = nearbyintf(x[k] * inv);
+            v = v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v;
+            xi[k] = (int16_t)v;
+            t += (int16_t)v;
+        }
+        xsum[g] = t;
+    }
+}
+
+/* Panel p against R rows of xi (from row m0): each group's int32 sums, then the fold. */
+static inline __attribute__((always_inline)) void
+a16_panel(const uint8_t* w, int K, int N, int p, const int16_t* xi, const float* sx,
+          const int32_t* xsum, int m0, const int R, const float* scales, const float* zeros,
+          int group, const float* bias, float* y, int ldy) {
+    const int groups = K / group;
+    float tot[A16_ROWS][16] = {{0}};
+    for (int g = 0; g < groups; g++) {
+        int32_t d[A16_ROWS][16];
+        const uint8_t* wp = w + ((size_t)p * K + (size_t)g * group) * 8;
+        const int16_t* xg = xi + (size_t)m0 * K + (size_t)g * group;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256i m15 = _mm256_set1_epi16(15);
+        __m256i a[A16_ROWS][2];
+        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
+        for (int k = 0; k < group; k += 2) {
+            if ((k & 7) == 0)
+                _mm_prefetch((const char*)wp + (size_t)k * 8 + PF_DIST, _MM_HINT_T0);
+            const __m256i b = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128((const __m128i*)(wp + (size_t)k * 8)));
+            const __m256i lo = _mm256_and_si256(b, m15), hi = _mm256_srli_epi16(b, 4);
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, xg + (size_t)r * K + k, sizeof(pair));
+                const __m256i xv = _mm256_set1_epi32(pair);
+                a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(lo, xv));
+                a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(hi, xv));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_si256((__m256i*)d[r], a[r][0]);
+            _mm256_storeu_si256((__m256i*)(d[r] + 8), a[r][1]);
+        }
+#else
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 16; j++) d[r][j] = 0;
+        for (int k = 0; k < group; k += 2) {
+            const uint8_t* b = wp + (size_t)k * 8;
+            for (int r = 0; r < R; r++) {
+                const int32_t x0 = xg[(size_t)r * K + k], x1 = xg[(size_t)r * K + k + 1];
+                for (int i = 0; i < 8; i++) {
+                    d[r][i] += (b[2 * i] & 15) * x0 + (b[2 * i + 1] & 15) * x1;
+                    d[r][i + 8] += (b[2 * i] >> 4) * x0 + (b[2 * i + 1] >> 4) * x1;
+                }
+            }
+        }
+#endif
+        const size_t si = ((size_t)p * groups + g) * 16;
+        for (int r = 0; r < R; r++) {
+            const float xs = (float)xsum[(size_t)(m0 + r) * groups + g];
+            for (int j = 0; j < 16; j++) {
+                const float tj = zeros ? fmaf(-zeros[si + j], xs, (float)d[r][j])
+                                       : (float)d[r][j];
+                tot[r][j] = fmaf(scales[si + j], tj, tot[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 16 && p * 16 + j < N; j++)
+            y[(size_t)(m0 + r) * ldy + p * 16 + j] =
+                fmaf(sx[m0 + r], tot[r][j], bias ? bias[p * 16 + j] : 0.0f);
+}
+
+int qgemm_a16(const float* x, int M, int K, int ldx, const uint8_t* w, int N,
+              const float* scales, const float* zeros, int group, const float* bias,
+              float* y, int ldy) {
+    if (M < 0 || N <= 0 || K <= 0 || group <= 0 || K % group || (K | group) & 1
+        || group > A16_MAX_GROUP)
+        return -1;
+    if (M == 0) return 0;
+    const int np = (N + 15) / 16, groups = K / group;
+    int16_t* xi = (int16_t*)malloc(sizeof(int16_t) * (size_t)M * K);
+    float* sx = (float*)malloc(sizeof(float) * (size_t)M);
+    int32_t* xsum = (int32_t*)malloc(sizeof(int32_t) * (size_t)M * groups);
+    if (xi == NULL || sx == NULL || xsum == NULL) {
+        free(xi); free(sx); free(xsum);
+        return -2;
+    }
+    for (int m = 0; m < M; m++)
+        a16_row(x + (size_t)m * ldx, K, group, xi + (size_t)m * K, sx + m,
+                xsum + (size_t)m * groups);
+#pragma omp parallel
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int p0 = (int)((long)np * t / nt), p1 = (int)((long)np * (t + 1) / nt);
+        for (int p = p0; p < p1; p++)
+            for (int m = 0; m < M; m += A16_ROWS) {
+                const int R = M - m < A16_ROWS ? M - m : A16_ROWS;
+#define AP(RR) a16_panel(w, K, N, p, xi, sx, xsum, m, RR, scales, zeros, group, bias, y, ldy)
+                if (R == 1) AP(1);
+                else if (R == 2) AP(2);
+                else if (R == 3) AP(3);
+                else AP(4);
+#undef AP
+            }
+    }
+    free(xi); free(sx); free(xsum);
+    return 0;
 }

@@ -5,9 +5,10 @@ Where the weights come from: a pre-quantized checkpoint's (the loader leaves the
 parameters holding their dequantised values), or ``--quantization int8`` / ``int4``,
 which quantize every projection (int8 per output row; int4 in groups, ``int4_group``)
 and the LM head in int8 per row (a small model's tied head is a quarter of its
-weights). Each weight shape gets the quantized backend measured fastest on this machine
-(``autotune/linears.py``'s measurement and cache; one candidate: no measurement),
-unless ``CONVEYOR_QUANT_LINEAR`` names one.
+weights). Each weight shape gets the quantized backends measured fastest on this machine
+per row range (``autotune/row_ranges.py``: the one-row winner for calls up to a measured
+row count, the larger calls' winner past it; one candidate: no measurement), unless
+``CONVEYOR_QUANT_LINEAR`` names one.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from conveyor.config.quantization import ON_THE_FLY
 from conveyor.distributed.parallel import TPShard
 from conveyor.kernels.cpu import quant as qkernel
 from conveyor.model.autotune import linears as linear_choice
+from conveyor.model.autotune import row_ranges
+from conveyor.model.autotune.row_ranges import RowRanges
 from conveyor.model.linear.shape import LinearShape
 from conveyor.model.quant.backends import Scheme, candidates, quant_linear_backends
+from conveyor.model.quant.linear import RowRangeLinear
 from conveyor.model.quant.weight import QuantWeight, cat_rows, quantize_int4, quantize_int8
 
 logger = logging.getLogger(__name__)
@@ -68,17 +72,25 @@ def quantize_model(model: nn.Module, method: str | None, device: torch.device,
                              "(leave it at auto)")
     choice = _choose(sites, device, dtype, rows)
     for parent, name, qw, bias, shape in sites:
-        backend = quant_linear_backends.get(choice[(Scheme.of(qw), shape.key)])
+        ranges = choice[(Scheme.of(qw), shape.key)]
         # (a gate/up projection may apply silu(gate) * up itself: the MLP asks the module)
         gate_up = name == "gate_up_proj" and getattr(parent, "fuses_silu", False)
-        setattr(parent, name, backend(device, dtype).make_linear(qw, bias, gate_up=gate_up))
+
+        def make(backend: str, qw=qw, bias=bias, gate_up=gate_up) -> nn.Module:
+            return quant_linear_backends.get(backend)(device, dtype).make_linear(
+                qw, bias, gate_up=gate_up)
+
+        module = make(ranges.many)
+        if ranges.few_rows:
+            module = RowRangeLinear(make(ranges.few), module, ranges.few_rows)
+        setattr(parent, name, module)
     if head is not None and not model.tie_word_embeddings:
         del model.lm_head
     if hasattr(model, "quant_weights"):
         del model.quant_weights
     logger.info("quantized (%s): %d projections%s, backends %s", method, len(sites),
                 " and the LM head" if head is not None else "",
-                sorted(set(choice.values())))
+                sorted(set().union(*(r.names for r in choice.values()))))
     return "torch" if head is not None else linear_backend
 
 
@@ -100,15 +112,15 @@ def _quantize_rows(weight: torch.Tensor, tp: TPShard | None) -> QuantWeight:
 
 
 def _choose(sites, device: torch.device, dtype: torch.dtype, rows: tuple[int, int]
-            ) -> dict[tuple[Scheme, str], str]:
-    """(scheme, shape key) -> the quantized backend's name: forced, the only candidate,
-    or measured."""
+            ) -> dict[tuple[Scheme, str], RowRanges]:
+    """(scheme, shape key) -> the quantized backends by row range: forced, the only
+    candidate, or measured."""
     forced = os.environ.get(QUANT_LINEAR, "").strip()
     by_scheme: dict[Scheme, dict[LinearShape, int]] = {}
     for _, _, qw, _, shape in sites:
         counts = by_scheme.setdefault(Scheme.of(qw), {})
         counts[shape] = counts.get(shape, 0) + 1
-    choice: dict[tuple[Scheme, str], str] = {}
+    choice: dict[tuple[Scheme, str], RowRanges] = {}
     for scheme, counts in by_scheme.items():
         names = candidates(scheme, device, dtype)
         if forced:
@@ -120,7 +132,7 @@ def _choose(sites, device: torch.device, dtype: torch.dtype, rows: tuple[int, in
             raise ValueError(f"no quantized linear backend runs {scheme.tag} weights on "
                              f"{device} in {dtype}")
         if len(names) == 1 or not linear_choice.measuring_enabled():
-            choice.update({(scheme, s.key): names[0] for s in counts})
+            choice.update({(scheme, s.key): RowRanges(names[0], 0, names[0]) for s in counts})
             continue
         # (keyed by scheme too: the measurement cache holds one choice per candidate set;
         # and by the quantized kernel's build, which the cache's kernel key leaves out)
@@ -129,7 +141,9 @@ def _choose(sites, device: torch.device, dtype: torch.dtype, rows: tuple[int, in
                                                                               scheme)
                     for n in names}
         shapes = sorted(counts, key=lambda s: s.key)
-        picked = linear_choice.choose(shapes, backends, device, dtype, *rows,
-                                      {s.key: c for s, c in counts.items()})
-        choice.update({(scheme, k): v.split(":")[0] for k, v in picked.items()})
+        picked = row_ranges.choose(shapes, backends, device, dtype, *rows,
+                                   {s.key: c for s, c in counts.items()})
+        choice.update({(scheme, k): RowRanges(v.few.split(":")[0], v.few_rows,
+                                              v.many.split(":")[0])
+                       for k, v in picked.items()})
     return choice

@@ -1,6 +1,7 @@
 """Quantized linear backends by name (a registry like the float linears'), each for the
 weights it can run: ``native-int`` (conveyor's kernel: int8 and int4, any group size,
-zero points; needs the kernels built with AVX2 + FMA), ``torch-int8mm`` (torch's
+zero points; needs the kernels built with AVX2 + FMA), ``native-int4-a16`` (int4 with x
+rounded to int16 per row, integer sums: within a stated bound), ``torch-int8mm`` (torch's
 int8 weight-only matmul: symmetric int8 per row, bfloat16 or float16 compute on CPU) and
 ``dequant`` (anywhere). ``auto`` measures the candidates per weight shape on the machine
 (``autotune/linears.py``, cached), as the float linears are.
@@ -23,6 +24,7 @@ from conveyor.model.linear.backend import LinearBackend
 from conveyor.model.quant.linear import (
     DequantLinear,
     Int8MMLinear,
+    NativeA16Linear,
     NativeQuantLinear,
     W8A8Linear,
 )
@@ -101,6 +103,27 @@ class NativeQuantBackend(QuantLinearBackend):
         return NativeQuantLinear(self.weight(weight), bias, gate_up=gate_up)
 
 
+class NativeA16Backend(QuantLinearBackend):
+    """int4 weights with x rounded to int16 per row (``qgemm_a16``); a shape it cannot take
+    (odd K or group) gets ``native-int``'s module."""
+
+    name = "native-int4-a16"
+
+    @classmethod
+    def supports(cls, scheme, device, dtype):
+        if scheme.bits != 4 or scheme.act_int8:
+            return "int4 weights only"
+        if scheme.group % 2 or scheme.group > qkernel.A16_MAX_GROUP:
+            return f"needs an even group size of at most {qkernel.A16_MAX_GROUP}"
+        return NativeQuantBackend.supports(scheme, device, dtype)
+
+    def make_linear(self, weight, bias, gate_up=False) -> nn.Module:
+        qw = self.weight(weight)
+        if not qkernel.a16_takes(qw.shape[1], qw.group):
+            return NativeQuantLinear(qw, bias, gate_up=gate_up)
+        return NativeA16Linear(qw, bias)
+
+
 class TorchInt8MMBackend(QuantLinearBackend):
     name = "torch-int8mm"
 
@@ -144,6 +167,8 @@ class W8A8Backend(QuantLinearBackend):
 
 quant_linear_backends: Registry[type[QuantLinearBackend]] = Registry("quantized linear")
 quant_linear_backends.add("native-int", 20, "conveyor.model.quant.backends:NativeQuantBackend")
+quant_linear_backends.add("native-int4-a16", 15,
+                          "conveyor.model.quant.backends:NativeA16Backend")
 quant_linear_backends.add("torch-int8mm", 10,
                           "conveyor.model.quant.backends:TorchInt8MMBackend")
 quant_linear_backends.add("dequant", 0, "conveyor.model.quant.backends:DequantBackend")

@@ -3,11 +3,16 @@
 - ``NativeQuantLinear``: conveyor's kernel (``kernels/cpu/quant_gemm.c``), int8 or int4
   (nibbles) packed in panels of 16 output rows at load, widened in registers or a small
   buffer, float32 sums; x in any float dtype, computed in float32.
+- ``NativeA16Linear``: int4 through ``qgemm_a16``: x rounded to int16 per row, integer
+  sums (within a stated bound of the float result, ``quant_gemm.c``), the weight packed in
+  column pairs.
 - ``Int8MMLinear``: torch's ``_weight_int8pack_mm`` (int8, one scale per row); fast on
   this project's AVX2 CPU for bfloat16 x only.
 - ``DequantLinear``: the weight dequantised on every call, then ``F.linear``: portable (any
   device, dtype, format), the fallback, and at prefill sizes the dequantisation is a
   small share of the call.
+- ``RowRangeLinear``: two of them over one weight, by the call's row count
+  (``autotune/row_ranges.py`` measures where).
 """
 
 from __future__ import annotations
@@ -107,6 +112,51 @@ class NativeQuantLinear(_QuantLinear):
         return y.to(x.dtype).view(*lead, self.width)
 
 
+def pack_pairs(q: torch.Tensor) -> torch.Tensor:
+    """int4 values 0..15 [N, K] (K even) in ``qgemm_a16``'s layout: uint8 [P, K / 2, 16],
+    byte 2i + t of panel p, pair kp holding output 16p + i (low nibble) and 16p + i + 8
+    (high) at column 2kp + t."""
+    u = to_panels(q.to(torch.uint8))
+    p, k, _ = u.shape
+    b = u[:, :, :8] | (u[:, :, 8:] << 4)
+    return b.view(p, k // 2, 2, 8).transpose(2, 3).reshape(p, k // 2, 16).contiguous()
+
+
+def _unsigned_int4(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q as 0..15, zero points): signed -8..7 stored with the zero moved by 8."""
+    q, zero = weight.q, weight.zero
+    if int(q.min()) < 0:
+        q = q + 8
+        zero = (zero if zero is not None else torch.zeros_like(weight.scale)) + 8
+    return q, zero
+
+
+class NativeA16Linear(_QuantLinear):
+    """An int4 weight through ``qgemm_a16`` (x rounded to int16 per row, exact int32
+    sums): K and the group even, the group at most ``quant.A16_MAX_GROUP``."""
+
+    kind = "native, int16 x"
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, lib=None) -> None:
+        super().__init__(weight)
+        if weight.bits != 4 or not qkernel.a16_takes(self.in_features, weight.group):
+            raise ValueError(f"qgemm_a16 takes int4 weights of even K and group (at most "
+                             f"{qkernel.A16_MAX_GROUP}), got int{weight.bits} K = "
+                             f"{self.in_features}, group {weight.group}")
+        q, zero = _unsigned_int4(weight)
+        self.qweight = pack_pairs(q)
+        self.scales = to_panels(weight.scale.to(torch.float32), 1.0)
+        self.zeros = to_panels(zero.to(torch.float32)) if zero is not None else None
+        self.bias = _bias(bias)
+        self.perm = weight.perm
+        self.gemm = qkernel.PackedA16Gemm(self.qweight, self.scales, self.zeros, self.group,
+                                          self.bias, self.out_features, self.in_features,
+                                          lib or qkernel.load())
+        self.width = self.out_features
+
+    forward = NativeQuantLinear.forward
+
+
 class Int8MMLinear(_QuantLinear):
     kind = "torch int8mm"
 
@@ -171,3 +221,31 @@ class W8A8Linear(_QuantLinear):
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*lead, self.out_features)
+
+
+class RowRangeLinear(nn.Module):
+    """Calls of up to ``max_rows`` rows to ``few``, the others to ``many``: two backends'
+    modules over the same weight. Where one side applies ``silu(gate) * up`` itself and
+    the other does not, this module applies it after the other, so that every call
+    returns the same kind of result (the MLP asks ``applies_silu_mul`` once)."""
+
+    def __init__(self, few: nn.Module, many: nn.Module, max_rows: int) -> None:
+        super().__init__()
+        self.few, self.many, self.max_rows = few, many, max_rows
+        self.out_features, self.in_features = many.out_features, many.in_features
+        fused = (getattr(few, "applies_silu_mul", False),
+                 getattr(many, "applies_silu_mul", False))
+        self.applies_silu_mul = any(fused)
+        self._then_silu = (self.applies_silu_mul and not fused[0],
+                           self.applies_silu_mul and not fused[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        few = x.numel() <= self.max_rows * self.in_features  # (rows, whatever x's rank)
+        y = self.few(x) if few else self.many(x)
+        if self._then_silu[0 if few else 1]:
+            half = y.shape[-1] // 2
+            y = F.silu(y[..., :half]) * y[..., half:]
+        return y
+
+    def extra_repr(self) -> str:
+        return f"up to {self.max_rows} rows to the first"
