@@ -5,6 +5,8 @@ equal the modules' own; the path runs where it applies and stays off elsewhere."
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from test_exactness import check_exact
@@ -12,6 +14,7 @@ from test_quantization import _check as check_quantized
 
 from conveyor import LLM, SamplingParams
 from conveyor.kernels import cpu as kernels
+from conveyor.kernels.cpu.quant import PackedQGemm
 from conveyor.runner import fused_decode
 
 from helpers import make_checkpoint, random_prompts
@@ -101,6 +104,72 @@ def test_same_logits_and_kv_as_the_modules(kw: dict, arch: str, native_int) -> N
             assert torch.equal(g[rid], w[rid]), (step, rid)
     for (gk, gv), (wk, wv) in zip(got_kv, want_kv, strict=True):
         assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+def test_int4_a16_linears_same_logits_and_kv_as_the_modules(monkeypatch) -> None:
+    """qgemm_a16's int4 linears (x rounded to int16) run in the C forward as the modules
+    run them: a wrong kind, argument order or missing zero term shows bit for bit."""
+    from conveyor.kernels.cpu import quant
+
+    if not quant.simd():
+        pytest.skip("no AVX2 build of the quantized kernel")
+    from conveyor.model.quant import apply
+
+    # int4 projections on qgemm_a16, the int8 LM head on quant_gemm.c's qgemm_f32
+    monkeypatch.setattr(apply, "candidates", lambda scheme, *_: [
+        "native-int4-a16" if scheme.bits == 4 else "native-int"])
+    path = make_checkpoint("qwen3")
+    fast, got, got_kv = _logits_and_kv(path, True, quantization="int4")
+    _, want, want_kv = _logits_and_kv(path, False, quantization="int4")
+    from conveyor.model.quant.linear import NativeA16Linear
+    assert type(fast.engine.runner.model.layers[0].mlp.down_proj) is NativeA16Linear
+    assert _fused_steps(fast) >= 5
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys() and all(torch.equal(g[r], w[r]) for r in g)
+    for (gk, gv), (wk, wv) in zip(got_kv, want_kv, strict=True):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+def test_row_range_linears_run_their_few_rows_backend(native_int) -> None:
+    """A linear split by row range (the start-up choice per row range) runs its few-rows
+    backend here, and the path takes no more rows than that backend's range: every step's
+    logits equal the modules' with the down projections' few-rows weight scaled."""
+    from conveyor.model.quant.linear import RowRangeLinear
+
+    def run(fused: bool):
+        llm = LLM(make_checkpoint("llama"), dtype="float32", quantization="int8",
+                  attention_backend="native", enable_prefix_caching=False, max_num_seqs=3)
+        runner = llm.engine.runner
+        for layer in runner.model.layers:
+            many = layer.mlp.down_proj
+            few = copy.copy(many)  # a second module over the weight scaled by 2: which
+            qw, scales, zeros, bias = many.gemm._keep  # one ran shows in the logits
+            few.gemm = PackedQGemm(qw, many.bits, scales * 2, zeros, many.group, bias,
+                                   many.out_features, many.in_features)
+            layer.mlp.down_proj = RowRangeLinear(few, many, max_rows=2)
+        runner._build_fused_decode()
+        if fused:
+            assert runner.fused_decode is not None and runner.fused_decode.max_rows == 2
+        else:
+            runner.fused_decode = None
+        runner.record_logits = True
+        for i, p in enumerate(random_prompts(3, seed=4, lo=5, hi=20)):
+            llm.engine.add_request({"prompt_token_ids": p},
+                                   SamplingParams(max_tokens=4 + 3 * i, temperature=0.0,
+                                                  ignore_eos=True), request_id=str(i))
+        steps = []
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+            steps.append(dict(runner.last_logits))
+        return runner, steps
+
+    fast, got = run(True)
+    _, want = run(False)
+    assert fast.fused_decode.num_steps >= 3
+    for g, w in zip(got, want, strict=True):
+        for rid in g:
+            assert torch.equal(g[rid], w[rid])
 
 
 def test_rows_past_the_limit_take_the_modules(monkeypatch) -> None:

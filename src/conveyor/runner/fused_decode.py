@@ -6,9 +6,10 @@ At a few rows a step is a few hundred kernel calls, each paying for Python, ctyp
 a tensor allocation; this pays for one. ``FusedDecode.build`` returns None (the runner
 keeps the PyTorch path) unless every part of the model is one the C code computes as the
 modules do: a plain pre-norm Llama layer (QKV bias and Qwen3's per-head q/k norms
-allowed), native float32 / bf16-weight
-or int8 / int4 linears, native elementwise ops and decode attention over float32 caches,
-one window for every layer, no tensor parallelism, no adapters.
+allowed), native float32 / bf16-weight or int8 / int4 linears (quant_gemm.c's qgemm_f32 or
+qgemm_a16; a linear split by row range runs its few-rows backend, and the path then takes
+no more rows than that range), native elementwise ops and decode attention over float32
+caches, one window for every layer, no tensor parallelism, no adapters.
 ``CONVEYOR_FUSED_DECODE=0`` turns it off. A step runs here only while all its rows are
 decodes and there are at most ``max_rows`` of them; every other step takes the modules.
 """
@@ -24,20 +25,20 @@ import torch
 from conveyor import envs
 from conveyor.kernels import cpu as kernels
 from conveyor.kernels.cpu.ops import PackedGemm
-from conveyor.kernels.cpu.quant import PackedQGemm
+from conveyor.kernels.cpu.quant import PackedA16Gemm, PackedQGemm
 from conveyor.model.attention.metadata import AttentionMetadata
 from conveyor.model.attention.native_decode import NativeDecode
 from conveyor.model.layers.ops import NativeOps
 from conveyor.model.linear.native import NativeLinear
 from conveyor.model.models.decoder import MLP, DecoderForCausalLM
-from conveyor.model.quant.linear import NativeQuantLinear
+from conveyor.model.quant.linear import NativeA16Linear, NativeQuantLinear, RowRangeLinear
 
 logger = logging.getLogger(__name__)
 
 # Rows up to which a decode step runs here: past a few rows the kernels' time dwarfs the
 # per-call costs this saves (docs/results: measured side by side).
 MAX_ROWS = 8
-_KIND_F32, _KIND_W16, _KIND_Q = 0, 1, 2
+_KIND_F32, _KIND_W16, _KIND_Q, _KIND_A16 = 0, 1, 2, 3
 
 
 class Unsupported(ValueError):
@@ -45,10 +46,10 @@ class Unsupported(ValueError):
 
 
 class FusedDecode:
-    def __init__(self, lib, dims: np.ndarray, ptrs: np.ndarray, qgemm: int, eps: float,
+    def __init__(self, lib, dims: np.ndarray, ptrs: np.ndarray, eps: float,
                  scale: float, hidden: int, keep: list, max_rows: int) -> None:
         self._fn = lib.decode_forward_f32
-        self.dims, self.ptrs, self.qgemm = dims, ptrs, qgemm
+        self.dims, self.ptrs = dims, ptrs
         self.eps, self.scale, self.hidden = eps, scale, hidden
         self._keep = keep  # every tensor a pointer of the tables points into
         self.max_rows = max_rows
@@ -100,24 +101,33 @@ class FusedDecode:
             keep.append(t)
             return t.data_ptr()
 
-        qgemm_ptrs: set[int] = set()
+        rows_cap = [max_rows]
 
         def linear(mod, n: int, k: int, what: str, gate_up: bool = False) -> list[int]:
+            if type(mod) is RowRangeLinear:  # the fused rows are few: its first backend's
+                rows_cap[0] = min(rows_cap[0], mod.max_rows)
+                mod = mod.few
             gemm = getattr(mod, "gemm", None)
             if type(mod) is NativeLinear and type(gemm) is PackedGemm:
                 kind = _KIND_F32 if gemm._fn == "gemm_f32" else _KIND_W16
                 row = [kind, gemm.packed.data_ptr(),
                        gemm.bias.data_ptr() if gemm.bias is not None else 0,
-                       gemm.out_features, gemm.in_features, int(gemm.gate_up), 0, 0, 0, 0]
+                       gemm.out_features, gemm.in_features, int(gemm.gate_up), 0, 0, 0, 0, 0]
                 fused = gemm.gate_up
                 keep.append(gemm)
             elif (type(mod) is NativeQuantLinear and type(gemm) is PackedQGemm
                   and mod.perm is None):
                 w, bits, nn_, s, z, group, b = gemm._args
                 row = [_KIND_Q, w, b or 0, nn_, gemm.in_features, int(gemm.glu), bits, s,
-                       z or 0, group]
+                       z or 0, group, ctypes.cast(gemm._fn, ctypes.c_void_p).value]
                 fused = gemm.glu
-                qgemm_ptrs.add(ctypes.cast(gemm._fn, ctypes.c_void_p).value)
+                keep.append(gemm)
+            elif (type(mod) is NativeA16Linear and type(gemm) is PackedA16Gemm
+                  and mod.perm is None):
+                w, nn_, s, z, group, b = gemm._args
+                row = [_KIND_A16, w, b or 0, nn_, gemm.in_features, 0, 4, s, z or 0, group,
+                       ctypes.cast(gemm._fn, ctypes.c_void_p).value]
+                fused = False
                 keep.append(gemm)
             else:
                 raise Unsupported(f"{what} is a {type(mod).__name__} (native float, bf16 "
@@ -162,14 +172,11 @@ class FusedDecode:
             ptrs += linear(mlp.down_proj, hidden, inter, f"layer {i}'s down")
         if len(eps) != 1:
             raise Unsupported("the norms' epsilons differ")
-        if len(qgemm_ptrs) > 1:
-            raise Unsupported("quantized linears from different builds")
         dims = np.array([hidden, len(layers), hq, hkv, d, inter], dtype=np.int64)
         # The scale the modules pass decode_attention (not recomputed in C: see
         # draft_forward.c on 1 / sqrt(D) under -ffast-math).
         return cls(lib, dims, np.array(ptrs, dtype=np.int64),
-                   qgemm_ptrs.pop() if qgemm_ptrs else 0, eps.pop(), float(a0.scale), hidden,
-                   keep, max_rows)
+                   eps.pop(), float(a0.scale), hidden, keep, rows_cap[0])
 
     def applies(self, meta: AttentionMetadata, rows: int) -> bool:
         """A step of decode rows only, no more than ``max_rows``."""
@@ -193,7 +200,7 @@ class FusedDecode:
             raise ValueError("fused decode forward: the step's tensors are not the "
                              "contiguous float32 / int64 / int32 rows it takes")
         out = torch.empty((r, self.hidden), dtype=torch.float32)
-        rc = self._fn(self.dims.ctypes.data, self.ptrs.ctypes.data, self.qgemm, self.eps,
+        rc = self._fn(self.dims.ctypes.data, self.ptrs.ctypes.data, self.eps,
                       self.scale, r, hidden.data_ptr(), positions.data_ptr(),
                       meta.slot_mapping.data_ptr(), slots.data_ptr(), lens.data_ptr(),
                       starts.data_ptr(), slots.shape[1], out.data_ptr())

@@ -258,7 +258,7 @@ SIGNATURES: dict[str, list] = {
     "gemm_f32_w16": [_PTR, _I32, _PTR, _PTR, _PTR] + [_I32] * 5,
     "gemm_f32_grouped": [_I32, _PTR, _I32, _PTR, _I32, _PTR, _I32, _PTR] + [_I32] * 3,
     "draft_propose_f32": [_PTR, _PTR, _F32, _F32, _I32] + [_PTR] * 5 + [_I32, _PTR],
-    "decode_forward_f32": [_PTR] * 3 + [_F32, _F32, _I32] + [_PTR] * 6 + [_I32, _PTR],
+    "decode_forward_f32": [_PTR] * 2 + [_F32, _F32, _I32] + [_PTR] * 6 + [_I32, _PTR],
 }
 RESTYPES = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
             "prefill_attention_varlen_f32": ctypes.c_int,

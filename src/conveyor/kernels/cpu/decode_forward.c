@@ -2,8 +2,9 @@
  * A target model's whole decode forward in one call: every layer of a Llama-family model
  * (Llama, Mistral, Qwen2's QKV bias, Qwen3's per-head q/k norms) over R decode rows, from the embedded rows to the
  * final norm, on the kernels the PyTorch path calls one by one (elementwise.c, gemm.c,
- * decode_attention.c, and quant_gemm.c's qgemm_f32 through a function pointer: that one
- * is a library of its own), in the same order, so every number is the one it computes.
+ * decode_attention.c, and quant_gemm.c's qgemm_f32 or qgemm_a16 through function pointers:
+ * that one is a library of its own), in the same order, so every number is the one it
+ * computes.
  *
  * Why: at a few rows a step is ~300 kernel calls, each paying for Python, ctypes and a
  * torch allocation besides its OpenMP region; here they cost a C call each.
@@ -16,8 +17,9 @@
  *     rotation, as NativeOps.head_norms_rope_), then the QKV, O, gate/up and down
  *     linears, LIN_N entries each (LIN_* below).
  * A linear is float32 or bf16 weights packed for gemm.c (gemm_f32, gemm_f32_w16) or an
- * int8 / int4 weight packed for quant_gemm.c (qgemm_f32); "fused": the gate/up linear
- * applies silu(gate) * up itself (else silu_mul_f32 follows it).
+ * int8 / int4 weight packed for quant_gemm.c (qgemm_f32, or qgemm_a16's int4 column
+ * pairs); "fused": the gate/up linear applies silu(gate) * up itself (else silu_mul_f32
+ * follows it).
  *
  * A step: h [R, H] the embedded rows (overwritten), pos [R], wslot [R] (each row's K/V
  * slot), slots [R, L], lens, starts [R] (its attention, as the runner builds them);
@@ -46,23 +48,26 @@ void decode_attention_f32(const float* q, const float* kc, const float* vc,
 typedef int (*qgemm_fn)(const float* x, int M, int K, int ldx, const void* w, int bits, int N,
                         const float* scales, const float* zeros, int group,
                         const float* bias, float* y, int ldy, int glu);
+typedef int (*a16_fn)(const float* x, int M, int K, int ldx, const void* w, int N,
+                      const float* scales, const float* zeros, int group, const float* bias,
+                      float* y, int ldy);
 
 enum { D_HIDDEN, D_LAYERS, D_HQ, D_HKV, D_HEAD, D_INTER };
 enum { P_COS, P_SIN, P_NORM, P_LAYER0 };
 enum { L_IN_NORM, L_POST_NORM, L_K, L_V, L_Q_NORM, L_K_NORM, L_N_HEAD };
-/* a linear: kind, packed weight, bias (0: none), N, K, fused activation, then for
- * qgemm: bits, scales, zeros (0: none), group */
+/* a linear: kind, packed weight, bias (0: none), N, K, fused activation, then for the
+ * quantized kinds: bits, scales, zeros (0: none), group, the kernel (a function of
+ * quant_gemm.c: qgemm_f32 for KIND_Q, qgemm_a16 for KIND_A16) */
 enum { LIN_KIND, LIN_W, LIN_BIAS, LIN_N_OUT, LIN_K, LIN_FUSED, LIN_BITS, LIN_SCALES,
-       LIN_ZEROS, LIN_GROUP, LIN_N };
-enum { KIND_F32, KIND_W16, KIND_Q };
+       LIN_ZEROS, LIN_GROUP, LIN_FN, LIN_N };
+enum { KIND_F32, KIND_W16, KIND_Q, KIND_A16 };
 enum { LIN_QKV, LIN_O, LIN_GATE_UP, LIN_DOWN };
 #define LAYER_N (L_N_HEAD + 4 * LIN_N)
 
 #define P(T, v) ((T)(intptr_t)(v))
 
 /* y [R, ldy] = x [R, ldx] through the linear lp (its output width: N, or N / 2 fused). */
-static int linear(const int64_t* lp, qgemm_fn qgemm, const float* x, int ldx, float* y,
-                  int ldy, int R) {
+static int linear(const int64_t* lp, const float* x, int ldx, float* y, int ldy, int R) {
     const int N = (int)lp[LIN_N_OUT], K = (int)lp[LIN_K], fused = (int)lp[LIN_FUSED];
     switch ((int)lp[LIN_KIND]) {
     case KIND_F32:
@@ -72,10 +77,18 @@ static int linear(const int64_t* lp, qgemm_fn qgemm, const float* x, int ldx, fl
         return gemm_f32_w16(x, ldx, P(const uint16_t*, lp[LIN_W]),
                             P(const float*, lp[LIN_BIAS]), y, ldy, R, N, K, fused) ? -1 : 0;
     case KIND_Q: {
-        const int rc = qgemm(x, R, K, ldx, P(const void*, lp[LIN_W]), (int)lp[LIN_BITS], N,
-                             P(const float*, lp[LIN_SCALES]), P(const float*, lp[LIN_ZEROS]),
-                             (int)lp[LIN_GROUP], P(const float*, lp[LIN_BIAS]), y, ldy,
-                             fused);
+        const int rc = P(qgemm_fn, lp[LIN_FN])(
+            x, R, K, ldx, P(const void*, lp[LIN_W]), (int)lp[LIN_BITS], N,
+            P(const float*, lp[LIN_SCALES]), P(const float*, lp[LIN_ZEROS]),
+            (int)lp[LIN_GROUP], P(const float*, lp[LIN_BIAS]), y, ldy, fused);
+        return rc == -2 ? -1 : rc ? -3 : 0;
+    }
+    case KIND_A16: {
+        if (fused) return -3; /* (qgemm_a16 applies no activation) */
+        const int rc = P(a16_fn, lp[LIN_FN])(
+            x, R, K, ldx, P(const void*, lp[LIN_W]), N, P(const float*, lp[LIN_SCALES]),
+            P(const float*, lp[LIN_ZEROS]), (int)lp[LIN_GROUP], P(const float*, lp[LIN_BIAS]),
+            y, ldy);
         return rc == -2 ? -1 : rc ? -3 : 0;
     }
     default:
@@ -83,13 +96,12 @@ static int linear(const int64_t* lp, qgemm_fn qgemm, const float* x, int ldx, fl
     }
 }
 
-int decode_forward_f32(const int64_t* dims, const int64_t* ptrs, void* qgemm_ptr, float eps,
+int decode_forward_f32(const int64_t* dims, const int64_t* ptrs, float eps,
                        float scale, int R, float* h, const int64_t* pos,
                        const int64_t* wslot, const int64_t* slots, const int32_t* lens,
                        const int32_t* starts, int L, float* out) {
     if (!gemm_f32_available()) return -2;
     if (R <= 0) return 0;
-    const qgemm_fn qgemm = (qgemm_fn)qgemm_ptr;
     const int H = (int)dims[D_HIDDEN], Hq = (int)dims[D_HQ], Hkv = (int)dims[D_HKV];
     const int D = (int)dims[D_HEAD], I = (int)dims[D_INTER];
     const int qkv_w = (Hq + 2 * Hkv) * D, kv_w = Hkv * D;
@@ -115,7 +127,7 @@ int decode_forward_f32(const int64_t* dims, const int64_t* ptrs, void* qgemm_ptr
         } else {
             add_rms_norm_f32(h, res, P(const float*, lp[L_IN_NORM]), x, R, H, eps);
         }
-        if ((rc = linear(lin + LIN_QKV * LIN_N, qgemm, x, H, qkv, qkv_w, R))) break;
+        if ((rc = linear(lin + LIN_QKV * LIN_N, x, H, qkv, qkv_w, R))) break;
         const float* qn = P(const float*, lp[L_Q_NORM]);
         const float* kn = P(const float*, lp[L_K_NORM]);
         for (int r = 0; qn && r < R; r++) { /* in place: a row's heads are contiguous */
@@ -134,18 +146,18 @@ int decode_forward_f32(const int64_t* dims, const int64_t* ptrs, void* qgemm_ptr
             memcpy(vc + wslot[r] * kv_w, row + (Hq + Hkv) * D, sizeof(float) * kv_w);
         }
         decode_attention_f32(q, kc, vc, slots, lens, starts, attn, R, Hq, Hkv, D, L, scale);
-        if ((rc = linear(lin + LIN_O * LIN_N, qgemm, attn, Hq * D, h, H, R))) break;
+        if ((rc = linear(lin + LIN_O * LIN_N, attn, Hq * D, h, H, R))) break;
         add_rms_norm_f32(h, res, P(const float*, lp[L_POST_NORM]), x, R, H, eps);
         const int64_t* gl = lin + LIN_GATE_UP * LIN_N;
         const float* mlp_in = gu;
         if (gl[LIN_FUSED]) {
-            if ((rc = linear(gl, qgemm, x, H, gu, I, R))) break;
+            if ((rc = linear(gl, x, H, gu, I, R))) break;
         } else {
-            if ((rc = linear(gl, qgemm, x, H, gu, 2 * I, R))) break;
+            if ((rc = linear(gl, x, H, gu, 2 * I, R))) break;
             silu_mul_f32(gu, act, R, I);
             mlp_in = act;
         }
-        rc = linear(lin + LIN_DOWN * LIN_N, qgemm, mlp_in, I, h, H, R);
+        rc = linear(lin + LIN_DOWN * LIN_N, mlp_in, I, h, H, R);
     }
     if (!rc) add_rms_norm_f32(h, res, P(const float*, ptrs[P_NORM]), out, R, H, eps);
     free(mem);
