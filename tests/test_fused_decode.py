@@ -69,11 +69,15 @@ def test_quantized_greedy_equals_dequantised_model(method: str, native_int) -> N
     assert _fused_steps(llm) > 0
 
 
-def _logits_and_kv(path: str, fused: bool, **kw):
-    """Each step's logits of a batch of greedy requests, and the K/V pool after them."""
+def _logits_and_kv(path: str, fused: bool, change_model=None, **kw):
+    """Each step's logits of a batch of greedy requests, and the K/V pool after them
+    (``change_model``: applied to the loaded model before the fused path is built)."""
     llm = LLM(path, dtype="float32", enable_prefix_caching=False, max_num_seqs=3,
               **{"attention_backend": "native", **kw})
     runner = llm.engine.runner
+    if change_model is not None:
+        change_model(runner.model)
+        runner._build_fused_decode()
     if not fused:
         runner.fused_decode = None
     runner.record_logits = True
@@ -137,39 +141,22 @@ def test_row_range_linears_run_their_few_rows_backend(native_int) -> None:
     logits equal the modules' with the down projections' few-rows weight scaled."""
     from conveyor.model.quant.linear import RowRangeLinear
 
-    def run(fused: bool):
-        llm = LLM(make_checkpoint("llama"), dtype="float32", quantization="int8",
-                  attention_backend="native", enable_prefix_caching=False, max_num_seqs=3)
-        runner = llm.engine.runner
-        for layer in runner.model.layers:
+    def split_down_projections(model) -> None:
+        for layer in model.layers:
             many = layer.mlp.down_proj
             few = copy.copy(many)  # a second module over the weight scaled by 2: which
             qw, scales, zeros, bias = many.gemm._keep  # one ran shows in the logits
             few.gemm = PackedQGemm(qw, many.bits, scales * 2, zeros, many.group, bias,
                                    many.out_features, many.in_features)
             layer.mlp.down_proj = RowRangeLinear(few, many, max_rows=2)
-        runner._build_fused_decode()
-        if fused:
-            assert runner.fused_decode is not None and runner.fused_decode.max_rows == 2
-        else:
-            runner.fused_decode = None
-        runner.record_logits = True
-        for i, p in enumerate(random_prompts(3, seed=4, lo=5, hi=20)):
-            llm.engine.add_request({"prompt_token_ids": p},
-                                   SamplingParams(max_tokens=4 + 3 * i, temperature=0.0,
-                                                  ignore_eos=True), request_id=str(i))
-        steps = []
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
-            steps.append(dict(runner.last_logits))
-        return runner, steps
 
-    fast, got = run(True)
-    _, want = run(False)
-    assert fast.fused_decode.num_steps >= 3
+    path = make_checkpoint("llama")
+    fast, got, _ = _logits_and_kv(path, True, split_down_projections, quantization="int8")
+    _, want, _ = _logits_and_kv(path, False, split_down_projections, quantization="int8")
+    assert fast.engine.runner.fused_decode.max_rows == 2
+    assert _fused_steps(fast) >= 3
     for g, w in zip(got, want, strict=True):
-        for rid in g:
-            assert torch.equal(g[rid], w[rid])
+        assert g.keys() == w.keys() and all(torch.equal(g[r], w[r]) for r in g)
 
 
 def test_rows_past_the_limit_take_the_modules(monkeypatch) -> None:
