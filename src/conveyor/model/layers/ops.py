@@ -106,8 +106,10 @@ class NativeOps(TorchOps):
         t, start = qkv.shape[0], 0
         for norm, heads in ((q_norm, num_heads), (k_norm, num_kv_heads)):
             part = qkv[:, start:start + heads * head_dim]
-            part.copy_(native.rms_norm(part.reshape(t * heads, head_dim), norm.weight,
-                                       norm.eps).view(t, heads * head_dim))
+            # (one head a rank under tensor parallelism: the reshape is then a strided
+            # view, which the kernel does not take)
+            rows = part.reshape(t * heads, head_dim).contiguous()
+            part.copy_(native.rms_norm(rows, norm.weight, norm.eps).view(t, heads * head_dim))
             start += heads * head_dim
         return self.rope_(rope, positions, qkv, num_heads, num_kv_heads, head_dim)
 
