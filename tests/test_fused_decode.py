@@ -159,6 +159,39 @@ def test_row_range_linears_run_their_few_rows_backend(native_int) -> None:
         assert g.keys() == w.keys() and all(torch.equal(g[r], w[r]) for r in g)
 
 
+class _Doubled(torch.nn.Module):
+    """Another backend's numbers for a projection: twice ``inner``'s."""
+
+    applies_silu_mul = False
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner, self.in_features, self.out_features = \
+            inner, inner.in_features, inner.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * self.inner(x)
+
+
+def test_float_row_split_linears_run_their_few_rows_backend() -> None:
+    """A float projection split by rows (``linear/few_rows.py``: conveyor's GEMM for few
+    rows, another backend past them) runs its GEMM here, the path capped at its rows."""
+    from conveyor.model.linear.few_rows import RowSplitLinear
+
+    def split_o_projections(model) -> None:
+        for layer in model.layers:
+            few = layer.self_attn.o_proj
+            layer.self_attn.o_proj = RowSplitLinear(few, _Doubled(few), max_rows=2)
+
+    path = make_checkpoint("qwen2")
+    fast, got, _ = _logits_and_kv(path, True, split_o_projections, **NATIVE)
+    _, want, _ = _logits_and_kv(path, False, split_o_projections, **NATIVE)
+    assert fast.engine.runner.fused_decode.max_rows == 2
+    assert _fused_steps(fast) >= 3
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys() and all(torch.equal(g[r], w[r]) for r in g)
+
+
 def test_rows_past_the_limit_take_the_modules(monkeypatch) -> None:
     monkeypatch.setattr(fused_decode, "MAX_ROWS", 2)
     llm = LLM(make_checkpoint("llama"), dtype="float32", max_num_seqs=3, **NATIVE)

@@ -7,9 +7,10 @@ a tensor allocation; this pays for one. ``FusedDecode.build`` returns None (the 
 keeps the PyTorch path) unless every part of the model is one the C code computes as the
 modules do: a plain pre-norm Llama layer (QKV bias and Qwen3's per-head q/k norms
 allowed), native float32 / bf16-weight or int8 / int4 linears (quant_gemm.c's qgemm_f32 or
-qgemm_a16; a linear split by row range runs its few-rows backend, and the path then takes
-no more rows than that range), native elementwise ops and decode attention over float32
-caches, one window for every layer, no tensor parallelism, no adapters.
+qgemm_a16; a linear split by row range, float or quantized, runs its few-rows backend, and
+the path then takes no more rows than that range), native elementwise ops and decode
+attention over float32 caches, one window for every layer, no tensor parallelism, no
+adapters.
 ``CONVEYOR_FUSED_DECODE=0`` turns it off. A step runs here only while all its rows are
 decodes and there are at most ``max_rows`` of them; every other step takes the modules.
 """
@@ -29,6 +30,7 @@ from conveyor.kernels.cpu.quant import PackedA16Gemm, PackedQGemm
 from conveyor.model.attention.metadata import AttentionMetadata
 from conveyor.model.attention.native_decode import NativeDecode
 from conveyor.model.layers.ops import NativeOps
+from conveyor.model.linear.few_rows import RowSplitLinear
 from conveyor.model.linear.native import NativeLinear
 from conveyor.model.models.decoder import MLP, DecoderForCausalLM
 from conveyor.model.quant.linear import NativeA16Linear, NativeQuantLinear, RowRangeLinear
@@ -104,8 +106,8 @@ class FusedDecode:
         rows_cap = [max_rows]
 
         def linear(mod, n: int, k: int, what: str, gate_up: bool = False) -> list[int]:
-            if type(mod) is RowRangeLinear:  # the fused rows are few: its first backend's
-                rows_cap[0] = min(rows_cap[0], mod.max_rows)
+            if type(mod) in (RowRangeLinear, RowSplitLinear):  # the fused rows are few:
+                rows_cap[0] = min(rows_cap[0], mod.max_rows)  # its few-rows backend's
                 mod = mod.few
             gemm = getattr(mod, "gemm", None)
             if type(mod) is NativeLinear and type(gemm) is PackedGemm:
