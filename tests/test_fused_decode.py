@@ -135,6 +135,34 @@ def test_int4_a16_linears_same_logits_and_kv_as_the_modules(monkeypatch) -> None
         assert torch.equal(gk, wk) and torch.equal(gv, wv)
 
 
+def test_int8_a16_linears_same_logits_and_kv_as_the_modules(monkeypatch) -> None:
+    """qgemm_a16_i8's int8 linears (x rounded to int16, int32 sums in 512-column blocks)
+    run in the C forward as the modules run them, bit for bit; with them the fused path
+    stays on (a wrong kernel, layout or argument shows in the logits)."""
+    from conveyor.kernels.cpu import quant
+
+    if not quant.simd():
+        pytest.skip("no AVX2 build of the quantized kernel")
+    from conveyor.model.quant import apply
+
+    monkeypatch.setattr(apply, "candidates", lambda scheme, *_: [
+        "native-int8-a16" if scheme.bits == 8 else "native-int"])
+    path = make_checkpoint("qwen3")
+    fast, got, got_kv = _logits_and_kv(path, True, quantization="int8")
+    _, want, want_kv = _logits_and_kv(path, False, quantization="int8")
+    from conveyor.model.quant.linear import NativeA16Linear
+    for layer in fast.engine.runner.model.layers:
+        for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                    layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert type(mod) is NativeA16Linear and mod.bits == 8
+    assert _fused_steps(fast) >= 5
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys() and all(torch.equal(g[r], w[r]) for r in g)
+    for (gk, gv), (wk, wv) in zip(got_kv, want_kv, strict=True):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
 def test_row_range_linears_run_their_few_rows_backend(native_int) -> None:
     """A linear split by row range (the start-up choice per row range) runs its few-rows
     backend here, and the path takes no more rows than that backend's range: every step's

@@ -58,7 +58,12 @@ def test_int8_greedy_matches_dequantised_reference(arch, config):
     _check(llm, arch)
     kinds = {type(m).__name__ for m in llm.engine.runner.model.modules()}
     assert "Linear" not in kinds, kinds  # every projection quantized
-    assert "QuantLinear" in type(llm.engine.runner.model.packed_lm_head).__mro__[1].__name__
+    from conveyor.model.quant.linear import RowRangeLinear, _QuantLinear
+
+    head = llm.engine.runner.model.packed_lm_head
+    # (the start-up choice may split it by row range: quantized backends on both sides)
+    sides = (head.few, head.many) if isinstance(head, RowRangeLinear) else (head,)
+    assert all(isinstance(m, _QuantLinear) for m in sides), sides
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -307,6 +312,106 @@ def test_a16_kernel_within_its_stated_bound(n, k, group, zero):
         results[isa] = singles
     if len(results) == 2:
         assert torch.equal(results["avx2"], results["portable"])
+
+
+# (N, K, group (0: the row), zero points): K past one and several 512-column int32 blocks
+# (and not a multiple of one), groups of any even size (past a block too), odd N
+A16_I8_SHAPES = [(37, 128, 32, True), (40, 96, 0, False), (16, 10, 0, True),
+                 (33, 1100, 0, False), (19, 2060, 1030, True), (64, 1024, 128, False),
+                 (5, 36, 12, True), (17, 576, 0, False)]
+
+
+def _int8_weight(n: int, k: int, group: int, zero: bool, gen, extreme: bool = False):
+    from conveyor.model.quant.weight import QuantWeight
+
+    group = group or k
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    if extreme:  # every product at its largest: the int32 block sums at their bound
+        q.fill_(-128)
+    scale = torch.rand(n, k // group, generator=gen) * 0.02 + 0.001
+    z = torch.randn(n, k // group, generator=gen) * 3 if zero else None
+    return QuantWeight(q, scale, z, 8, group)
+
+
+@pytest.mark.parametrize("n,k,group,zero,extreme",
+                         [(*s, False) for s in A16_I8_SHAPES] + [(21, 1536, 0, False, True)])
+def test_a16_i8_kernel_within_its_stated_bound(n, k, group, zero, extreme):
+    """``qgemm_a16_i8`` (int8 weight, x rounded to int16 per row, int32 sums in blocks of
+    512 columns): within (absmax(x) / 65534) * sum |w| of the float64 product with the
+    dequantised weight, plus float32 rounding, at every row count 1..9; each row the same
+    bits whatever the rows beside it; the AVX2 and portable bodies the same bits. The
+    extreme case (every weight -128, x one sign) puts each block's int32 sum at its
+    bound: a longer block overflows and fails it."""
+    from conveyor.kernels.cpu import cpuinfo, quant
+    from conveyor.model.quant.linear import NativeA16Linear
+
+    gen = torch.Generator().manual_seed(n * 1000 + k + group)
+    qw = _int8_weight(n, k, group, zero, gen, extreme)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(9, k, generator=gen) * torch.logspace(-2, 2, 9).view(-1, 1)
+    if extreme:
+        x = x.abs() + 1
+        x[:, 0] = x.amax(1) * 1.0001  # (the other entries round to near 32767 too)
+    w = qw.dequantize().double()
+    want = x.double() @ w.T + bias.double()
+    bound = (x.abs().amax(1, keepdim=True).double() / 65534) * w.abs().sum(1) \
+        + 1e-5 * (x.double().abs() @ w.abs().T + 1)
+    results = {}
+    for isa in ("avx2", "portable"):
+        if isa == "avx2" and not {"avx2", "fma"} <= (cpuinfo.cpu_flags() or frozenset()):
+            continue
+        lib = quant.load(isa)
+        if lib is None:
+            pytest.skip("native kernels unavailable")
+        mod = NativeA16Linear(qw, bias, lib)
+        assert mod.gemm.bits == 8
+        singles = torch.cat([mod(x[i:i + 1]) for i in range(9)])
+        assert ((singles.double() - want).abs() <= bound).all(), isa
+        for rows in range(1, 10):
+            assert torch.equal(mod(x[:rows]), singles[:rows]), (isa, rows)
+        results[isa] = singles
+    if len(results) == 2:
+        assert torch.equal(results["avx2"], results["portable"])
+
+
+def test_a16_i8_refuses_what_it_cannot_take():
+    """Odd K or group: the module refuses it, the backend hands it to ``native-int``."""
+    from conveyor.model.quant.backends import NativeInt8A16Backend, Scheme
+    from conveyor.model.quant.linear import NativeA16Linear, NativeQuantLinear
+
+    gen = torch.Generator().manual_seed(3)
+    qw = _int8_weight(16, 9, 0, False, gen)
+    with pytest.raises(ValueError, match="even K"):
+        NativeA16Linear(qw, None)
+    cpu = torch.device("cpu")
+    assert NativeInt8A16Backend.supports(Scheme(8, 3), cpu, torch.float32)
+    assert NativeInt8A16Backend.supports(Scheme(4), cpu, torch.float32)
+    assert NativeInt8A16Backend.supports(Scheme(8, act_int8=True), cpu, torch.float32)
+    if NativeInt8A16Backend.supports(Scheme(8), cpu, torch.float32) is None:
+        back = NativeInt8A16Backend(cpu, torch.float32)
+        assert type(back.make_linear(qw, None)) is NativeQuantLinear
+        assert type(back.make_linear(_int8_weight(16, 10, 0, False, gen), None)) \
+            is NativeA16Linear
+
+
+def test_a16_i8_greedy_matches_dequantised_reference(monkeypatch):
+    """Every int8 projection (the tied LM head too) on ``native-int8-a16``: greedy ids
+    equal the dequantised float32 model's, under batching and chunked prefill."""
+    from conveyor.kernels.cpu import quant
+    from conveyor.model.quant import apply
+    from conveyor.model.quant.linear import NativeA16Linear
+
+    if not quant.simd():
+        pytest.skip("no AVX2 build of the quantized kernel")
+    real = apply.candidates
+    monkeypatch.setattr(apply, "candidates", lambda scheme, device, dtype: (
+        ["native-int8-a16"] if scheme.bits == 8 else real(scheme, device, dtype)))
+    llm = LLM(make_checkpoint("qwen3"), dtype="float32", quantization="int8",
+              max_num_batched_tokens=13)
+    mods = [m for m in llm.engine.runner.model.modules() if isinstance(m, NativeA16Linear)]
+    assert len(mods) >= 4 * len(llm.engine.runner.model.layers)
+    assert all(m.bits == 8 for m in mods)
+    _check(llm, "qwen3", seed=5, method="int8")
 
 
 def test_a16_greedy_matches_dequantised_reference(monkeypatch):

@@ -12,7 +12,9 @@ and GB/s = the weight bytes a pass reads / its time.
     python -m benchmarks.kernels.quant_rows --rows 1 --against HEAD~1 --stream
 
 ``int4 a16``: the int4 weights through ``qgemm_a16`` (x rounded to int16 per row, integer
-sums); ``a16/int4``: how much faster than the float path.
+sums); ``a16/int4``: how much faster than the float path. ``int8 a16``: the int8 weights
+through ``qgemm_a16_i8`` (the same, int32 sums in 512-column blocks); ``a16/int8``: how
+much faster than int8's float path, ``i8a16/bf16``: than the bf16 weights.
 
 ``--against REV``: REV's ``quant_gemm.c`` (same weight layout) built beside this tree's
 and timed in the same rounds (``int8@REV``, ``int4@REV``). ``--stream``: a plain
@@ -82,6 +84,8 @@ def build(kind: str, shapes, layers: int, gen: torch.Generator, lib=None) -> lis
             w = torch.randn(n, k, generator=gen) * 0.02
             if kind.startswith("bf16"):
                 calls.append(ops.PackedGemm(w.to(torch.bfloat16).contiguous(), None))
+            elif kind.startswith("int8 a16"):
+                calls.append(NativeA16Linear(quantize_int8(w), None, lib))
             elif kind.startswith("int8"):
                 calls.append(NativeQuantLinear(quantize_int8(w), None, lib))
             elif kind.startswith("int4 a16"):
@@ -123,7 +127,7 @@ def main() -> int:
         return 1
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     shapes = SHAPES[args.model]
-    kinds = ["bf16 native", "int8", "int4", "int4 a16"]
+    kinds = ["bf16 native", "int8", "int8 a16", "int4", "int4 a16"]
     libs: dict[str, object] = {}
     if args.against:
         old = qkernel.build(source_at(args.against))
@@ -139,7 +143,7 @@ def main() -> int:
           f"{args.model}'s projection shapes; {args.clock} ms per pass (GB/s of weights)")
     width = max(18, *(len(k) for k in kinds))
     print(f"{'rows':>5} " + " ".join(f"{k:>{width}}" for k in kinds)
-          + "   int8/bf16 int4/bf16 a16/int4" + (
+          + "   int8/bf16 int4/bf16 a16/int4 a16/int8 i8a16/bf16" + (
               f"  int8/int8@{args.against} int4/int4@{args.against}" if args.against else ""))
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
@@ -156,7 +160,9 @@ def main() -> int:
         line = (f"{rows:>5} " + " ".join(f"{c:>{width}}" for c in cells)
                 + f"   {med['bf16 native'] / med['int8']:.2f}x"
                 + f"     {med['bf16 native'] / med['int4']:.2f}x"
-                + f"     {med['int4'] / med['int4 a16']:.2f}x")
+                + f"     {med['int4'] / med['int4 a16']:.2f}x"
+                + f"     {med['int8'] / med['int8 a16']:.2f}x"
+                + f"     {med['bf16 native'] / med['int8 a16']:.2f}x")
         if args.against:
             line += (f"  {med[f'int8@{args.against}'] / med['int8']:.2f}x"
                      f"     {med[f'int4@{args.against}'] / med['int4']:.2f}x")

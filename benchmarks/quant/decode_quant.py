@@ -15,24 +15,42 @@ rows, as a server's are, while the steps run at ``batch``.
 bf16 is the bfloat16 checkpoint as conveyor runs it on this CPU (computed in float32
 where the CPU lacks bf16 arithmetic, reading bf16 weights: native-bf16); int8 and int4
 are ``--quantization int8`` / ``int4`` on the same checkpoint (every projection and the
-LM head quantized; kernels measured at start).
+LM head quantized; kernels measured at start). ``int8-f32`` / ``int8-a16``: int8 with
+every quantized linear on ``native-int`` (the float path) / ``native-int8-a16``:
+
+    python -m benchmarks.quant.decode_quant --batch 1 --variants bf16 int8-f32 int8-a16 int8
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
 from benchmarks.common import median_step_s, start_decoding
 from conveyor import LLM
 from conveyor.kernels.cpu.cpuinfo import cpu_model_name
+from conveyor.model.quant.apply import QUANT_LINEAR
 
-VARIANTS = {"bf16": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
+VARIANTS = {"bf16": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
+            # int8 with every quantized linear forced onto one backend (an A/B of kernels)
+            "int8-f32": {"quantization": "int8", "backend": "native-int"},
+            "int8-a16": {"quantization": "int8", "backend": "native-int8-a16"}}
 
 
 def build(model: str, batch: int, context: int, steps: int, rounds: int,
-          max_num_seqs: int = 0, **kw) -> LLM:
+          max_num_seqs: int = 0, backend: str = "", **kw) -> LLM:
+    if backend:  # (read once, when the engine quantizes its linears)
+        os.environ[QUANT_LINEAR] = backend
+    try:
+        return _build(model, batch, context, steps, rounds, max_num_seqs, **kw)
+    finally:
+        os.environ.pop(QUANT_LINEAR, None)
+
+
+def _build(model: str, batch: int, context: int, steps: int, rounds: int,
+           max_num_seqs: int, **kw) -> LLM:
     llm = LLM(model, dtype="bfloat16", load_format="dummy",
               max_num_seqs=max(batch, max_num_seqs),
               max_num_batched_tokens=max(512, batch * context),

@@ -6,11 +6,11 @@ At a few rows a step is a few hundred kernel calls, each paying for Python, ctyp
 a tensor allocation; this pays for one. ``FusedDecode.build`` returns None (the runner
 keeps the PyTorch path) unless every part of the model is one the C code computes as the
 modules do: a plain pre-norm Llama layer (QKV bias and Qwen3's per-head q/k norms
-allowed), native float32 / bf16-weight or int8 / int4 linears (quant_gemm.c's qgemm_f32 or
-qgemm_a16; a linear split by row range, float or quantized, runs its few-rows backend, and
-the path then takes no more rows than that range), native elementwise ops and decode
-attention over float32 caches, one window for every layer, no tensor parallelism, no
-adapters.
+allowed), native float32 / bf16-weight or int8 / int4 linears (quant_gemm.c's qgemm_f32,
+qgemm_a16 or qgemm_a16_i8; a linear split by row range, float or quantized, runs its
+few-rows backend, and the path then takes no more rows than that range), native
+elementwise ops and decode attention over float32 caches, one window for every layer, no
+tensor parallelism, no adapters.
 ``CONVEYOR_FUSED_DECODE=0`` turns it off. A step runs here only while all its rows are
 decodes and there are at most ``max_rows`` of them; every other step takes the modules.
 """
@@ -127,8 +127,9 @@ class FusedDecode:
             elif (type(mod) is NativeA16Linear and type(gemm) is PackedA16Gemm
                   and mod.perm is None):
                 w, nn_, s, z, group, b = gemm._args
-                row = [_KIND_A16, w, b or 0, nn_, gemm.in_features, 0, 4, s, z or 0, group,
-                       ctypes.cast(gemm._fn, ctypes.c_void_p).value]
+                # (int4 qgemm_a16 or int8 qgemm_a16_i8: one signature, the kernel's pointer)
+                row = [_KIND_A16, w, b or 0, nn_, gemm.in_features, 0, gemm.bits, s, z or 0,
+                       group, ctypes.cast(gemm._fn, ctypes.c_void_p).value]
                 fused = False
                 keep.append(gemm)
             else:

@@ -2,7 +2,7 @@
  * A target model's whole decode forward in one call: every layer of a Llama-family model
  * (Llama, Mistral, Qwen2's QKV bias, Qwen3's per-head q/k norms) over R decode rows, from the embedded rows to the
  * final norm, on the kernels the PyTorch path calls one by one (elementwise.c, gemm.c,
- * decode_attention.c, and quant_gemm.c's qgemm_f32 or qgemm_a16 through function pointers:
+ * decode_attention.c, and quant_gemm.c's qgemm_f32, qgemm_a16 or qgemm_a16_i8 through function pointers:
  * that one is a library of its own), in the same order, so every number is the one it
  * computes.
  *
@@ -17,8 +17,8 @@
  *     rotation, as NativeOps.head_norms_rope_), then the QKV, O, gate/up and down
  *     linears, LIN_N entries each (LIN_* below).
  * A linear is float32 or bf16 weights packed for gemm.c (gemm_f32, gemm_f32_w16) or an
- * int8 / int4 weight packed for quant_gemm.c (qgemm_f32, or qgemm_a16's int4 column
- * pairs); "fused": the gate/up linear applies silu(gate) * up itself (else silu_mul_f32
+ * int8 / int4 weight packed for quant_gemm.c (qgemm_f32, or qgemm_a16's int4 / qgemm_a16_i8's
+ * int8 column pairs); "fused": the gate/up linear applies silu(gate) * up itself (else silu_mul_f32
  * follows it).
  *
  * A step: h [R, H] the embedded rows (overwritten), pos [R], wslot [R] (each row's K/V
@@ -57,7 +57,7 @@ enum { P_COS, P_SIN, P_NORM, P_LAYER0 };
 enum { L_IN_NORM, L_POST_NORM, L_K, L_V, L_Q_NORM, L_K_NORM, L_N_HEAD };
 /* a linear: kind, packed weight, bias (0: none), N, K, fused activation, then for the
  * quantized kinds: bits, scales, zeros (0: none), group, the kernel (a function of
- * quant_gemm.c: qgemm_f32 for KIND_Q, qgemm_a16 for KIND_A16) */
+ * quant_gemm.c: qgemm_f32 for KIND_Q, qgemm_a16 or qgemm_a16_i8 for KIND_A16) */
 enum { LIN_KIND, LIN_W, LIN_BIAS, LIN_N_OUT, LIN_K, LIN_FUSED, LIN_BITS, LIN_SCALES,
        LIN_ZEROS, LIN_GROUP, LIN_FN, LIN_N };
 enum { KIND_F32, KIND_W16, KIND_Q, KIND_A16 };

@@ -71,6 +71,8 @@ def build(source: str, isa: str | None = None) -> ctypes.CDLL:
     lib.qgemm_a16.restype = ctypes.c_int
     lib.qgemm_a16.argtypes = [_PTR, _I32, _I32, _I32, _PTR, _I32, _PTR, _PTR, _I32, _PTR,
                               _PTR, _I32]
+    lib.qgemm_a16_i8.restype = ctypes.c_int
+    lib.qgemm_a16_i8.argtypes = lib.qgemm_a16.argtypes
     return lib
 
 
@@ -159,31 +161,42 @@ class PackedQGemm:
 
 
 A16_MAX_GROUP = 4096  # qgemm_a16's int32 sums stay exact up to this group size
+# qgemm_a16_i8 sums blocks of 512 columns in int32 (any group); its sums of x per group
+# stay exact up to this size
+A16_I8_MAX_GROUP = 65536
 
 
-def a16_takes(k: int, group: int) -> bool:
-    """Whether ``qgemm_a16`` takes an int4 weight of ``k`` columns in groups of ``group``."""
-    return k % 2 == 0 and group % 2 == 0 and 0 < group <= A16_MAX_GROUP and k % group == 0
+def a16_takes(k: int, group: int, bits: int = 4) -> bool:
+    """Whether ``qgemm_a16`` (``bits`` 4) or ``qgemm_a16_i8`` (8) takes a weight of ``k``
+    columns in groups of ``group``."""
+    cap = A16_MAX_GROUP if bits == 4 else A16_I8_MAX_GROUP
+    return (bits in (4, 8) and k % 2 == 0 and group % 2 == 0 and 0 < group <= cap
+            and k % group == 0)
 
 
 class PackedA16Gemm:
-    """An int4 weight in ``qgemm_a16``'s column-pair layout (uint8 [P, K / 2, 16]) with
-    its scales, zeros and bias, checked once; a call ``(x)`` rounds x to int16 per row in
-    C (``quant_gemm.c``: the error bound) and sums the products in int32."""
+    """An int4 weight in ``qgemm_a16``'s column-pair layout (uint8 [P, K / 2, 16]), or an
+    int8 one in ``qgemm_a16_i8``'s (int8 [P, K / 2, 32]), with its scales, zeros and bias,
+    checked once; a call ``(x)`` rounds x to int16 per row in C (``quant_gemm.c``: the
+    error bound) and sums the products in int32."""
 
-    __slots__ = ("_args", "_fn", "_keep", "in_features", "out_features", "width")
+    __slots__ = ("_args", "_fn", "_keep", "bits", "in_features", "out_features", "width")
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor | None, group: int, bias: torch.Tensor | None, n: int,
-                 k: int, lib=None) -> None:
+                 k: int, lib=None, bits: int = 4) -> None:
         panels = -(-n // 16)
-        if not a16_takes(k, group):
-            raise ValueError(f"conveyor::qgemm_a16: K = {k} and group {group} must be even, "
-                             f"the group dividing K and at most {A16_MAX_GROUP}")
-        if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (panels, k // 2, 16) \
+        if not a16_takes(k, group, bits):
+            raise ValueError(f"conveyor::qgemm_a16: int{bits}, K = {k} and group {group}: "
+                             "bits must be 4 or 8, K and the group even, the group "
+                             "dividing K and at most "
+                             f"{A16_MAX_GROUP if bits == 4 else A16_I8_MAX_GROUP}")
+        want, shape = ((torch.uint8, (panels, k // 2, 16)) if bits == 4
+                       else (torch.int8, (panels, k // 2, 32)))
+        if qweight.dtype != want or tuple(qweight.shape) != shape \
                 or not qweight.is_contiguous():
-            raise ValueError(f"conveyor::qgemm_a16: the weight must be contiguous uint8 "
-                             f"{(panels, k // 2, 16)}, got {qweight.dtype} "
+            raise ValueError(f"conveyor::qgemm_a16: the int{bits} weight must be contiguous "
+                             f"{want} {shape}, got {qweight.dtype} "
                              f"{tuple(qweight.shape)}")
         # (scales, zeros and bias as qgemm_f32 takes them: its checks, on the panel shape)
         check_weight(torch.empty(panels, k, 8, dtype=torch.uint8), 4, n, k, scales, zeros,
@@ -192,7 +205,8 @@ class PackedA16Gemm:
         if lib is None:
             raise RuntimeError("conveyor::qgemm_a16: the quantized GEMM is not built "
                                + kernels.why_unavailable())
-        self._fn = lib.qgemm_a16
+        self._fn = lib.qgemm_a16 if bits == 4 else lib.qgemm_a16_i8
+        self.bits = bits
         self._keep = (qweight, scales, zeros, bias)
         self._args = (qweight.data_ptr(), n, scales.data_ptr(),
                       zeros.data_ptr() if zeros is not None else None, group,

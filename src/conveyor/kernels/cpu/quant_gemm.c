@@ -730,3 +730,131 @@ int qgemm_a16(const float* x, int M, int K, int ldx, const uint8_t* w, int N,
     free(xi); free(sx); free(xsum);
     return 0;
 }
+
+/*
+ * qgemm_a16_i8: qgemm_a16 for an int8 weight (-128..127, zero points and groups as
+ * qgemm_f32's): x rounded to int16 per row as there (the same error bound: within
+ * (absmax / 65534) * sum_k |w_nk| plus float32 rounding of the exact product with the
+ * dequantised weight), each pair of weights sign-extended to int16 and multiplied-added
+ * with vpmaddwd.
+ *
+ * int32 bound: a pair's product is at most 2 * 128 * 32767 in magnitude, so 256 pairs
+ * (I8_BLOCK = 512 columns) sum to at most 2147418112 < 2^31: each group is summed exactly
+ * in int32 over blocks of at most 512 columns, each block's sum converted to float and
+ * the blocks added in order (t = d_0, t += d_1, ...); then per group, as qgemm_a16: t -=
+ * zero * sum of the group's xi, total += scale * t; y = sx * total + bias. Any group
+ * size (even) is taken. The scalar body computes the same integers and float steps, and a
+ * row's result does not depend on the rows beside it.
+ *
+ * Layout (model/quant/linear.py pack_pairs_i8): panels of 16 outputs, in pairs of
+ * columns: panel p, pair kp (columns 2kp, 2kp + 1) at (p * K / 2 + kp) * 32 bytes, byte
+ * 2i + t holding output 16p + i at column 2kp + t. K and group even, group at most
+ * 65536.
+ */
+#define I8_BLOCK 512
+#define I8_MAX_GROUP 65536 /* the group's sum of xi (a16_row's int32 xsum) stays exact */
+
+static inline __attribute__((always_inline)) void
+a16_i8_panel(const int8_t* w, int K, int N, int p, const int16_t* xi, const float* sx,
+             const int32_t* xsum, int m0, const int R, const float* scales,
+             const float* zeros, int group, const float* bias, float* y, int ldy) {
+    const int groups = K / group;
+    float tot[A16_ROWS][16] = {{0}};
+    for (int g = 0; g < groups; g++) {
+        float t[A16_ROWS][16];
+        for (int kb = 0; kb < group; kb += I8_BLOCK) {
+            const int kn = group - kb < I8_BLOCK ? group - kb : I8_BLOCK;
+            int32_t d[A16_ROWS][16];
+            const int8_t* wp = w + ((size_t)p * K + (size_t)g * group + kb) * 16;
+            const int16_t* xg = xi + (size_t)m0 * K + (size_t)g * group + kb;
+#if defined(__AVX2__) && defined(__FMA__)
+            __m256i a[A16_ROWS][2];
+            for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
+            for (int k = 0; k < kn; k += 2) {
+                if ((k & 3) == 0)
+                    _mm_prefetch((const char*)(wp + (size_t)k * 16) + PF_DIST, _MM_HINT_T0);
+                const __m256i b0 = _mm256_cvtepi8_epi16(
+                    _mm_loadu_si128((const __m128i*)(wp + (size_t)k * 16)));
+                const __m256i b1 = _mm256_cvtepi8_epi16(
+                    _mm_loadu_si128((const __m128i*)(wp + (size_t)k * 16 + 16)));
+                for (int r = 0; r < R; r++) {
+                    int32_t pair;
+                    memcpy(&pair, xg + (size_t)r * K + k, sizeof(pair));
+                    const __m256i xv = _mm256_set1_epi32(pair);
+                    a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(b0, xv));
+                    a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(b1, xv));
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                _mm256_storeu_si256((__m256i*)d[r], a[r][0]);
+                _mm256_storeu_si256((__m256i*)(d[r] + 8), a[r][1]);
+            }
+#else
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < 16; j++) d[r][j] = 0;
+            for (int k = 0; k < kn; k += 2) {
+                const int8_t* b = wp + (size_t)k * 16;
+                for (int r = 0; r < R; r++) {
+                    const int32_t x0 = xg[(size_t)r * K + k], x1 = xg[(size_t)r * K + k + 1];
+                    for (int i = 0; i < 16; i++) d[r][i] += b[2 * i] * x0 + b[2 * i + 1] * x1;
+                }
+            }
+#endif
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < 16; j++)
+                    t[r][j] = kb ? t[r][j] + (float)d[r][j] : (float)d[r][j];
+        }
+        const size_t si = ((size_t)p * groups + g) * 16;
+        for (int r = 0; r < R; r++) {
+            const float xs = (float)xsum[(size_t)(m0 + r) * groups + g];
+            for (int j = 0; j < 16; j++) {
+                const float tj = zeros ? fmaf(-zeros[si + j], xs, t[r][j]) : t[r][j];
+                tot[r][j] = fmaf(scales[si + j], tj, tot[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 16 && p * 16 + j < N; j++)
+            y[(size_t)(m0 + r) * ldy + p * 16 + j] =
+                fmaf(sx[m0 + r], tot[r][j], bias ? bias[p * 16 + j] : 0.0f);
+}
+
+/* The same arguments as qgemm_a16 (decode_forward.c calls either through one pointer
+ * type). */
+int qgemm_a16_i8(const float* x, int M, int K, int ldx, const int8_t* w, int N,
+                 const float* scales, const float* zeros, int group, const float* bias,
+                 float* y, int ldy) {
+    if (M < 0 || N <= 0 || K <= 0 || group <= 0 || K % group || (K | group) & 1
+        || group > I8_MAX_GROUP)
+        return -1;
+    if (M == 0) return 0;
+    const int np = (N + 15) / 16, groups = K / group;
+    int16_t* xi = (int16_t*)malloc(sizeof(int16_t) * (size_t)M * K);
+    float* sx = (float*)malloc(sizeof(float) * (size_t)M);
+    int32_t* xsum = (int32_t*)malloc(sizeof(int32_t) * (size_t)M * groups);
+    if (xi == NULL || sx == NULL || xsum == NULL) {
+        free(xi); free(sx); free(xsum);
+        return -2;
+    }
+    for (int m = 0; m < M; m++)
+        a16_row(x + (size_t)m * ldx, K, group, xi + (size_t)m * K, sx + m,
+                xsum + (size_t)m * groups);
+#pragma omp parallel
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int p0 = (int)((long)np * t / nt), p1 = (int)((long)np * (t + 1) / nt);
+        for (int p = p0; p < p1; p++)
+            for (int m = 0; m < M; m += A16_ROWS) {
+                const int R = M - m < A16_ROWS ? M - m : A16_ROWS;
+#define AP(RR) a16_i8_panel(w, K, N, p, xi, sx, xsum, m, RR, scales, zeros, group, bias, \
+                            y, ldy)
+                if (R == 1) AP(1);
+                else if (R == 2) AP(2);
+                else if (R == 3) AP(3);
+                else AP(4);
+#undef AP
+            }
+    }
+    free(xi); free(sx); free(xsum);
+    return 0;
+}

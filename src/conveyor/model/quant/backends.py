@@ -1,7 +1,8 @@
 """Quantized linear backends by name (a registry like the float linears'), each for the
 weights it can run: ``native-int`` (conveyor's kernel: int8 and int4, any group size,
-zero points; needs the kernels built with AVX2 + FMA), ``native-int4-a16`` (int4 with x
-rounded to int16 per row, integer sums: within a stated bound), ``torch-int8mm`` (torch's
+zero points; needs the kernels built with AVX2 + FMA), ``native-int4-a16`` and
+``native-int8-a16`` (int4 / int8 with x rounded to int16 per row, integer sums: within a
+stated bound), ``torch-int8mm`` (torch's
 int8 weight-only matmul: symmetric int8 per row, bfloat16 or float16 compute on CPU) and
 ``dequant`` (anywhere). ``auto`` measures the candidates per weight shape on the machine
 (``autotune/linears.py``, cached), as the float linears are.
@@ -124,6 +125,28 @@ class NativeA16Backend(QuantLinearBackend):
         return NativeA16Linear(qw, bias)
 
 
+class NativeInt8A16Backend(QuantLinearBackend):
+    """int8 weights (per row or grouped, zero points too) with x rounded to int16 per row
+    (``qgemm_a16_i8``); a shape it cannot take (odd K or group) gets ``native-int``'s
+    module."""
+
+    name = "native-int8-a16"
+
+    @classmethod
+    def supports(cls, scheme, device, dtype):
+        if scheme.bits != 8 or scheme.act_int8:
+            return "weight-only int8 only"
+        if scheme.group % 2 or scheme.group > qkernel.A16_I8_MAX_GROUP:
+            return f"needs an even group size of at most {qkernel.A16_I8_MAX_GROUP}"
+        return NativeQuantBackend.supports(scheme, device, dtype)
+
+    def make_linear(self, weight, bias, gate_up=False) -> nn.Module:
+        qw = self.weight(weight)
+        if qw.bits != 8 or not qkernel.a16_takes(qw.shape[1], qw.group, 8):
+            return NativeQuantLinear(qw, bias, gate_up=gate_up)
+        return NativeA16Linear(qw, bias)
+
+
 class TorchInt8MMBackend(QuantLinearBackend):
     name = "torch-int8mm"
 
@@ -169,6 +192,8 @@ quant_linear_backends: Registry[type[QuantLinearBackend]] = Registry("quantized 
 quant_linear_backends.add("native-int", 20, "conveyor.model.quant.backends:NativeQuantBackend")
 quant_linear_backends.add("native-int4-a16", 15,
                           "conveyor.model.quant.backends:NativeA16Backend")
+quant_linear_backends.add("native-int8-a16", 15,
+                          "conveyor.model.quant.backends:NativeInt8A16Backend")
 quant_linear_backends.add("torch-int8mm", 10,
                           "conveyor.model.quant.backends:TorchInt8MMBackend")
 quant_linear_backends.add("dequant", 0, "conveyor.model.quant.backends:DequantBackend")

@@ -122,6 +122,14 @@ def pack_pairs(q: torch.Tensor) -> torch.Tensor:
     return b.view(p, k // 2, 2, 8).transpose(2, 3).reshape(p, k // 2, 16).contiguous()
 
 
+def pack_pairs_i8(q: torch.Tensor) -> torch.Tensor:
+    """int8 values [N, K] (K even) in ``qgemm_a16_i8``'s layout: int8 [P, K / 2, 32],
+    byte 2i + t of panel p, pair kp holding output 16p + i at column 2kp + t."""
+    u = to_panels(q.to(torch.int8))  # [P, K, 16]
+    p, k, _ = u.shape
+    return u.view(p, k // 2, 2, 16).transpose(2, 3).reshape(p, k // 2, 32).contiguous()
+
+
 def _unsigned_int4(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(q as 0..15, zero points): signed -8..7 stored with the zero moved by 8."""
     q, zero = weight.q, weight.zero
@@ -132,26 +140,32 @@ def _unsigned_int4(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor | No
 
 
 class NativeA16Linear(_QuantLinear):
-    """An int4 weight through ``qgemm_a16`` (x rounded to int16 per row, exact int32
-    sums): K and the group even, the group at most ``quant.A16_MAX_GROUP``."""
+    """An int4 weight through ``qgemm_a16`` or an int8 one through ``qgemm_a16_i8`` (x
+    rounded to int16 per row, exact int32 sums): K and the group even, the group at most
+    ``quant.A16_MAX_GROUP`` (int4) or ``quant.A16_I8_MAX_GROUP`` (int8)."""
 
     kind = "native, int16 x"
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, lib=None) -> None:
         super().__init__(weight)
-        if weight.bits != 4 or not qkernel.a16_takes(self.in_features, weight.group):
-            raise ValueError(f"qgemm_a16 takes int4 weights of even K and group (at most "
-                             f"{qkernel.A16_MAX_GROUP}), got int{weight.bits} K = "
+        if not qkernel.a16_takes(self.in_features, weight.group, weight.bits):
+            raise ValueError(f"qgemm_a16 takes int4 or int8 weights of even K and group (at "
+                             f"most {qkernel.A16_MAX_GROUP} int4, "
+                             f"{qkernel.A16_I8_MAX_GROUP} int8), got int{weight.bits} K = "
                              f"{self.in_features}, group {weight.group}")
-        q, zero = _unsigned_int4(weight)
-        self.qweight = pack_pairs(q)
+        if weight.bits == 4:
+            q, zero = _unsigned_int4(weight)
+            self.qweight = pack_pairs(q)
+        else:
+            q, zero = weight.q, weight.zero
+            self.qweight = pack_pairs_i8(q)
         self.scales = to_panels(weight.scale.to(torch.float32), 1.0)
         self.zeros = to_panels(zero.to(torch.float32)) if zero is not None else None
         self.bias = _bias(bias)
         self.perm = weight.perm
         self.gemm = qkernel.PackedA16Gemm(self.qweight, self.scales, self.zeros, self.group,
                                           self.bias, self.out_features, self.in_features,
-                                          lib or qkernel.load())
+                                          lib or qkernel.load(), weight.bits)
         self.width = self.out_features
 
     forward = NativeQuantLinear.forward
