@@ -92,6 +92,17 @@ def _logits_and_kv(path: str, fused: bool, change_model=None, **kw):
     return llm, steps, runner.kv_caches
 
 
+def _assert_same(got, want, got_kv=None, want_kv=None) -> None:
+    """Every step's logits, and the K/V pools where given, equal bit for bit."""
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.keys() == w.keys()
+        for rid in g:
+            assert torch.equal(g[rid], w[rid]), (step, rid)
+    for (gk, gv), (wk, wv) in zip(got_kv or [], want_kv or [], strict=True):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # QKV bias; per-head q/k norms
 @pytest.mark.parametrize("kw", [dict(NATIVE), dict(quantization="int8"),
                                 dict(quantization="int4")], ids=["float32", "int8", "int4"])
@@ -101,13 +112,7 @@ def test_same_logits_and_kv_as_the_modules(kw: dict, arch: str, native_int) -> N
     fast, got, got_kv = _logits_and_kv(path, True, **kw)
     _, want, want_kv = _logits_and_kv(path, False, **kw)
     assert _fused_steps(fast) >= 5
-    assert len(got) == len(want)
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.keys() == w.keys()
-        for rid in g:
-            assert torch.equal(g[rid], w[rid]), (step, rid)
-    for (gk, gv), (wk, wv) in zip(got_kv, want_kv, strict=True):
-        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    _assert_same(got, want, got_kv, want_kv)
 
 
 def test_int4_a16_linears_same_logits_and_kv_as_the_modules(monkeypatch) -> None:
@@ -128,11 +133,7 @@ def test_int4_a16_linears_same_logits_and_kv_as_the_modules(monkeypatch) -> None
     from conveyor.model.quant.linear import NativeA16Linear
     assert type(fast.engine.runner.model.layers[0].mlp.down_proj) is NativeA16Linear
     assert _fused_steps(fast) >= 5
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        assert g.keys() == w.keys() and all(torch.equal(g[r], w[r]) for r in g)
-    for (gk, gv), (wk, wv) in zip(got_kv, want_kv, strict=True):
-        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    _assert_same(got, want, got_kv, want_kv)
 
 
 def test_int8_a16_linears_same_logits_and_kv_as_the_modules(monkeypatch) -> None:
@@ -156,11 +157,7 @@ def test_int8_a16_linears_same_logits_and_kv_as_the_modules(monkeypatch) -> None
                     layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert type(mod) is NativeA16Linear and mod.bits == 8
     assert _fused_steps(fast) >= 5
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        assert g.keys() == w.keys() and all(torch.equal(g[r], w[r]) for r in g)
-    for (gk, gv), (wk, wv) in zip(got_kv, want_kv, strict=True):
-        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    _assert_same(got, want, got_kv, want_kv)
 
 
 def test_row_range_linears_run_their_few_rows_backend(native_int) -> None:
@@ -183,8 +180,7 @@ def test_row_range_linears_run_their_few_rows_backend(native_int) -> None:
     _, want, _ = _logits_and_kv(path, False, split_down_projections, quantization="int8")
     assert fast.engine.runner.fused_decode.max_rows == 2
     assert _fused_steps(fast) >= 3
-    for g, w in zip(got, want, strict=True):
-        assert g.keys() == w.keys() and all(torch.equal(g[r], w[r]) for r in g)
+    _assert_same(got, want)
 
 
 class _Doubled(torch.nn.Module):
@@ -216,8 +212,7 @@ def test_float_row_split_linears_run_their_few_rows_backend() -> None:
     _, want, _ = _logits_and_kv(path, False, split_o_projections, **NATIVE)
     assert fast.engine.runner.fused_decode.max_rows == 2
     assert _fused_steps(fast) >= 3
-    for g, w in zip(got, want, strict=True):
-        assert g.keys() == w.keys() and all(torch.equal(g[r], w[r]) for r in g)
+    _assert_same(got, want)
 
 
 def test_rows_past_the_limit_take_the_modules(monkeypatch) -> None:
