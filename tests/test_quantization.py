@@ -279,20 +279,13 @@ A16_SHAPES = [(37, 128, 32, True), (40, 96, 0, False), (16, 10, 0, True), (33, 5
               (64, 1024, 128, False), (5, 36, 12, True)]
 
 
-@pytest.mark.parametrize("n,k,group,zero", A16_SHAPES)
-def test_a16_kernel_within_its_stated_bound(n, k, group, zero):
-    """``qgemm_a16`` (x rounded to int16 per row, integer sums): within (absmax(x) /
-    65534) * sum |w| of the float64 product with the dequantised weight, plus float32
-    rounding, at every row count 1..9 (the 4-row blocks and their tails); each row the same
-    bits whatever the rows beside it; the AVX2 and portable bodies the same bits."""
+def _check_a16_bound(qw, bias: torch.Tensor, x: torch.Tensor, bits: int) -> None:
+    """``NativeA16Linear`` over ``qw`` on each build: within (absmax(x) / 65534) * sum |w|
+    of the float64 product with the dequantised weight plus float32 rounding, one row at a
+    time and at every row count 1..9 (the same bits), the AVX2 and portable builds alike."""
     from conveyor.kernels.cpu import cpuinfo, quant
     from conveyor.model.quant.linear import NativeA16Linear
-    from conveyor.model.quant.weight import quantize_int4
 
-    gen = torch.Generator().manual_seed(n * 1000 + k + group)
-    qw = quantize_int4(torch.randn(n, k, generator=gen), group or k, symmetric=not zero)
-    bias = torch.randn(n, generator=gen)
-    x = torch.randn(9, k, generator=gen) * torch.logspace(-2, 2, 9).view(-1, 1)
     w = qw.dequantize().double()
     want = x.double() @ w.T + bias.double()
     bound = (x.abs().amax(1, keepdim=True).double() / 65534) * w.abs().sum(1) \
@@ -305,6 +298,7 @@ def test_a16_kernel_within_its_stated_bound(n, k, group, zero):
         if lib is None:
             pytest.skip("native kernels unavailable")
         mod = NativeA16Linear(qw, bias, lib)
+        assert mod.gemm.bits == bits
         singles = torch.cat([mod(x[i:i + 1]) for i in range(9)])
         assert ((singles.double() - want).abs() <= bound).all(), isa
         for rows in range(1, 10):
@@ -312,6 +306,21 @@ def test_a16_kernel_within_its_stated_bound(n, k, group, zero):
         results[isa] = singles
     if len(results) == 2:
         assert torch.equal(results["avx2"], results["portable"])
+
+
+@pytest.mark.parametrize("n,k,group,zero", A16_SHAPES)
+def test_a16_kernel_within_its_stated_bound(n, k, group, zero):
+    """``qgemm_a16`` (x rounded to int16 per row, integer sums): within (absmax(x) /
+    65534) * sum |w| of the float64 product with the dequantised weight, plus float32
+    rounding, at every row count 1..9 (the 4-row blocks and their tails); each row the same
+    bits whatever the rows beside it; the AVX2 and portable bodies the same bits."""
+    from conveyor.model.quant.weight import quantize_int4
+
+    gen = torch.Generator().manual_seed(n * 1000 + k + group)
+    qw = quantize_int4(torch.randn(n, k, generator=gen), group or k, symmetric=not zero)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(9, k, generator=gen) * torch.logspace(-2, 2, 9).view(-1, 1)
+    _check_a16_bound(qw, bias, x, bits=4)
 
 
 # (N, K, group (0: the row), zero points): K past one and several 512-column int32 blocks
@@ -342,8 +351,6 @@ def test_a16_i8_kernel_within_its_stated_bound(n, k, group, zero, extreme):
     bits whatever the rows beside it; the AVX2 and portable bodies the same bits. The
     extreme case (every weight -128, x one sign) puts each block's int32 sum at its
     bound: a longer block overflows and fails it."""
-    from conveyor.kernels.cpu import cpuinfo, quant
-    from conveyor.model.quant.linear import NativeA16Linear
 
     gen = torch.Generator().manual_seed(n * 1000 + k + group)
     qw = _int8_weight(n, k, group, zero, gen, extreme)
@@ -352,26 +359,7 @@ def test_a16_i8_kernel_within_its_stated_bound(n, k, group, zero, extreme):
     if extreme:
         x = x.abs() + 1
         x[:, 0] = x.amax(1) * 1.0001  # (the other entries round to near 32767 too)
-    w = qw.dequantize().double()
-    want = x.double() @ w.T + bias.double()
-    bound = (x.abs().amax(1, keepdim=True).double() / 65534) * w.abs().sum(1) \
-        + 1e-5 * (x.double().abs() @ w.abs().T + 1)
-    results = {}
-    for isa in ("avx2", "portable"):
-        if isa == "avx2" and not {"avx2", "fma"} <= (cpuinfo.cpu_flags() or frozenset()):
-            continue
-        lib = quant.load(isa)
-        if lib is None:
-            pytest.skip("native kernels unavailable")
-        mod = NativeA16Linear(qw, bias, lib)
-        assert mod.gemm.bits == 8
-        singles = torch.cat([mod(x[i:i + 1]) for i in range(9)])
-        assert ((singles.double() - want).abs() <= bound).all(), isa
-        for rows in range(1, 10):
-            assert torch.equal(mod(x[:rows]), singles[:rows]), (isa, rows)
-        results[isa] = singles
-    if len(results) == 2:
-        assert torch.equal(results["avx2"], results["portable"])
+    _check_a16_bound(qw, bias, x, bits=8)
 
 
 def test_a16_i8_refuses_what_it_cannot_take():
