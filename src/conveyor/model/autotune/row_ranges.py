@@ -8,8 +8,9 @@ as at a hundred, while a kernel that widens the weight in registers streams it o
 decode step at batch 1 would pay the large calls' winner in full. So the choice is made
 per row range: the larger calls' winner as before; the one-row winner, timed at one row
 (the same measurement and cache, at (1, 1) rows); where they differ, both timed at each
-of ``SPLIT_ROWS`` below the prefill rows, the one-row winner taking calls up to the row
-count ``few_rows.split_rows`` picks (the rule the float GEMM's few-row split follows:
+of ``SPLIT_ROWS`` below the decode rows (as ``few_rows`` does: the server's decode rows
+are the larger calls' winner's, timed there), the one-row winner taking calls up to the
+row count ``few_rows.split_rows`` picks (the rule the float GEMM's few-row split follows:
 largest summed gain, a clear win somewhere, no loss past ``TIE``), 0 where it keeps none.
 Cached in ``<cache>/row_ranges_choice.json``.
 
@@ -67,7 +68,7 @@ def choose(shapes: list[LinearShape], backends: dict[str, object], device: torch
     for s in shapes:
         if few[s.key] != many[s.key]:
             pairs.setdefault((few[s.key], many[s.key]), []).append(s)
-    cap = max(1, min(prefill_rows, linears.PREFILL_ROWS_CAP))
+    cap = max(1, min(decode_rows, prefill_rows, linears.PREFILL_ROWS_CAP))
     row_counts = tuple(r for r in SPLIT_ROWS if r < cap)
     for (f, m), group in pairs.items():
         rows = _split(group, f, m, {f: backends[f], m: backends[m]}, device, dtype,
