@@ -84,3 +84,23 @@ def test_native_timing_of_the_int8_kernels():
             assert all(0 < t < math.inf for t in times.values())
     two = {n: backends[n] for n in ("native-int", "dequant")}
     assert fused_calls.measure(shapes, two, torch.float32, 1, counts) is None
+
+
+def test_the_split_stays_below_the_decode_rows(monkeypatch, tmp_path):
+    """The server's decode rows are the larger calls' winner's (timed there): the one-row
+    winner takes calls below them only, however far it wins past them."""
+    from conveyor.model.autotune import cache, fused_calls, linears, row_ranges
+
+    monkeypatch.setattr(cache, "_path", lambda kind: str(tmp_path / f"{kind}.json"))
+    shapes = [LinearShape(64, 32)]
+
+    def times(shapes, backends, device, dtype, decode_rows, prefill_rows, counts=None):
+        # b wins at one row and at every split count, a wins the decode + prefill choice
+        one = decode_rows == 1 or decode_rows == prefill_rows
+        return {s.key: {n: ((1.0 if (n == "b") == one else 2.0),) * 2 for n in backends}
+                for s in shapes}
+
+    monkeypatch.setattr(linears, "measure", times)
+    monkeypatch.setattr(fused_calls, "measure", lambda *a, **k: None)
+    got = row_ranges.choose(shapes, {"a": 0, "b": 0}, CPU, torch.float32, 8, 512)
+    assert got[shapes[0].key] == row_ranges.RowRanges("b", 4, "a")
