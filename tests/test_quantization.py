@@ -239,7 +239,7 @@ def test_row_ranges_send_one_row_calls_to_the_one_row_winner(monkeypatch, tmp_pa
     one row, calls of up to the measured row count go to the one-row winner and the larger
     ones to the other; greedy ids still equal the dequantised reference."""
     from conveyor.kernels.cpu import quant
-    from conveyor.model.autotune import cache, linears
+    from conveyor.model.autotune import cache, fused_calls, linears
     from conveyor.model.autotune.row_ranges import SPLIT_ROWS
     from conveyor.model.quant.linear import DequantLinear, NativeQuantLinear, RowRangeLinear
 
@@ -247,6 +247,8 @@ def test_row_ranges_send_one_row_calls_to_the_one_row_winner(monkeypatch, tmp_pa
         pytest.skip("no AVX2 build of the quantized kernel")
     monkeypatch.setattr(cache, "_path", lambda kind: str(tmp_path / f"{kind}.json"))
     monkeypatch.setattr(linears, "measure", _fake_times)
+    # (the dequantising backend is not one the fused step calls: no native timing)
+    monkeypatch.setattr(fused_calls, "measure", lambda *a, **k: None)
     # (fake times: the kernel 1 a row, the other 10 + 0.5 a row: ahead up to 16 rows,
     # behind by more than TIE at 32; at 128 decode + 512 prefill rows the other wins)
     assert 16 in SPLIT_ROWS and 32 in SPLIT_ROWS
@@ -360,6 +362,46 @@ def test_a16_i8_kernel_within_its_stated_bound(n, k, group, zero, extreme):
         x = x.abs() + 1
         x[:, 0] = x.amax(1) * 1.0001  # (the other entries round to near 32767 too)
     _check_a16_bound(qw, bias, x, bits=8)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a16_scratch_any_rows_and_threads(bits):
+    """x's int16 copy lives in the calling thread's scratch (kept up to a size, a block of
+    its own past it): a call too large to keep, the kept scratch's calls after it, and
+    calls from two threads at once give each row the bits of its one-row call."""
+    import threading
+
+    from conveyor.kernels.cpu import quant
+    from conveyor.model.quant.linear import NativeA16Linear
+    from conveyor.model.quant.weight import quantize_int4
+
+    if quant.load() is None:
+        pytest.skip("native kernels unavailable")
+    gen = torch.Generator().manual_seed(bits)
+    k = 2048
+    qw = (quantize_int4(torch.randn(24, k, generator=gen), 128) if bits == 4
+          else _int8_weight(24, k, 0, False, gen))
+    mod = NativeA16Linear(qw, None)
+    rows = 1100  # (x's int16 copy alone: 4.3 MiB, past what a thread keeps)
+    x = torch.randn(rows, k, generator=gen)
+    picks = [0, 1, 517, rows - 1]
+    singles = torch.cat([mod(x[i:i + 1]) for i in picks])
+    assert torch.equal(mod(x)[picks], singles)
+    assert torch.equal(torch.cat([mod(x[i:i + 1]) for i in picks]), singles)
+    xs = [torch.randn(3, k, generator=gen) for _ in range(2)]
+    want = [mod(t) for t in xs]
+    got: list[list[bool]] = [[], []]
+
+    def run(i: int) -> None:
+        for _ in range(200):
+            got[i].append(torch.equal(mod(xs[i]), want[i]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(got[0]) and all(got[1]) and len(got[0]) == len(got[1]) == 200
 
 
 def test_a16_i8_refuses_what_it_cannot_take():

@@ -47,6 +47,31 @@ class Unsupported(ValueError):
     """What keeps the fused path off for a model (logged; the modules run instead)."""
 
 
+def linear_row(mod) -> tuple[list[int], bool, object]:
+    """``mod`` as ``decode_forward.c`` calls it: its row of the linears' table (LIN_N
+    entries), whether it applies silu(gate) * up itself, and the object whose tensors the
+    row points into (kept alive by the caller); Unsupported unless it is a native float32
+    / bf16-weight or int8 / int4 linear."""
+    gemm = getattr(mod, "gemm", None)
+    if type(mod) is NativeLinear and type(gemm) is PackedGemm:
+        kind = _KIND_F32 if gemm._fn == "gemm_f32" else _KIND_W16
+        return [kind, gemm.packed.data_ptr(),
+                gemm.bias.data_ptr() if gemm.bias is not None else 0,
+                gemm.out_features, gemm.in_features, int(gemm.gate_up), 0, 0, 0, 0, 0], \
+            bool(gemm.gate_up), gemm
+    if type(mod) is NativeQuantLinear and type(gemm) is PackedQGemm and mod.perm is None:
+        w, bits, nn_, s, z, group, b = gemm._args
+        return [_KIND_Q, w, b or 0, nn_, gemm.in_features, int(gemm.glu), bits, s, z or 0,
+                group, ctypes.cast(gemm._fn, ctypes.c_void_p).value], gemm.glu, gemm
+    if type(mod) is NativeA16Linear and type(gemm) is PackedA16Gemm and mod.perm is None:
+        w, nn_, s, z, group, b = gemm._args
+        # (int4 qgemm_a16 or int8 qgemm_a16_i8: one signature, the kernel's pointer)
+        return [_KIND_A16, w, b or 0, nn_, gemm.in_features, 0, gemm.bits, s, z or 0, group,
+                ctypes.cast(gemm._fn, ctypes.c_void_p).value], False, gemm
+    raise Unsupported(f"is a {type(mod).__name__} (native float, bf16 or int8 / int4 "
+                      "linears only)")
+
+
 class FusedDecode:
     def __init__(self, lib, dims: np.ndarray, ptrs: np.ndarray, eps: float,
                  scale: float, hidden: int, keep: list, max_rows: int) -> None:
@@ -109,32 +134,11 @@ class FusedDecode:
             if type(mod) in (RowRangeLinear, RowSplitLinear):  # the fused rows are few:
                 rows_cap[0] = min(rows_cap[0], mod.max_rows)  # its few-rows backend's
                 mod = mod.few
-            gemm = getattr(mod, "gemm", None)
-            if type(mod) is NativeLinear and type(gemm) is PackedGemm:
-                kind = _KIND_F32 if gemm._fn == "gemm_f32" else _KIND_W16
-                row = [kind, gemm.packed.data_ptr(),
-                       gemm.bias.data_ptr() if gemm.bias is not None else 0,
-                       gemm.out_features, gemm.in_features, int(gemm.gate_up), 0, 0, 0, 0, 0]
-                fused = gemm.gate_up
-                keep.append(gemm)
-            elif (type(mod) is NativeQuantLinear and type(gemm) is PackedQGemm
-                  and mod.perm is None):
-                w, bits, nn_, s, z, group, b = gemm._args
-                row = [_KIND_Q, w, b or 0, nn_, gemm.in_features, int(gemm.glu), bits, s,
-                       z or 0, group, ctypes.cast(gemm._fn, ctypes.c_void_p).value]
-                fused = gemm.glu
-                keep.append(gemm)
-            elif (type(mod) is NativeA16Linear and type(gemm) is PackedA16Gemm
-                  and mod.perm is None):
-                w, nn_, s, z, group, b = gemm._args
-                # (int4 qgemm_a16 or int8 qgemm_a16_i8: one signature, the kernel's pointer)
-                row = [_KIND_A16, w, b or 0, nn_, gemm.in_features, 0, gemm.bits, s, z or 0,
-                       group, ctypes.cast(gemm._fn, ctypes.c_void_p).value]
-                fused = False
-                keep.append(gemm)
-            else:
-                raise Unsupported(f"{what} is a {type(mod).__name__} (native float, bf16 "
-                                  "or int8 / int4 linears only)")
+            try:
+                row, fused, gemm = linear_row(mod)
+            except Unsupported as e:
+                raise Unsupported(f"{what} {e}") from None
+            keep.append(gemm)
             if row[3] != n or row[4] != k or fused != bool(getattr(mod, "applies_silu_mul",
                                                                    False)):
                 raise Unsupported(f"{what}'s shape or fused activation is not the model's")

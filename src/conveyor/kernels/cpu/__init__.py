@@ -259,6 +259,7 @@ SIGNATURES: dict[str, list] = {
     "gemm_f32_grouped": [_I32, _PTR, _I32, _PTR, _I32, _PTR, _I32, _PTR] + [_I32] * 3,
     "draft_propose_f32": [_PTR, _PTR, _F32, _F32, _I32] + [_PTR] * 5 + [_I32, _PTR],
     "decode_forward_f32": [_PTR] * 2 + [_F32, _F32, _I32] + [_PTR] * 6 + [_I32, _PTR],
+    "decode_linears_time": [_PTR, _I32, _PTR, _I32] + [_PTR] * 3 + [_I32, _PTR],
 }
 RESTYPES = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": ctypes.c_int,
             "prefill_attention_varlen_f32": ctypes.c_int,
@@ -271,7 +272,8 @@ RESTYPES = {"prefill_attention_f32": ctypes.c_int, "prefill_attention_bf16": cty
             "gemm_packed_size": ctypes.c_int64,
             "gemm_f32": ctypes.c_int, "gemm_f32_w16": ctypes.c_int,
             "gemm_f32_grouped": ctypes.c_int,
-            "draft_propose_f32": ctypes.c_int, "decode_forward_f32": ctypes.c_int}
+            "draft_propose_f32": ctypes.c_int, "decode_forward_f32": ctypes.c_int,
+            "decode_linears_time": ctypes.c_int}
 
 
 def bind(lib: ctypes.CDLL, only_present: bool = False) -> None:

@@ -29,6 +29,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 int gemm_f32(const float* x, int lda, const float* wp, const float* bias, float* out,
              int ldo, int M, int N, int K, int gate_up);
@@ -162,4 +163,30 @@ int decode_forward_f32(const int64_t* dims, const int64_t* ptrs, float eps,
     if (!rc) add_rms_norm_f32(h, res, P(const float*, ptrs[P_NORM]), out, R, H, eps);
     free(mem);
     return rc;
+}
+
+/* The linears lins[0..n) (LIN_N entries each, as a layer's) called in turn on R rows of x
+ * as a step calls them: a row with glu[i] set that does not apply silu(gate) * up itself
+ * is followed by silu_mul_f32 into act, as in the step. x: R rows of the largest K; y: R
+ * rows of the largest N; act: R rows of the largest N / 2. passes + 1 passes, the first
+ * untimed; seconds[p * n + i]: call i's wall time in timed pass p. The start-up choice
+ * times the kernels the step calls with it: no Python or ctypes between the calls. */
+int decode_linears_time(const int64_t* lins, int n, const int32_t* glu, int R,
+                        const float* x, float* y, float* act, int passes, double* seconds) {
+    for (int p = 0; p <= passes; p++)
+        for (int i = 0; i < n; i++) {
+            const int64_t* lp = lins + (int64_t)i * LIN_N;
+            const int N = (int)lp[LIN_N_OUT], K = (int)lp[LIN_K];
+            const int fused = (int)lp[LIN_FUSED], width = fused ? N / 2 : N;
+            struct timespec t0, t1;
+            clock_gettime(CLOCK_MONOTONIC, &t0);
+            const int rc = linear(lp, x, K, y, width, R);
+            if (rc) return rc;
+            if (glu[i] && !fused) silu_mul_f32(y, act, R, N / 2);
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+            if (p)
+                seconds[(int64_t)(p - 1) * n + i] =
+                    (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        }
+    return 0;
 }

@@ -694,43 +694,6 @@ a16_panel(const uint8_t* w, int K, int N, int p, const int16_t* xi, const float*
                 fmaf(sx[m0 + r], tot[r][j], bias ? bias[p * 16 + j] : 0.0f);
 }
 
-int qgemm_a16(const float* x, int M, int K, int ldx, const uint8_t* w, int N,
-              const float* scales, const float* zeros, int group, const float* bias,
-              float* y, int ldy) {
-    if (M < 0 || N <= 0 || K <= 0 || group <= 0 || K % group || (K | group) & 1
-        || group > A16_MAX_GROUP)
-        return -1;
-    if (M == 0) return 0;
-    const int np = (N + 15) / 16, groups = K / group;
-    int16_t* xi = (int16_t*)malloc(sizeof(int16_t) * (size_t)M * K);
-    float* sx = (float*)malloc(sizeof(float) * (size_t)M);
-    int32_t* xsum = (int32_t*)malloc(sizeof(int32_t) * (size_t)M * groups);
-    if (xi == NULL || sx == NULL || xsum == NULL) {
-        free(xi); free(sx); free(xsum);
-        return -2;
-    }
-    for (int m = 0; m < M; m++)
-        a16_row(x + (size_t)m * ldx, K, group, xi + (size_t)m * K, sx + m,
-                xsum + (size_t)m * groups);
-#pragma omp parallel
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int p0 = (int)((long)np * t / nt), p1 = (int)((long)np * (t + 1) / nt);
-        for (int p = p0; p < p1; p++)
-            for (int m = 0; m < M; m += A16_ROWS) {
-                const int R = M - m < A16_ROWS ? M - m : A16_ROWS;
-#define AP(RR) a16_panel(w, K, N, p, xi, sx, xsum, m, RR, scales, zeros, group, bias, y, ldy)
-                if (R == 1) AP(1);
-                else if (R == 2) AP(2);
-                else if (R == 3) AP(3);
-                else AP(4);
-#undef AP
-            }
-    }
-    free(xi); free(sx); free(xsum);
-    return 0;
-}
-
 /*
  * qgemm_a16_i8: qgemm_a16 for an int8 weight (-128..127, zero points and groups as
  * qgemm_f32's): x rounded to int16 per row as there (the same error bound: within
@@ -819,23 +782,44 @@ a16_i8_panel(const int8_t* w, int K, int N, int p, const int16_t* xi, const floa
                 fmaf(sx[m0 + r], tot[r][j], bias ? bias[p * 16 + j] : 0.0f);
 }
 
-/* The same arguments as qgemm_a16 (decode_forward.c calls either through one pointer
- * type). */
-int qgemm_a16_i8(const float* x, int M, int K, int ldx, const int8_t* w, int N,
-                 const float* scales, const float* zeros, int group, const float* bias,
-                 float* y, int ldy) {
+/* x's int16 copy (xi), its row scales (sx) and group sums (xsum), in one block: the
+ * calling thread's, grown as needed and kept, so that a call of a few rows allocates
+ * nothing (the OpenMP workers read the caller's block). A call needing more than
+ * A16_KEEP bytes gets a block of its own, freed at its end: a long prefill leaves no large
+ * buffer behind a thread. */
+#define A16_KEEP ((size_t)4 << 20)
+static __thread void* a16_scratch = NULL;
+static __thread size_t a16_scratch_cap = 0;
+
+/* qgemm_a16 (bits 4) and qgemm_a16_i8 (8): the argument checks, x rounded per row, then
+ * one contiguous run of panels a thread, rows A16_ROWS at a time. */
+static int a16_gemm(const float* x, int M, int K, int ldx, const void* w, int N,
+                    const float* scales, const float* zeros, int group, const float* bias,
+                    float* y, int ldy, const int bits) {
     if (M < 0 || N <= 0 || K <= 0 || group <= 0 || K % group || (K | group) & 1
-        || group > I8_MAX_GROUP)
+        || group > (bits == 8 ? I8_MAX_GROUP : A16_MAX_GROUP))
         return -1;
     if (M == 0) return 0;
     const int np = (N + 15) / 16, groups = K / group;
-    int16_t* xi = (int16_t*)malloc(sizeof(int16_t) * (size_t)M * K);
-    float* sx = (float*)malloc(sizeof(float) * (size_t)M);
-    int32_t* xsum = (int32_t*)malloc(sizeof(int32_t) * (size_t)M * groups);
-    if (xi == NULL || sx == NULL || xsum == NULL) {
-        free(xi); free(sx); free(xsum);
-        return -2;
+    /* sx [M] floats, xsum [M, groups] int32, xi [M, K] int16: 4-byte aligned each */
+    const size_t need = sizeof(float) * (size_t)M + sizeof(int32_t) * (size_t)M * groups
+                        + sizeof(int16_t) * (size_t)M * K;
+    void* own = NULL;
+    void* mem;
+    if (need <= a16_scratch_cap) {
+        mem = a16_scratch;
+    } else if (need <= A16_KEEP) {
+        free(a16_scratch);
+        a16_scratch_cap = 0;
+        if ((a16_scratch = malloc(need)) == NULL) return -2;
+        a16_scratch_cap = need;
+        mem = a16_scratch;
+    } else {
+        if ((own = mem = malloc(need)) == NULL) return -2;
     }
+    float* sx = (float*)mem;
+    int32_t* xsum = (int32_t*)(sx + M);
+    int16_t* xi = (int16_t*)(xsum + (size_t)M * groups);
     for (int m = 0; m < M; m++)
         a16_row(x + (size_t)m * ldx, K, group, xi + (size_t)m * K, sx + m,
                 xsum + (size_t)m * groups);
@@ -846,8 +830,15 @@ int qgemm_a16_i8(const float* x, int M, int K, int ldx, const int8_t* w, int N,
         for (int p = p0; p < p1; p++)
             for (int m = 0; m < M; m += A16_ROWS) {
                 const int R = M - m < A16_ROWS ? M - m : A16_ROWS;
-#define AP(RR) a16_i8_panel(w, K, N, p, xi, sx, xsum, m, RR, scales, zeros, group, bias, \
-                            y, ldy)
+#define AP(RR)                                                                           \
+    do {                                                                                 \
+        if (bits == 8)                                                                   \
+            a16_i8_panel((const int8_t*)w, K, N, p, xi, sx, xsum, m, RR, scales, zeros,  \
+                         group, bias, y, ldy);                                           \
+        else                                                                             \
+            a16_panel((const uint8_t*)w, K, N, p, xi, sx, xsum, m, RR, scales, zeros,    \
+                      group, bias, y, ldy);                                              \
+    } while (0)
                 if (R == 1) AP(1);
                 else if (R == 2) AP(2);
                 else if (R == 3) AP(3);
@@ -855,6 +846,21 @@ int qgemm_a16_i8(const float* x, int M, int K, int ldx, const int8_t* w, int N,
 #undef AP
             }
     }
-    free(xi); free(sx); free(xsum);
+    free(own);
     return 0;
+}
+
+/* Returns 0, -1 for arguments it does not take, or -2 if memory ran out. */
+int qgemm_a16(const float* x, int M, int K, int ldx, const uint8_t* w, int N,
+              const float* scales, const float* zeros, int group, const float* bias,
+              float* y, int ldy) {
+    return a16_gemm(x, M, K, ldx, w, N, scales, zeros, group, bias, y, ldy, 4);
+}
+
+/* The same arguments as qgemm_a16 (decode_forward.c calls either through one pointer
+ * type). */
+int qgemm_a16_i8(const float* x, int M, int K, int ldx, const int8_t* w, int N,
+                 const float* scales, const float* zeros, int group, const float* bias,
+                 float* y, int ldy) {
+    return a16_gemm(x, M, K, ldx, w, N, scales, zeros, group, bias, y, ldy, 8);
 }

@@ -105,46 +105,32 @@ class NativeQuantBackend(QuantLinearBackend):
 
 
 class NativeA16Backend(QuantLinearBackend):
-    """int4 weights with x rounded to int16 per row (``qgemm_a16``); a shape it cannot take
-    (odd K or group) gets ``native-int``'s module."""
+    """int4 weights (``native-int4-a16``: ``qgemm_a16``) or int8 ones, per row or grouped,
+    zero points too (``native-int8-a16``: ``qgemm_a16_i8``), with x rounded to int16 per
+    row; a shape it cannot take (odd K or group) gets ``native-int``'s module."""
 
     name = "native-int4-a16"
+    bits: ClassVar[int] = 4
 
     @classmethod
     def supports(cls, scheme, device, dtype):
-        if scheme.bits != 4 or scheme.act_int8:
-            return "int4 weights only"
-        if scheme.group % 2 or scheme.group > qkernel.A16_MAX_GROUP:
-            return f"needs an even group size of at most {qkernel.A16_MAX_GROUP}"
+        if scheme.bits != cls.bits or scheme.act_int8:
+            return "int4 weights only" if cls.bits == 4 else "weight-only int8 only"
+        cap = qkernel.A16_MAX_GROUP if cls.bits == 4 else qkernel.A16_I8_MAX_GROUP
+        if scheme.group % 2 or scheme.group > cap:
+            return f"needs an even group size of at most {cap}"
         return NativeQuantBackend.supports(scheme, device, dtype)
 
     def make_linear(self, weight, bias, gate_up=False) -> nn.Module:
         qw = self.weight(weight)
-        if not qkernel.a16_takes(qw.shape[1], qw.group):
+        if qw.bits != self.bits or not qkernel.a16_takes(qw.shape[1], qw.group, qw.bits):
             return NativeQuantLinear(qw, bias, gate_up=gate_up)
         return NativeA16Linear(qw, bias)
 
 
-class NativeInt8A16Backend(QuantLinearBackend):
-    """int8 weights (per row or grouped, zero points too) with x rounded to int16 per row
-    (``qgemm_a16_i8``); a shape it cannot take (odd K or group) gets ``native-int``'s
-    module."""
-
+class NativeInt8A16Backend(NativeA16Backend):
     name = "native-int8-a16"
-
-    @classmethod
-    def supports(cls, scheme, device, dtype):
-        if scheme.bits != 8 or scheme.act_int8:
-            return "weight-only int8 only"
-        if scheme.group % 2 or scheme.group > qkernel.A16_I8_MAX_GROUP:
-            return f"needs an even group size of at most {qkernel.A16_I8_MAX_GROUP}"
-        return NativeQuantBackend.supports(scheme, device, dtype)
-
-    def make_linear(self, weight, bias, gate_up=False) -> nn.Module:
-        qw = self.weight(weight)
-        if qw.bits != 8 or not qkernel.a16_takes(qw.shape[1], qw.group, 8):
-            return NativeQuantLinear(qw, bias, gate_up=gate_up)
-        return NativeA16Linear(qw, bias)
+    bits = 8
 
 
 class TorchInt8MMBackend(QuantLinearBackend):
