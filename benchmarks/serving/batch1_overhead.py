@@ -5,6 +5,7 @@ side in one run.
     python -m benchmarks.serving.batch1_overhead --quantization int4
     python -m benchmarks.serving.batch1_overhead --quantization int8 --rounds 3 \
         --arm base=/tmp/base/src --arm new=src     # two trees' servers in turns
+    # (the base tree: mkdir /tmp/base && git archive REV src | tar -x -C /tmp/base)
 
 The model is the peers' random SmolLM2-135M checkpoint (``benchmarks/peers/checkpoint``)
 in bf16, served with the peers' conveyor flags: one request, a 128-token prompt (token ids),
@@ -12,8 +13,10 @@ in bf16, served with the peers' conveyor flags: one request, a 128-token prompt 
 mean gap between streamed chunks after the first (what ``conveyor bench`` reports; the
 median gap beside it), read as ``conveyor bench`` reads streams; the in-process figure is
 the mean decode ``LLMEngine.step()`` of the same request in this process (its engine
-built once, idle while a server runs). Each round takes every arm in turn, so machine drift hits all
-of them; the line printed last is the gap: server TPOT minus the in-process step.
+built once, idle while a server runs). Each round takes every arm in turn, so machine
+drift hits all of them; figures pair arms round by round: the gap is the median over
+rounds of server TPOT minus that round's in-process step, and with several arms the last
+lines are each arm's TPOT over the first arm's (median of the per-round ratios).
 """
 
 from __future__ import annotations
@@ -175,17 +178,24 @@ def main() -> int:
             s.stop()
     print(f"batch 1, {args.prompt_tokens}-token prompt, {args.max_tokens} tokens, "
           f"{args.quantization}; median of {args.rounds} rounds (ms per token):")
-    base = statistics.median(gaps["in-process"]) if "in-process" in gaps else None
+    # Per-round pairs (same minutes of the machine), then the median over rounds.
+    ref = gaps.get("in-process")
+    first = next(iter(servers))
     for label, g in gaps.items():
         p50 = statistics.median(p50s[label]) * 1e3
         med = statistics.median(g) * 1e3
-        extra = "" if base is None or label == "in-process" else \
-            f"  gap {med - base * 1e3:+.2f} ms ({med / (base * 1e3):.2f}x in-process)"
+        extra = ""
+        if ref is not None and label != "in-process":
+            gap = statistics.median((a - b) * 1e3 for a, b in zip(g, ref))
+            extra += f"  gap {gap:+.2f} ms over in-process"
         if label in client_cpu:
             extra += f"  client CPU {statistics.median(client_cpu[label]) * 1e3:.2f} ms/token"
         kind = "in-process decode step" if label == "in-process" else f"server TPOT [{label}]"
         print(f"  {kind:<28} mean {med:6.2f} (p50 {p50:5.2f})  "
               f"rounds {[round(x * 1e3, 2) for x in g]}{extra}")
+    for label in list(servers)[1:]:
+        ratio = statistics.median(a / b for a, b in zip(gaps[label], gaps[first]))
+        print(f"TPOT {label} / {first}: {ratio:.3f} (median of per-round ratios)")
     return 0
 
 
