@@ -242,7 +242,6 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._adding: dict[str, RequestStream] = {}  # first core request id -> stream
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: int | None = None
         self._started = False
         self._dead = False
         self._error: BaseException | None = None
@@ -277,7 +276,6 @@ class AsyncEngine:
             raise RuntimeError("the engine loop is already started")
         self._started = True
         self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         self._backend.start(self)
 
     @property
@@ -402,11 +400,8 @@ class AsyncEngine:
 
     # ---- EngineSink: called from the backend's threads -----------------------------------
     def messages(self, messages: list[LoopMessage]) -> None:
-        """Hand core messages to the event loop, in order (one wake-up for the batch); on
-        the loop itself (a backend reading there), handled at once."""
-        if self._loop_thread == threading.get_ident():
-            self._handle(messages)
-        elif self._loop is not None:
+        """Hand core messages to the event loop, in order (one wake-up for the batch)."""
+        if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
                 self._loop.call_soon_threadsafe(self._handle, messages)
 

@@ -3,7 +3,7 @@
     server process (front end, no torch)              engine-core process (spawned)
     ------------------------------------              -----------------------------
     AsyncEngine.send(cmd) -> queue -> sender thread == msgpack([CoreCommand]) ==>  EngineLoop
-    AsyncEngine (sink) <- event loop reader <= msgpack(CoreMessage), one per post ==  EngineLoop
+    AsyncEngine (sink) <- reader thread <== msgpack(CoreMessage), one per post ==  EngineLoop
 
 The child builds the ``EngineCore`` over its executor (``make_executor``: a
 ``LocalExecutor``, or a tensor-parallel executor driving rank workers), reports its
@@ -12,9 +12,7 @@ server process loads only the tokenizer: it never imports torch nor runs model c
 its GIL serves HTTP and the child's serves the model. Everything crossing is a msgspec
 ``Struct`` of ``messages.py`` (token ids, numbers, short strings): no pickle, no
 callable. Commands are queued without blocking the event loop (a full pipe blocks the
-sender thread only) and sent in batches; outputs go back once per step and are read on
-the event loop that handles them (``add_reader``; a reader thread where the backend is
-started outside an event loop).
+sender thread only) and sent in batches; outputs go back once per step.
 
 The child ignores SIGINT (the server decides when to stop and sends ``Shutdown``) and
 exits when its command pipe closes, so it never outlives the server.
@@ -22,7 +20,6 @@ exits when its command pipe closes, so it never outlives the server.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import logging
@@ -53,8 +50,6 @@ from conveyor.engine.messages import (
 )
 
 logger = logging.getLogger(__name__)
-
-_DIED = RuntimeError("the engine-core process died")  # a marker: EOF on the results pipe
 
 
 class EngineCoreStartError(RuntimeError):
@@ -144,9 +139,7 @@ class ProcessBackend:
         self.info = self._wait_ready(start_timeout_s)
         self._outbox: queue.SimpleQueue[LoopCommand] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
-        self._reader: threading.Thread | None = None  # reads, or reports the end
-        self._loop: asyncio.AbstractEventLoop | None = None  # reads on it when started in one
-        self._ended = threading.Event()  # the end of the link was reported to the sink
+        self._reader: threading.Thread | None = None
 
     def _wait_ready(self, timeout_s: float) -> EngineInfo:
         try:
@@ -173,19 +166,9 @@ class ProcessBackend:
     def start(self, sink: EngineSink) -> None:
         self._sender = threading.Thread(target=self._send_loop, args=(sink,),
                                         name="conveyor-core-sender", daemon=True)
-        self._sender.start()
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is not None:
-            # Read where the outputs are handled: one wake-up per step on the event loop,
-            # not a reader thread's wake-up and a hand-over of the GIL as well.
-            self._loop = loop
-            loop.add_reader(self._results.fileno(), self._on_readable, sink)
-            return
         self._reader = threading.Thread(target=self._read_loop, args=(sink,),
                                         name="conveyor-core-reader", daemon=True)
+        self._sender.start()
         self._reader.start()
 
     def send(self, cmd: LoopCommand) -> None:
@@ -232,57 +215,19 @@ class ProcessBackend:
         error: BaseException | None = None
         try:
             while True:
-                msgs, end = self._read(block=True)
-                if msgs:
-                    sink.messages(msgs)
-                if end is not None:
-                    error = end[0]
-                    break
-        except BaseException as e:
-            logger.exception("handing over the engine core's messages failed")
-            error = e
-        self._report_end(sink, error)
-
-    def _on_readable(self, sink: EngineSink) -> None:
-        """On the event loop: every message waiting in the pipe, handed over as one batch."""
-        msgs, end = self._read(block=False)
-        if msgs:
-            sink.messages(msgs)
-        if end is not None:
-            assert self._loop is not None
-            self._loop.remove_reader(self._results.fileno())
-            # Reporting an exit may wait for the process: off the event loop.
-            self._reader = threading.Thread(target=self._report_end, args=(sink, end[0]),
-                                            name="conveyor-core-exit", daemon=True)
-            self._reader.start()
-
-    def _read(self, block: bool) -> tuple[list[LoopMessage], tuple[BaseException | None] | None]:
-        """(messages read, then ``(error,)`` if the link ended: CoreExit, EOF, bad bytes).
-        Blocking: at least one message; otherwise those already in the pipe."""
-        msgs: list[LoopMessage] = []
-        try:
-            while block or not msgs or self._results.poll(0):
                 msg = self._decode(self._results.recv_bytes())
                 if isinstance(msg, CoreExit):
-                    return msgs, (RuntimeError(msg.error) if msg.error else None,)
-                msgs.append(msg)
-                block = False
+                    error = RuntimeError(msg.error) if msg.error else None
+                    break
+                sink.messages([msg])
         except (EOFError, OSError):
-            return msgs, (_DIED,)
-        except BaseException as e:  # an unreadable message: the link cannot be trusted
-            logger.exception("reading from the engine core failed")
-            return msgs, (e,)
-        return msgs, None
-
-    def _report_end(self, sink: EngineSink, error: BaseException | None) -> None:
-        if error is _DIED:
             self.process.join(5)
             error = RuntimeError(f"the engine-core process died (exit code "
                                  f"{self.process.exitcode})")
-        try:
-            sink.died(error)
-        finally:
-            self._ended.set()
+        except BaseException as e:  # an unreadable message: the link cannot be trusted
+            logger.exception("reading from the engine core failed")
+            error = e
+        sink.died(error)
 
     def join(self, timeout_s: float) -> None:
         self.process.join(timeout_s)
@@ -290,8 +235,8 @@ class ProcessBackend:
             logger.warning("the engine core did not stop in %g s: terminating it", timeout_s)
             self.process.terminate()
             self.process.join(5)
-        if self._reader is not None or self._loop is not None:
-            self._ended.wait(5)  # the event loop reads the exit, then a thread reports it
+        if self._reader is not None:
+            self._reader.join(5)
         self.close()
 
     def close(self) -> None:
