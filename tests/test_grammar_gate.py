@@ -273,3 +273,28 @@ def test_the_server_answers_a_failed_compile_with_a_400_giving_the_reason() -> N
         check_not_aborted([out])
     assert e.value.status == 400 and e.value.code == GRAMMAR_FAILED
     assert "structured_outputs.regex: too big" in e.value.message
+
+
+def test_prepare_imports_the_tokenizer_packages_on_the_callers_thread() -> None:
+    """The background build of llguidance's tokenizer must find its packages imported: the
+    engine loads its own tokenizer on the main thread meanwhile, and a package imported
+    by two threads at once can fail in one of them ("partially initialized module")."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys, threading
+        from conveyor.runner.grammar import Grammars
+        assert "tokenizers" not in sys.modules, "imported before prepare: nothing to test"
+        release = threading.Event()
+        g = Grammars(None, 384, (2,))
+        g._llg_tokenizer = release.wait  # the pool's build imports nothing itself
+        g.prepare()
+        print(sorted(m for m in ("tokenizers", "llguidance.hf") if m not in sys.modules))
+        release.set()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -25,6 +25,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -74,9 +76,13 @@ class Grammars:
         self.fill_s = 0.0
 
     def prepare(self) -> None:
-        """Start building llguidance's tokenizer in the background (once)."""
+        """Start building llguidance's tokenizer in the background (once). The packages
+        that build imports are imported here first, on the caller's thread: a package
+        imported by two threads at once can fail in one of them ("partially initialized
+        module"), as ``tokenizers`` did while the engine loaded its own tokenizer."""
         with self._lock:
             if self._tokenizer_future is None:
+                _import_llg_tokenizer_deps()
                 self._tokenizer_future = self._pool.submit(self._llg_tokenizer)
 
     @property
@@ -282,6 +288,14 @@ class Grammars:
         hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
         return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
                                             eos_token=self.eos_token_ids or None)
+
+
+def _import_llg_tokenizer_deps() -> None:
+    """Import what ``Grammars._llg_tokenizer`` needs (a package missing is its error to
+    report, on its thread)."""
+    for name in ("tokenizers", "llguidance.hf", "transformers.models.auto.tokenization_auto"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
 
 @dataclass
