@@ -22,11 +22,12 @@ FP32_CASES = [(1, 4, 4, 16, 16, None), (5, 8, 2, 32, 4, None), (9, 9, 3, 64, 16,
 
 
 def paged_case(batch: int, hq: int, hkv: int, d: int, block: int, dtype: torch.dtype,
-               window: int | None = None, seed: int = 0):
-    """Random contexts scattered over shuffled blocks, padded to the longest."""
+               window: int | None = None, seed: int = 0, lens: list[int] | None = None):
+    """Random contexts (of ``lens`` tokens where given) scattered over shuffled blocks,
+    padded to the longest."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    lens = [rng.randint(1, 90) for _ in range(batch)]
+    lens = lens or [rng.randint(1, 90) for _ in range(batch)]
     num_blocks = sum(-(-n // block) for n in lens) + 3
     k_cache = torch.randn(num_blocks * block, hkv, d).to(dtype)
     v_cache = torch.randn(num_blocks * block, hkv, d).to(dtype)
@@ -198,3 +199,33 @@ def test_native_decode_calls_the_library_it_was_given() -> None:
     q, k, v, meta = paged_case(2, 4, 2, 16, 16, torch.float32, None, seed=3)
     NativeDecode(Recorder())(q, k, v, meta, 0.25)
     assert len(calls) == 1 and calls[0][0] == q.data_ptr()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 300])
+def test_long_contexts_split_into_segments_alike_in_any_batch(dtype, window) -> None:
+    """A context longer than the kernel's segment (128 positions) is cut into segments run
+    as tasks of their own and combined (a batch of one keeps every thread busy): the
+    result equals the float64 reference, and a sequence's result is bit for bit the same
+    alone as beside others (the cut depends on its own length only). Lengths: one
+    segment, the first cut, three segments, past the cap of eight."""
+    entry = (kernels.load().decode_attention_f32 if dtype is torch.float32
+             else kernels.load().decode_attention_bf16)
+    lens = [128, 129, 300, 1500]
+    q, k, v, meta = paged_case(len(lens), 9, 3, 64, 16, torch.float32, window, seed=3,
+                               lens=lens)
+    ramp = torch.linspace(0.0, 3.0, k.shape[0])[:, None, None]  # the running max moves
+    k, v = (k + ramp).to(dtype), v.to(dtype)
+    together = _raw_call(entry, q, k, v, meta, 0.125)
+    want = reference(q, k.float(), v.float(), meta, 0.125)
+    torch.testing.assert_close(together.double(), want, atol=5e-6, rtol=1e-5)
+    for b in range(len(lens)):
+        one = AttentionMetadata(
+            slot_mapping=meta.slot_mapping, num_decodes=1,
+            decode_slots=meta.decode_slots[b:b + 1].contiguous(),
+            decode_lens=meta.decode_lens[b:b + 1].contiguous(),
+            decode_starts=meta.decode_starts[b:b + 1].contiguous(),
+            decode_mask=meta.decode_mask[b:b + 1])
+        alone = _raw_call(entry, q[b:b + 1].contiguous(), k, v, one, 0.125)
+        assert torch.equal(alone[0], together[b]), f"sequence {b} ({lens[b]} positions)"

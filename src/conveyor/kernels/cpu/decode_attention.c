@@ -1,7 +1,8 @@
 /*
  * Decode attention over a paged KV cache, one query token per sequence.
  *
- * One task per sequence walks its context in chunks of CHUNK positions: it scores each
+ * One task per sequence (per segment of a long one, in the vector body: SEG_LEN) walks its
+ * context in chunks of CHUNK positions: it scores each
  * position's K row (all KV heads at once: one contiguous slot row) against every query
  * head, folds the chunk into a running (online) softmax, then adds the chunk's V rows
  * with those weights. K and V bytes are read once each, straight from the cache, a chunk
@@ -481,6 +482,72 @@ static inline int q_as_bf16(const float* q, uint16_t* qh, int n) {
     return 1;
 }
 
+/* A long context is cut into segments, each a task of its own (its running max, sum and
+ * unnormalised output kept apart), and a sequence's segments are then combined in order:
+ * at batch 1 one task per sequence would leave every thread but one idle. The cut
+ * depends on the attended length alone (SEG_LEN positions a segment, at most MAX_SEGS),
+ * never on the batch or the threads, so a sequence's result is the same whatever runs
+ * beside it; a context of up to SEG_LEN positions is one segment, as before. */
+#define SEG_LEN 128
+#define MAX_SEGS 8
+
+static inline int num_segs(int n) {
+    const int s = (n + SEG_LEN - 1) / SEG_LEN;
+    return s < 1 ? 1 : s > MAX_SEGS ? MAX_SEGS : s;
+}
+
+/* The tasks of a call: sequence, first and end position (relative to its start), and
+ * the slot of its partial result (-1: the sequence's only segment, written out at once).
+ * part0[b]: the first partial of sequence b (-1 if it has one segment). Returns the
+ * number of tasks, or -1 if memory ran out. */
+typedef struct { int b, t0, t1, part; } seg_task;
+
+static int plan_segments(const int32_t* lens, const int32_t* starts, int B, seg_task** tasks,
+                         int** part0, int* nparts) {
+    int nt = 0, np = 0;
+    for (int b = 0; b < B; b++) nt += num_segs(lens[b] - starts[b]);
+    *tasks = (seg_task*)malloc(sizeof(seg_task) * (size_t)(nt > 0 ? nt : 1));
+    *part0 = (int*)malloc(sizeof(int) * (size_t)(B > 0 ? B : 1));
+    if (!*tasks || !*part0) { free(*tasks); free(*part0); return -1; }
+    int t = 0;
+    for (int b = 0; b < B; b++) {
+        const int n = lens[b] - starts[b], ns = num_segs(n);
+        (*part0)[b] = ns > 1 ? np : -1;
+        for (int i = 0; i < ns; i++, t++) {
+            (*tasks)[t].b = b;
+            (*tasks)[t].t0 = (int)((int64_t)n * i / ns);
+            (*tasks)[t].t1 = (int)((int64_t)n * (i + 1) / ns);
+            (*tasks)[t].part = ns > 1 ? np++ : -1;
+        }
+    }
+    *nparts = np;
+    return nt;
+}
+
+/* Sequence b's segments (partials from p0, each acc [Hq, D] then m, l [Hq]) combined in
+ * order into its output. */
+static void combine_segments(const float* parts, int p0, int ns, float* ob, int Hq, int D) {
+    const size_t stride = (size_t)Hq * D + 2 * (size_t)Hq;
+    for (int i = 0; i < Hq; i++) {
+        float mx = -INFINITY;
+        for (int s = 0; s < ns; s++) {
+            const float ms = parts[(p0 + s) * stride + (size_t)Hq * D + i];
+            mx = ms > mx ? ms : mx;
+        }
+        float* o = ob + (int64_t)i * D;
+        for (int d = 0; d < D; d++) o[d] = 0.f;
+        float sum = 0.f;
+        for (int s = 0; s < ns; s++) {
+            const float* ps = parts + (p0 + s) * stride;
+            const float w = expf(ps[(size_t)Hq * D + i] - mx);
+            sum += w * ps[(size_t)Hq * D + Hq + i];
+            for (int d = 0; d < D; d++) o[d] += w * ps[(int64_t)i * D + d];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
 /* DEXPR: the head dim as a literal (64, 128: the loops unroll) or the argument Dr. It is
  * read inside the parallel region, which the compiler outlines before any inlining.
  * A bf16 chunk's V rows are widened at the chunk's start, in one run of loads that do not
@@ -495,6 +562,13 @@ static void NAME(const float* q, const T* kc, const T* vc, const float* ksc,    
                  const int32_t* starts, float* out, int B, int Hq, int Hkv, int Dr, int L,  \
                  float scale, int kind, float softcap) {                                    \
     (void)Dr; (void)ksc; (void)vsc; (void)kind;                                             \
+    seg_task* tasks;                                                                        \
+    int *part0, nparts;                                                                     \
+    const int ntasks = plan_segments(lens, starts, B, &tasks, &part0, &nparts);             \
+    if (ntasks < 0) return;                                                                 \
+    const size_t pstride = (size_t)Hq * DEXPR + 2 * (size_t)Hq;                             \
+    float* parts = nparts ? (float*)malloc(sizeof(float) * pstride * nparts) : NULL;        \
+    if (nparts && !parts) { free(tasks); free(part0); return; }                             \
     _Pragma("omp parallel")                                                                 \
     {                                                                                       \
     const int D = DEXPR, G = Hq / Hkv, row = Hkv * D;                                       \
@@ -515,10 +589,10 @@ static void NAME(const float* q, const T* kc, const T* vc, const float* ksc,    
     const char* pfk[CHUNK];                                                                 \
     const char* pfv[CHUNK];                                                                 \
     _Pragma("omp for schedule(dynamic, 1)")                                                 \
-    for (int b = 0; b < B; b++) {                                                           \
-        const int start = starts[b], n = lens[b] - start;                                   \
+    for (int task = 0; task < ntasks; task++) {                                             \
+        const int b = tasks[task].b, n = tasks[task].t1 - tasks[task].t0;                   \
         const float* qb = q + (int64_t)b * Hq * D;                                          \
-        const int64_t* sl = slots + (int64_t)b * L + start;                                 \
+        const int64_t* sl = slots + (int64_t)b * L + starts[b] + tasks[task].t0;            \
         for (int x = 0; x < Hq * D; x++) { qs[x] = qb[x] * scale; acc[x] = 0.f; }           \
         const int use_dp = dp_ok && q_as_bf16(qb, qh, Hq * D);                              \
         for (int i = 0; i < Hq; i++) { m[i] = -INFINITY; l[i] = 0.f; }                      \
@@ -592,10 +666,25 @@ static void NAME(const float* q, const T* kc, const T* vc, const float* ksc,    
             chunk_pv(vrow, s, alpha, acc, tn, Hkv, G, D, pfk, pfv,                          \
                      WIDEN ? 0 : (int)(D * sizeof(T)));                                     \
         }                                                                                   \
-        write_normalized(out + (int64_t)b * Hq * D, acc, l, Hq, D);                         \
+        if (tasks[task].part < 0) {                                                         \
+            write_normalized(out + (int64_t)b * Hq * D, acc, l, Hq, D);                     \
+        } else {                                                                            \
+            float* pp = parts + (size_t)tasks[task].part * pstride;                         \
+            memcpy(pp, acc, sizeof(float) * (size_t)Hq * D);                                \
+            memcpy(pp + (size_t)Hq * D, m, sizeof(float) * (size_t)Hq);                     \
+            memcpy(pp + (size_t)Hq * D + Hq, l, sizeof(float) * (size_t)Hq);                \
+        }                                                                                   \
+    }                                                                                       \
+    if (nparts) { /* (the loop above ends in a barrier: every partial is written) */        \
+        _Pragma("omp for schedule(dynamic, 1)")                                             \
+        for (int b = 0; b < B; b++)                                                         \
+            if (part0[b] >= 0)                                                              \
+                combine_segments(parts, part0[b], num_segs(lens[b] - starts[b]),            \
+                                 out + (int64_t)b * Hq * D, Hq, D);                         \
     }                                                                                       \
     free(acc); free(qs); free(s); free(m); free(wide); free(qh);                            \
     }                                                                                       \
+    free(tasks); free(part0); free(parts);                                                  \
 }
 
 DEFINE_VEC(vec_f32_d64, float, 0, 64)
