@@ -7,8 +7,9 @@ a tensor allocation; this pays for one. ``FusedDecode.build`` returns None (the 
 keeps the PyTorch path) unless every part of the model is one the C code computes as the
 modules do: a plain pre-norm Llama layer (QKV bias and Qwen3's per-head q/k norms
 allowed), native float32 / bf16-weight or int8 / int4 linears (quant_gemm.c's qgemm_f32,
-qgemm_a16 or qgemm_a16_i8; a linear split by row range, float or quantized, runs its
-few-rows backend, and the path then takes no more rows than that range), native
+qgemm_a16 or qgemm_a16_i8; a linear split by row range, float or quantized, runs the
+backend its range gives a step's rows: one table of linears per row count, the path
+capped below a row count whose backend it cannot call), native
 elementwise ops and decode attention over float32 caches, one window for every layer, no
 tensor parallelism, no adapters.
 ``CONVEYOR_FUSED_DECODE=0`` turns it off. A step runs here only while all its rows are
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 # per-call costs this saves (docs/results: measured side by side).
 MAX_ROWS = 8
 _KIND_F32, _KIND_W16, _KIND_Q, _KIND_A16 = 0, 1, 2, 3
+_LIN_N = 11  # entries of a linear's row (decode_forward.c's LIN_N)
 
 
 class Unsupported(ValueError):
@@ -75,7 +77,9 @@ def linear_row(mod) -> tuple[list[int], bool, object]:
 class FusedDecode:
     def __init__(self, lib, dims: np.ndarray, ptrs: np.ndarray, eps: float,
                  scale: float, hidden: int, keep: list, max_rows: int) -> None:
+        assert len(ptrs) == max_rows
         self._fn = lib.decode_forward_f32
+        # ptrs: one table per row count (rows r: ptrs[r - 1]; row-range linears differ)
         self.dims, self.ptrs = dims, ptrs
         self.eps, self.scale, self.hidden = eps, scale, hidden
         self._keep = keep  # every tensor a pointer of the tables points into
@@ -128,12 +132,16 @@ class FusedDecode:
             keep.append(t)
             return t.data_ptr()
 
-        rows_cap = [max_rows]
+        linears: list[tuple] = []  # (index in ptrs, module, n, k, what, gate_up)
 
-        def linear(mod, n: int, k: int, what: str, gate_up: bool = False) -> list[int]:
-            if type(mod) in (RowRangeLinear, RowSplitLinear):  # the fused rows are few:
-                rows_cap[0] = min(rows_cap[0], mod.max_rows)  # its few-rows backend's
-                mod = mod.few
+        def slot(mod, n: int, k: int, what: str, gate_up: bool = False) -> list[int]:
+            """A linear's place in the tables, filled per row count below."""
+            linears.append((len(ptrs), mod, n, k, what, gate_up))
+            return [0] * _LIN_N
+
+        def linear(mod, rows: int, n: int, k: int, what: str, gate_up: bool) -> list[int]:
+            while type(mod) in (RowRangeLinear, RowSplitLinear):  # the rows' backend
+                mod = mod.few if rows <= mod.max_rows else mod.many
             try:
                 row, fused, gemm = linear_row(mod)
             except Unsupported as e:
@@ -172,18 +180,28 @@ class FusedDecode:
                          tensor(at.k_norm.weight, (d,), f"layer {i}'s k norm")]
             else:
                 ptrs += [0, 0]
-            ptrs += linear(at.qkv_proj, (hq + 2 * hkv) * d, hidden, f"layer {i}'s QKV")
-            ptrs += linear(at.o_proj, hidden, hq * d, f"layer {i}'s O")
-            ptrs += linear(mlp.gate_up_proj, 2 * inter, hidden, f"layer {i}'s gate/up",
-                           gate_up=True)
-            ptrs += linear(mlp.down_proj, hidden, inter, f"layer {i}'s down")
+            ptrs += slot(at.qkv_proj, (hq + 2 * hkv) * d, hidden, f"layer {i}'s QKV")
+            ptrs += slot(at.o_proj, hidden, hq * d, f"layer {i}'s O")
+            ptrs += slot(mlp.gate_up_proj, 2 * inter, hidden, f"layer {i}'s gate/up",
+                         gate_up=True)
+            ptrs += slot(mlp.down_proj, hidden, inter, f"layer {i}'s down")
         if len(eps) != 1:
             raise Unsupported("the norms' epsilons differ")
+        tables: list[np.ndarray] = []
+        for rows in range(1, max_rows + 1):
+            table = list(ptrs)
+            try:
+                for at_, mod, n, k, what, gate_up in linears:
+                    table[at_:at_ + _LIN_N] = linear(mod, rows, n, k, what, gate_up)
+            except Unsupported:
+                if rows == 1:
+                    raise
+                break  # (a larger calls' backend it cannot call: the path stops below)
+            tables.append(np.array(table, dtype=np.int64))
         dims = np.array([hidden, len(layers), hq, hkv, d, inter], dtype=np.int64)
         # The scale the modules pass decode_attention (not recomputed in C: see
         # draft_forward.c on 1 / sqrt(D) under -ffast-math).
-        return cls(lib, dims, np.array(ptrs, dtype=np.int64),
-                   eps.pop(), float(a0.scale), hidden, keep, rows_cap[0])
+        return cls(lib, dims, tables, eps.pop(), float(a0.scale), hidden, keep, len(tables))
 
     def applies(self, meta: AttentionMetadata, rows: int) -> bool:
         """A step of decode rows only, no more than ``max_rows``."""
@@ -207,7 +225,7 @@ class FusedDecode:
             raise ValueError("fused decode forward: the step's tensors are not the "
                              "contiguous float32 / int64 / int32 rows it takes")
         out = torch.empty((r, self.hidden), dtype=torch.float32)
-        rc = self._fn(self.dims.ctypes.data, self.ptrs.ctypes.data, self.eps,
+        rc = self._fn(self.dims.ctypes.data, self.ptrs[r - 1].ctypes.data, self.eps,
                       self.scale, r, hidden.data_ptr(), positions.data_ptr(),
                       meta.slot_mapping.data_ptr(), slots.data_ptr(), lens.data_ptr(),
                       starts.data_ptr(), slots.shape[1], out.data_ptr())
