@@ -62,14 +62,19 @@ def stream_gaps(url: str, prompt: list[int], max_tokens: int,
             c.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices"):
-                times.append(time.perf_counter())
+            tokens = _take(line, times) or tokens
     return tokens, [b - a for a, b in itertools.pairwise(times)]
+
+
+def _take(line: str, times: list[float]) -> int | None:
+    """One line of a stream: its arrival time kept if it carries choices; the usage's
+    completion tokens if it has them."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    chunk = json.loads(line[6:])
+    if chunk.get("choices"):
+        times.append(time.perf_counter())
+    return chunk["usage"]["completion_tokens"] if chunk.get("usage") else None
 
 
 async def _astream_times(url: str, body: dict) -> tuple[int, list[float]]:
@@ -79,13 +84,7 @@ async def _astream_times(url: str, body: dict) -> tuple[int, list[float]]:
             client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices"):
-                times.append(time.perf_counter())
+            tokens = _take(line, times) or tokens
     return tokens, times
 
 
