@@ -115,31 +115,12 @@ def test_same_logits_and_kv_as_the_modules(kw: dict, arch: str, native_int) -> N
     _assert_same(got, want, got_kv, want_kv)
 
 
-def test_int4_a16_linears_same_logits_and_kv_as_the_modules(monkeypatch) -> None:
-    """qgemm_a16's int4 linears (x rounded to int16) run in the C forward as the modules
-    run them: a wrong kind, argument order or missing zero term shows bit for bit."""
-    from conveyor.kernels.cpu import quant
-
-    if not quant.simd():
-        pytest.skip("no AVX2 build of the quantized kernel")
-    from conveyor.model.quant import apply
-
-    # int4 projections on qgemm_a16, the int8 LM head on quant_gemm.c's qgemm_f32
-    monkeypatch.setattr(apply, "candidates", lambda scheme, *_: [
-        "native-int4-a16" if scheme.bits == 4 else "native-int"])
-    path = make_checkpoint("qwen3")
-    fast, got, got_kv = _logits_and_kv(path, True, quantization="int4")
-    _, want, want_kv = _logits_and_kv(path, False, quantization="int4")
-    from conveyor.model.quant.linear import NativeA16Linear
-    assert type(fast.engine.runner.model.layers[0].mlp.down_proj) is NativeA16Linear
-    assert _fused_steps(fast) >= 5
-    _assert_same(got, want, got_kv, want_kv)
-
-
-def test_int8_a16_linears_same_logits_and_kv_as_the_modules(monkeypatch) -> None:
-    """qgemm_a16_i8's int8 linears (x rounded to int16, int32 sums in 512-column blocks)
-    run in the C forward as the modules run them, bit for bit; with them the fused path
-    stays on (a wrong kernel, layout or argument shows in the logits)."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a16_linears_same_logits_and_kv_as_the_modules(bits: int, monkeypatch) -> None:
+    """qgemm_a16's int4 and qgemm_a16_i8's int8 linears (x rounded to int16; int8's int32
+    sums in 512-column blocks) run in the C forward as the modules run them, bit for bit,
+    every projection on them and the fused path on (a wrong kind, layout, argument order
+    or missing zero term shows in the logits). The int8 LM head is on qgemm_f32."""
     from conveyor.kernels.cpu import quant
 
     if not quant.simd():
@@ -147,15 +128,15 @@ def test_int8_a16_linears_same_logits_and_kv_as_the_modules(monkeypatch) -> None
     from conveyor.model.quant import apply
 
     monkeypatch.setattr(apply, "candidates", lambda scheme, *_: [
-        "native-int8-a16" if scheme.bits == 8 else "native-int"])
+        f"native-int{bits}-a16" if scheme.bits == bits else "native-int"])
     path = make_checkpoint("qwen3")
-    fast, got, got_kv = _logits_and_kv(path, True, quantization="int8")
-    _, want, want_kv = _logits_and_kv(path, False, quantization="int8")
+    fast, got, got_kv = _logits_and_kv(path, True, quantization=f"int{bits}")
+    _, want, want_kv = _logits_and_kv(path, False, quantization=f"int{bits}")
     from conveyor.model.quant.linear import NativeA16Linear
     for layer in fast.engine.runner.model.layers:
         for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                     layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert type(mod) is NativeA16Linear and mod.bits == 8
+            assert type(mod) is NativeA16Linear and mod.bits == bits
     assert _fused_steps(fast) >= 5
     _assert_same(got, want, got_kv, want_kv)
 

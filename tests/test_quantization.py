@@ -424,9 +424,11 @@ def test_a16_i8_refuses_what_it_cannot_take():
             is NativeA16Linear
 
 
-def test_a16_i8_greedy_matches_dequantised_reference(monkeypatch):
-    """Every int8 projection (the tied LM head too) on ``native-int8-a16``: greedy ids
-    equal the dequantised float32 model's, under batching and chunked prefill."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a16_greedy_matches_dequantised_reference(bits: int, monkeypatch):
+    """Every int4 / int8 projection on ``native-int4-a16`` / ``native-int8-a16`` (int8: the
+    tied LM head too): greedy ids equal the dequantised float32 model's, under batching
+    and chunked prefill."""
     from conveyor.kernels.cpu import quant
     from conveyor.model.quant import apply
     from conveyor.model.quant.linear import NativeA16Linear
@@ -435,31 +437,16 @@ def test_a16_i8_greedy_matches_dequantised_reference(monkeypatch):
         pytest.skip("no AVX2 build of the quantized kernel")
     real = apply.candidates
     monkeypatch.setattr(apply, "candidates", lambda scheme, device, dtype: (
-        ["native-int8-a16"] if scheme.bits == 8 else real(scheme, device, dtype)))
-    llm = LLM(make_checkpoint("qwen3"), dtype="float32", quantization="int8",
+        [f"native-int{bits}-a16"] if scheme.bits == bits else real(scheme, device, dtype)))
+    llm = LLM(make_checkpoint("qwen3"), dtype="float32", quantization=f"int{bits}",
               max_num_batched_tokens=13)
-    mods = [m for m in llm.engine.runner.model.modules() if isinstance(m, NativeA16Linear)]
-    assert len(mods) >= 4 * len(llm.engine.runner.model.layers)
-    assert all(m.bits == 8 for m in mods)
-    _check(llm, "qwen3", seed=5, method="int8")
-
-
-def test_a16_greedy_matches_dequantised_reference(monkeypatch):
-    """Every int4 projection on ``native-int4-a16``: greedy ids equal the dequantised
-    float32 model's, under batching and chunked prefill."""
-    from conveyor.kernels.cpu import quant
-    from conveyor.model.quant import apply
-    from conveyor.model.quant.linear import NativeA16Linear
-
-    if not quant.simd():
-        pytest.skip("no AVX2 build of the quantized kernel")
-    real = apply.candidates
-    monkeypatch.setattr(apply, "candidates", lambda scheme, device, dtype: (
-        ["native-int4-a16"] if scheme.bits == 4 else real(scheme, device, dtype)))
-    llm = LLM(make_checkpoint("qwen3"), dtype="float32", quantization="int4",
-              max_num_batched_tokens=13)
-    # (the int8 LM head may be an a16 module too: native-int8-a16 is a candidate for it)
     mods = [m for m in llm.engine.runner.model.modules()
-            if isinstance(m, NativeA16Linear) and m.bits == 4]
-    assert len(mods) == 4 * len(llm.engine.runner.model.layers)
-    _check(llm, "qwen3", seed=5, method="int4")
+            if isinstance(m, NativeA16Linear) and m.bits == bits]
+    layers = len(llm.engine.runner.model.layers)
+    if bits == 8:  # the projections and the head
+        assert len(mods) >= 4 * layers
+        assert all(m.bits == 8 for m in llm.engine.runner.model.modules()
+                   if isinstance(m, NativeA16Linear))
+    else:  # (the int8 LM head may be an a16 module too: native-int8-a16 is a candidate)
+        assert len(mods) == 4 * layers
+    _check(llm, "qwen3", seed=5, method=f"int{bits}")
