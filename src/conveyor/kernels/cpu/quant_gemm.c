@@ -631,6 +631,31 @@ static void a16_row(const float* x, int K, int group, int16_t* xi, float* sx,
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* One column pair into R rows' int32 sums (a[r][0]: outputs 0-7, a[r][1]: 8-15): w0, w1
+ * the pair's weights as int16 (lane i: output i's two columns), multiplied-added with
+ * each row's two int16 x values at column k (the rows K apart from xg). */
+static inline __attribute__((always_inline)) void
+madd_pair_rows(__m256i a[][2], __m256i w0, __m256i w1, const int16_t* xg, int K, int k,
+               const int R) {
+    for (int r = 0; r < R; r++) {
+        int32_t pair;
+        memcpy(&pair, xg + (size_t)r * K + k, sizeof(pair));
+        const __m256i xv = _mm256_set1_epi32(pair);
+        a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(w0, xv));
+        a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(w1, xv));
+    }
+}
+
+static inline __attribute__((always_inline)) void
+store_pair_sums(int32_t d[][16], const __m256i a[][2], const int R) {
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_si256((__m256i*)d[r], a[r][0]);
+        _mm256_storeu_si256((__m256i*)(d[r] + 8), a[r][1]);
+    }
+}
+#endif
+
 /* Panel p against R rows of xi (from row m0): each group's int32 sums, then the fold. */
 static inline __attribute__((always_inline)) void
 a16_panel(const uint8_t* w, int K, int N, int p, const int16_t* xi, const float* sx,
@@ -651,19 +676,9 @@ a16_panel(const uint8_t* w, int K, int N, int p, const int16_t* xi, const float*
                 _mm_prefetch((const char*)wp + (size_t)k * 8 + PF_DIST, _MM_HINT_T0);
             const __m256i b = _mm256_cvtepu8_epi16(
                 _mm_loadu_si128((const __m128i*)(wp + (size_t)k * 8)));
-            const __m256i lo = _mm256_and_si256(b, m15), hi = _mm256_srli_epi16(b, 4);
-            for (int r = 0; r < R; r++) {
-                int32_t pair;
-                memcpy(&pair, xg + (size_t)r * K + k, sizeof(pair));
-                const __m256i xv = _mm256_set1_epi32(pair);
-                a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(lo, xv));
-                a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(hi, xv));
-            }
+            madd_pair_rows(a, _mm256_and_si256(b, m15), _mm256_srli_epi16(b, 4), xg, K, k, R);
         }
-        for (int r = 0; r < R; r++) {
-            _mm256_storeu_si256((__m256i*)d[r], a[r][0]);
-            _mm256_storeu_si256((__m256i*)(d[r] + 8), a[r][1]);
-        }
+        store_pair_sums(d, a, R);
 #else
         for (int r = 0; r < R; r++)
             for (int j = 0; j < 16; j++) d[r][j] = 0;
@@ -740,18 +755,9 @@ a16_i8_panel(const int8_t* w, int K, int N, int p, const int16_t* xi, const floa
                     _mm_loadu_si128((const __m128i*)(wp + (size_t)k * 16)));
                 const __m256i b1 = _mm256_cvtepi8_epi16(
                     _mm_loadu_si128((const __m128i*)(wp + (size_t)k * 16 + 16)));
-                for (int r = 0; r < R; r++) {
-                    int32_t pair;
-                    memcpy(&pair, xg + (size_t)r * K + k, sizeof(pair));
-                    const __m256i xv = _mm256_set1_epi32(pair);
-                    a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(b0, xv));
-                    a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(b1, xv));
-                }
+                madd_pair_rows(a, b0, b1, xg, K, k, R);
             }
-            for (int r = 0; r < R; r++) {
-                _mm256_storeu_si256((__m256i*)d[r], a[r][0]);
-                _mm256_storeu_si256((__m256i*)(d[r] + 8), a[r][1]);
-            }
+            store_pair_sums(d, a, R);
 #else
             for (int r = 0; r < R; r++)
                 for (int j = 0; j < 16; j++) d[r][j] = 0;
